@@ -1,0 +1,5 @@
+import sys
+
+from raytuner.cli import main
+
+sys.exit(main())

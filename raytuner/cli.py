@@ -1,0 +1,121 @@
+"""The `raytuner` command. Exit codes: 0 ok, 2 bad config or usage, 1 runtime failure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from raytuner.config import ConfigError, JobConfig, load_job
+
+log = logging.getLogger("raytuner")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="raytuner", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="make a small image set, preprocess and train on it")
+    demo.add_argument("--workdir", default="raytuner-demo", help="where the demo writes")
+    for name, text in [
+        ("check", "validate a job file and print the resolved config"),
+        ("preprocess", "encode the images into the cache"),
+        ("train", "train on the committed cache"),
+        ("run", "preprocess, then train"),
+    ]:
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("job", help="job TOML file")
+        cmd.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="override a key; the value is read as TOML (bare words are strings)",
+        )
+        if name in ("preprocess", "run"):
+            cmd.add_argument("--report", help="also write the preprocess report (JSON) here")
+    return p
+
+
+def print_report(report: dict) -> None:
+    skipped = report["skipped"]
+    print(
+        f"images: {report['total']} found, {report['encoded']} encoded, {len(skipped)} skipped"
+        f" ({report['seconds']:.1f} s, {report['images_per_s']:.1f} images/s)"
+    )
+    print("buckets: " + ", ".join(f"{b}: {n}" for b, n in report["buckets"].items()))
+    for s in skipped[:20]:
+        print(f"  skipped {s['path']}: {s['reason']}")
+    if len(skipped) > 20:
+        print(f"  ... and {len(skipped) - 20} more (see the report)")
+
+
+def do_preprocess(job: JobConfig, report_path: str | None) -> dict:
+    from raytuner import runtime
+    from raytuner.data.preprocess import preprocess
+
+    runtime.connect()
+    report = preprocess(job.model, job.data, job.preprocess)
+    print_report(report)
+    if report_path:
+        Path(report_path).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def do_train(job: JobConfig) -> dict:
+    from raytuner import runtime
+    from raytuner.train.trainer import train
+
+    runtime.connect()
+    summary = train(job)
+    print(
+        f"trained {summary['step']} steps, loss {summary['first_loss']:.4f} -> "
+        f"{summary['loss']:.4f}; LoRA: {summary['lora']}"
+    )
+    return summary
+
+
+def _dispatch(args: argparse.Namespace) -> None:
+    if args.command == "demo":
+        from raytuner.demo import run_demo
+
+        run_demo(args.workdir)
+        return
+    from raytuner.families import get_family
+
+    job = load_job(args.job, args.overrides)
+    try:
+        get_family(job.model.family)
+    except ValueError as e:
+        raise ConfigError(f"{args.job}: {e}") from None
+    if args.command == "check":
+        print(json.dumps(job.to_dict(), indent=2))
+    if args.command in ("preprocess", "run"):
+        do_preprocess(job, args.report)
+    if args.command in ("train", "run"):
+        do_train(job)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse: usage errors exit 2, --help exits 0
+        return int(e.code or 0)
+    try:
+        _dispatch(args)
+    except ConfigError as e:
+        print(f"raytuner: config error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the one place that turns any failure into exit 1 + a reason
+        log.debug("failure", exc_info=True)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"raytuner: {args.command} failed: {type(e).__name__}: {reason}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

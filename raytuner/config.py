@@ -1,0 +1,304 @@
+"""Job configuration: one frozen dataclass per component, loaded from a job TOML.
+
+Every component receives only its own section. Unknown keys and wrong types are rejected
+with the file, the dotted key and what is allowed. ``--set section.key=value`` overrides are
+parsed as TOML values, so they are typed exactly like the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KNOWN_FAMILIES = ("sd15", "sdxl", "flux", "sana")
+
+
+class ConfigError(ValueError):
+    """A job file or override the user must change (CLI exit code 2)."""
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{key} = {value}: must be {'>= 0' if zero_ok else '> 0'}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to fine-tune."""
+
+    family: str
+    pretrained: str = "tiny"
+    revision: str = ""
+
+    def __post_init__(self) -> None:
+        _one_of("model.family", self.family, KNOWN_FAMILIES)
+        if not self.pretrained:
+            raise ConfigError('model.pretrained is empty: use "tiny", a local folder or a hub id')
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the images are and where their encoded cache lives."""
+
+    images: str
+    cache: str
+    caption_extension: str = ".txt"
+    caption_fallback: str = "stem"
+
+    def __post_init__(self) -> None:
+        _one_of("data.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
+        if not self.caption_extension.startswith("."):
+            raise ConfigError(
+                f"data.caption_extension = {self.caption_extension!r}: must start with '.'"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreprocessConfig:
+    """The Ray Data encode job: bucketing, cropping and the encoder actor pools."""
+
+    resolution: int = 0  # 0: the family's default
+    bucket_step: int = 0  # 0: the family's pixel multiple
+    min_aspect: float = 0.5
+    max_aspect: float = 2.0
+    crop: str = "center"
+    dtype: str = "bfloat16"
+    batch_size: int = 8
+    min_actors: int = 1
+    max_actors: int = 1
+    gpus_per_actor: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of("preprocess.crop", self.crop, ("center", "random", "none"))
+        _one_of("preprocess.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        _positive("preprocess.resolution", self.resolution, zero_ok=True)
+        _positive("preprocess.bucket_step", self.bucket_step, zero_ok=True)
+        _positive("preprocess.batch_size", self.batch_size)
+        _positive("preprocess.min_actors", self.min_actors)
+        _positive("preprocess.gpus_per_actor", self.gpus_per_actor, zero_ok=True)
+        if self.max_actors < self.min_actors:
+            raise ConfigError("preprocess.max_actors must be >= preprocess.min_actors")
+        if not 0 < self.min_aspect <= 1 <= self.max_aspect:
+            raise ConfigError("preprocess.min_aspect must be in (0, 1] and max_aspect >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The optimisation run."""
+
+    output: str
+    name: str = ""  # run name; "" means the job file's stem
+    max_steps: int = 100
+    global_batch_size: int = 4
+    learning_rate: float = 1e-4
+    weight_decay: float = 1e-2
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    remainder: str = "drop"
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        _positive("train.max_steps", self.max_steps)
+        _positive("train.global_batch_size", self.global_batch_size)
+        _positive("train.learning_rate", self.learning_rate)
+        _positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
+        _positive("train.log_every", self.log_every)
+        _one_of("train.remainder", self.remainder, ("drop", "pad"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA adapter on the denoiser."""
+
+    rank: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=list)  # empty: the family's default
+
+    def __post_init__(self) -> None:
+        _positive("lora.rank", self.rank)
+        _positive("lora.alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout = {self.dropout}: must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingConfig:
+    """Training world: an int, or [min, max] for elastic training."""
+
+    workers: int | list[int] = 1
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+
+    def __post_init__(self) -> None:
+        bounds = self.workers if isinstance(self.workers, list) else [self.workers]
+        if len(bounds) not in (1, 2) or min(bounds) < 1 or bounds != sorted(bounds):
+            raise ConfigError(
+                f"scaling.workers = {self.workers}: use an int >= 1 or [min, max] with min <= max"
+            )
+
+    @property
+    def max_workers(self) -> int:
+        return self.workers[-1] if isinstance(self.workers, list) else self.workers
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Checkpoints through ray.train.report."""
+
+    every_steps: int = 50
+    keep: int = 2
+    max_failures: int = 0
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.every_steps", self.every_steps)
+        _positive("checkpoint.keep", self.keep)
+        _positive("checkpoint.max_failures", self.max_failures, zero_ok=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """A whole job: one section per component."""
+
+    model: ModelConfig
+    data: DataConfig
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    train: TrainConfig
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.global_batch_size < self.scaling.max_workers:
+            raise ConfigError(
+                f"train.global_batch_size = {self.train.global_batch_size} is smaller than "
+                f"the {self.scaling.max_workers} workers: every worker needs a sample per step"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)  # section name -> its dataclass
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return {"str": "string", "int": "integer", "float": "float", "bool": "boolean"}.get(
+            tp.__name__, tp.__name__
+        )
+    if typing.get_origin(tp) is list:
+        return f"array of {_type_name(typing.get_args(tp)[0])}"
+    return " or ".join(_type_name(a) for a in typing.get_args(tp))
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, typing.get_args(tp)[0]) for v in value)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _build_section(cls: type, values: Any, where: str, section: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: [{section}] must be a table, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(
+                f"{where}: unknown key {section}.{key}; allowed keys in [{section}]: "
+                + ", ".join(allowed)
+            )
+        if not _matches(value, hints[key]):
+            raise ConfigError(
+                f"{where}: {section}.{key} = {value!r} has type {type(value).__name__}; "
+                f"expected {_type_name(hints[key])}"
+            )
+        kwargs[key] = float(value) if hints[key] is float else value
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in kwargs
+    ]
+    if missing:
+        raise ConfigError(f"{where}: missing required key(s) {section}.{', '.join(missing)}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, typed value). Bare words become strings."""
+    dotted, sep, raw = text.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not sep or not dot or not key:
+        raise ConfigError(f"--set {text!r}: use --set section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # an unquoted string such as a path
+    return section, key, value
+
+
+def build_job(raw: dict[str, Any], where: str) -> JobConfig:
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown section [{unknown[0]}]; allowed sections: " + ", ".join(SECTIONS)
+        )
+    for required in ("model", "data", "train"):
+        if required not in raw:
+            raise ConfigError(f"{where}: missing section [{required}]")
+    sections = {name: _build_section(SECTIONS[name], raw[name], where, name) for name in raw}
+    try:
+        return JobConfig(**sections)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
+    """Read a job TOML, apply ``section.key=value`` overrides, validate."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such job file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    raw.setdefault("train", {})
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"--set {text}: unknown section [{section}]; allowed sections: "
+                + ", ".join(SECTIONS)
+            )
+        raw.setdefault(section, {})[key] = value
+    if isinstance(raw["train"], dict) and not raw["train"].get("name"):
+        raw["train"]["name"] = path.stem
+    return build_job(raw, str(path))

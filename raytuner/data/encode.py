@@ -1,0 +1,85 @@
+"""Encoder actors for Ray Data ``map_batches``: the VAE over bucketed pixels, the text encoders
+over distinct captions. Each actor loads its model once and keeps it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from raytuner.data.tensors import to_cells
+from raytuner.families import get_family
+
+SHAPE = pa.list_(pa.int32())
+# Latent rows as written to Parquet: plain Arrow types, readable without Ray.
+LATENT_SCHEMA = {
+    "key": pa.string(),
+    "path": pa.string(),
+    "caption": pa.string(),
+    "caption_key": pa.string(),
+    "status": pa.string(),
+    "reason": pa.string(),
+    "width": pa.int32(),
+    "height": pa.int32(),
+    "original_size": SHAPE,
+    "crop_top_left": SHAPE,
+    "latent": pa.binary(),
+    "latent_shape": SHAPE,
+}
+
+
+def _column(values, kind: pa.DataType) -> pa.Array:
+    if pa.types.is_list(kind):
+        return pa.array([[int(x) for x in v] for v in values], kind)
+    if pa.types.is_binary(kind):
+        return pa.array([bytes(v) for v in values], kind)
+    return pa.array(np.asarray(values).tolist(), kind)
+
+
+def to_table(columns: dict, schema: dict[str, pa.DataType]) -> pa.Table:
+    return pa.table({name: _column(columns[name], kind) for name, kind in schema.items()})
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LatentEncoder:
+    """Adds ``latent`` / ``latent_shape`` to every ok row and drops the pixels."""
+
+    def __init__(self, family: str, pretrained: str, revision: str, dtype: str):
+        self.encode = get_family(family).image_encoder(pretrained, revision, _device())
+        self.dtype = dtype
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+        n = len(batch["path"])
+        latents: list[bytes] = [b""] * n
+        shapes = np.zeros((n, 3), np.int32)
+        ok = [i for i in range(n) if batch["status"][i] == "ok"]
+        sizes = {(int(batch["height"][i]), int(batch["width"][i])) for i in ok}
+        for h, w in sorted(sizes):  # one forward per bucket: a batch may mix buckets
+            rows = [i for i in ok if (batch["height"][i], batch["width"][i]) == (h, w)]
+            pixels = np.stack(
+                [np.frombuffer(batch["pixels"][i], np.uint8).reshape(h, w, 3) for i in rows]
+            )
+            x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+            cells, cell_shapes = to_cells(self.encode(x), self.dtype)
+            for j, i in enumerate(rows):
+                latents[i], shapes[i] = cells[j], cell_shapes[j]
+        return to_table({**batch, "latent": latents, "latent_shape": shapes}, LATENT_SCHEMA)
+
+
+class CaptionEncoder:
+    """Adds one cell + shape column per text tensor the family produces (e.g. prompt_embeds)."""
+
+    def __init__(self, family: str, pretrained: str, revision: str, dtype: str):
+        self.encode = get_family(family).text_encoder(pretrained, revision, _device())
+        self.dtype = dtype
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+        columns: dict = dict(batch)
+        schema = {"caption_key": pa.string(), "caption": pa.string()}
+        for name, tensor in self.encode([str(c) for c in batch["caption"]]).items():
+            columns[name], columns[f"{name}_shape"] = to_cells(tensor, self.dtype)
+            schema |= {name: pa.binary(), f"{name}_shape": SHAPE}
+        return to_table(columns, schema)

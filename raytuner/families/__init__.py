@@ -1,0 +1,17 @@
+"""The model families raytuner can fine-tune. Adding one: its file, its job TOML, one entry here."""
+
+from raytuner.families.base import Family
+from raytuner.families.sdxl import SDXL
+
+FAMILIES: dict[str, Family] = {
+    "sdxl": SDXL(),
+}
+
+
+def get_family(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(
+            f"model.family = {name!r} is not available yet; available: {', '.join(FAMILIES)}"
+        ) from None

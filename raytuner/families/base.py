@@ -1,0 +1,124 @@
+"""The family Protocol and the helpers families share.
+
+A family knows how to load its parts (VAE, text encoders, denoiser, pipeline), how to encode
+images and captions for the cache, and its training objective. Generic code calls these members
+and never asks which family it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+# A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
+# per-image conditioning "original_size", "crop_top_left", "target_size" ([B,2], (h, w) order).
+Batch = dict[str, torch.Tensor]
+ImageEncoder = Callable[[torch.Tensor], torch.Tensor]  # pixels [B,3,H,W] in [-1,1] -> latents
+TextEncoder = Callable[[list[str]], dict[str, torch.Tensor]]  # captions -> named tensors [B,...]
+# (denoiser, batch, one generator per sample) -> per-sample loss [B]
+Loss = Callable[[nn.Module, Batch, Sequence[torch.Generator]], torch.Tensor]
+
+
+class Family(Protocol):
+    name: str
+    default_resolution: int  # side of the square bucket, in pixels
+    pixel_multiple: int  # bucket sides are multiples of this (VAE factor x denoiser factor)
+    lora_targets: tuple[str, ...]  # default peft target_modules on the denoiser
+
+    def image_encoder(self, pretrained: str, revision: str, device: str) -> ImageEncoder: ...
+    def text_encoder(self, pretrained: str, revision: str, device: str) -> TextEncoder: ...
+    def denoiser(self, pretrained: str, revision: str) -> nn.Module: ...
+    def loss(self, pretrained: str, revision: str) -> Loss: ...
+    def save_lora(self, directory: str, lora_state: dict[str, torch.Tensor]) -> None: ...
+    def pipeline(self, pretrained: str, revision: str): ...  # a diffusers DiffusionPipeline
+
+
+def hub_kwargs(revision: str, subfolder: str | None = None) -> dict:
+    """``from_pretrained`` keyword arguments for a part of a diffusers folder or hub repo."""
+    kwargs = {"revision": revision} if revision else {}
+    if subfolder:
+        kwargs["subfolder"] = subfolder
+    return kwargs
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Build tiny random-weight parts identically in every process, leaving global RNG alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def tiny_clip_tokenizer(max_length: int = 32):
+    """A byte-level CLIP tokenizer built in code: one token per byte, no merges, no download."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTokenizer
+
+    chars = sorted(ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+
+
+def tiny_clip_config(tokenizer, *, hidden: int = 32, projection: int = 32):
+    from transformers import CLIPTextConfig
+
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    return CLIPTextConfig(
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|startoftext|>"),
+        eos_token_id=end,
+        pad_token_id=end,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=tokenizer.model_max_length,
+        projection_dim=projection,
+        hidden_act="gelu",
+    )
+
+
+def tokenize(tokenizer, captions: list[str], device: str) -> torch.Tensor:
+    return tokenizer(
+        captions,
+        padding="max_length",
+        max_length=tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids.to(device)
+
+
+def per_sample_noise(like: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Noise drawn per sample from its own generator: independent of how the batch is split."""
+    shape = like.shape[1:]
+    noise = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
+    return torch.stack(noise).to(like.device, like.dtype)
+
+
+def per_sample_timesteps(
+    num_train_timesteps: int, generators: Sequence[torch.Generator], device
+) -> torch.Tensor:
+    steps = [torch.randint(0, num_train_timesteps, (1,), generator=g) for g in generators]
+    return torch.cat(steps).to(device)
+
+
+def ddpm_target(scheduler, latents, noise, timesteps) -> torch.Tensor:
+    """What a DDPM-family denoiser is trained to predict, from the scheduler's config."""
+    kind = scheduler.config.prediction_type
+    if kind == "epsilon":
+        return noise
+    if kind == "v_prediction":
+        return scheduler.get_velocity(latents, noise, timesteps)
+    raise ValueError(f"prediction_type {kind!r} in the scheduler config is not supported")
+
+
+def mse_per_sample(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    err = (prediction.float() - target.float()) ** 2
+    return err.reshape(err.shape[0], -1).mean(dim=1)

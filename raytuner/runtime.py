@@ -1,0 +1,22 @@
+"""Connecting to Ray: the cluster in RAY_ADDRESS (as inside `ray job submit`), else a local one."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+
+def connect(num_cpus: int | None = None) -> None:
+    """Join the cluster in RAY_ADDRESS, else start a local Ray (``num_cpus`` for tests)."""
+    if ray.is_initialized():
+        return
+    from ray.data import DataContext
+
+    env = {"env_vars": {"PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning"}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus, runtime_env=env, logging_level=logging.WARNING)
+    DataContext.get_current().enable_progress_bars = False

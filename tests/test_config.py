@@ -1,0 +1,148 @@
+"""Job config: strict TOML loading, typed overrides, and `raytuner check` exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytuner.config import ConfigError, load_job, parse_override
+
+REPO = Path(__file__).resolve().parents[1]
+
+MINIMAL = """
+[model]
+family = "sdxl"
+[data]
+images = "imgs"
+cache = "cache"
+[train]
+output = "runs"
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "raytuner", *args], capture_output=True, text=True, cwd=REPO
+    )
+
+
+def test_minimal_job_gets_defaults_and_run_name_from_file(tmp_path):
+    job = load_job(write(tmp_path, MINIMAL, "my_lora.toml"))
+    assert job.model.pretrained == "tiny"
+    assert job.train.name == "my_lora"
+    assert job.scaling.workers == 1
+    assert job.checkpoint.keep == 2
+
+
+def test_unknown_key_names_file_key_and_allowed_keys(tmp_path):
+    path = write(tmp_path, MINIMAL + "learning_rat = 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_job(path)
+    message = str(err.value)
+    assert str(path) in message
+    assert "train.learning_rat" in message
+    assert "learning_rate" in message and "max_steps" in message
+
+
+def test_unknown_section_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown section \[optimiser\].*allowed sections"):
+        load_job(write(tmp_path, MINIMAL + "[optimiser]\nlr = 1\n"))
+
+
+def test_wrong_type_names_key_and_expected_type(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.max_steps = '10'.*expected integer"):
+        load_job(write(tmp_path, MINIMAL + 'max_steps = "10"\n'))
+    with pytest.raises(
+        ConfigError, match=r"scaling\.workers.*expected integer or array of integer"
+    ):
+        load_job(write(tmp_path, MINIMAL + '[scaling]\nworkers = "two"\n'))
+
+
+def test_bool_is_not_an_int_and_int_is_a_float(tmp_path):
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        load_job(write(tmp_path, MINIMAL + "max_steps = true\n"))
+    job = load_job(write(tmp_path, MINIMAL + "learning_rate = 1\n"))
+    assert job.train.learning_rate == 1.0 and isinstance(job.train.learning_rate, float)
+
+
+def test_missing_required_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing required key\(s\) data.cache"):
+        load_job(write(tmp_path, MINIMAL.replace('cache = "cache"', "")))
+
+
+def test_values_are_validated(tmp_path):
+    with pytest.raises(ConfigError, match="model.family = 'sd3'.*sd15, sdxl, flux, sana"):
+        load_job(write(tmp_path, MINIMAL.replace('"sdxl"', '"sd3"')))
+    with pytest.raises(ConfigError, match=r"scaling.workers = \[4, 2\]"):
+        load_job(write(tmp_path, MINIMAL + "[scaling]\nworkers = [4, 2]\n"))
+    with pytest.raises(ConfigError, match="global_batch_size = 2 is smaller than the 4 workers"):
+        load_job(write(tmp_path, MINIMAL + "global_batch_size = 2\n[scaling]\nworkers = 4\n"))
+
+
+def test_overrides_are_typed_like_toml(tmp_path):
+    job = load_job(
+        write(tmp_path, MINIMAL),
+        [
+            "train.max_steps=7",
+            "train.learning_rate=3e-4",
+            "scaling.workers=[1, 3]",
+            "data.images=/abs/path with spaces",
+            'model.pretrained="a/b"',
+            "checkpoint.resume=false",
+        ],
+    )
+    assert job.train.max_steps == 7
+    assert job.train.learning_rate == 3e-4
+    assert job.scaling.workers == [1, 3]
+    assert job.data.images == "/abs/path with spaces"
+    assert job.model.pretrained == "a/b"
+    assert job.checkpoint.resume is False
+
+
+def test_override_errors_are_config_errors(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match="train.max_steps = 'many'"):
+        load_job(path, ["train.max_steps=many"])
+    with pytest.raises(ConfigError, match="unknown key train.steps"):
+        load_job(path, ["train.steps=3"])
+    with pytest.raises(ConfigError, match="use --set section.key=value"):
+        parse_override("max_steps=3")
+
+
+@pytest.mark.parametrize("job", sorted(p.name for p in (REPO / "jobs").glob("*.toml")))
+def test_every_shipped_job_passes_check(job):
+    result = cli("check", f"jobs/{job}")
+    assert result.returncode == 0, result.stderr
+    assert '"family"' in result.stdout
+
+
+def test_check_misspelt_key_exits_2_with_the_key_and_allowed_keys(tmp_path):
+    path = write(tmp_path, MINIMAL + "max_stepz = 3\n")
+    result = cli("check", str(path))
+    assert result.returncode == 2
+    assert "train.max_stepz" in result.stderr and "max_steps" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_usage_errors_exit_2():
+    assert cli().returncode == 2
+    assert cli("check").returncode == 2
+    assert cli("check", "no/such/job.toml").returncode == 2
+
+
+def test_runtime_failure_exits_1_with_one_line(tmp_path):
+    # a valid job whose cache was never built: training must refuse with a reason
+    path = write(tmp_path, MINIMAL.replace('"cache"', f'"{tmp_path / "cache"}"'))
+    result = cli("train", str(path))
+    assert result.returncode == 1
+    assert "no committed cache" in result.stderr
+    assert "raytuner preprocess" in result.stderr
