@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raytuner: config error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # the one place that turns any failure into exit 1 + a reason
-        log.debug("failure", exc_info=True)
+        if os.environ.get("RAYTUNER_DEBUG"):
+            raise
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"raytuner: {args.command} failed: {type(e).__name__}: {reason}", file=sys.stderr)
         return 1

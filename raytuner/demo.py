@@ -26,7 +26,7 @@ bucket_step = 16
 output = "{workdir}/runs"
 max_steps = 30
 global_batch_size = 4
-learning_rate = 1e-3
+learning_rate = 1e-2
 log_every = 10
 
 [scaling]

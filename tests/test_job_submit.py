@@ -2,9 +2,8 @@
 
 The test starts its own head with `ray start --head --block` on free ports and a private
 temp dir, submits the tiny job with the repository as the working dir, waits for SUCCEEDED
-and checks the LoRA it wrote. The cluster is torn down by killing only its own processes:
-other Ray clusters on the machine (other tests, other people) are left alone, so there is no
-`ray stop` here.
+and checks the LoRA it wrote. Teardown kills only this cluster's processes: other Ray
+clusters on the machine (other tests, other people) are left alone, so no `ray stop` here.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,21 +34,15 @@ RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, whatever is on
 
 START_TIMEOUT_S = 120
 JOB_TIMEOUT_S = 360
-TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
 def _free_ports(n: int) -> list[int]:
     """n distinct ports that are free on 127.0.0.1 (all held open at once, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
         for s in socks:
-            s.close()
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _terminate_with_parent() -> None:
@@ -61,37 +54,37 @@ def _terminate_with_parent() -> None:
 
 @dataclass
 class Cluster:
-    url: str  # the dashboard / job-submission address
+    url: str  # the dashboard = job-submission address
     token: str
     env: dict[str, str]  # environment for `ray` CLI clients of this cluster
     temp_dir: str
     log: Path  # output of `ray start`
 
     def ray(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        cmd = [RAY, *args]
         return subprocess.run(
-            [RAY, *args],
-            cwd=REPO,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+            cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout
         )
 
-    def get(self, path: str, timeout: float = 10) -> dict:
+    def get(self, path: str) -> dict:
         """GET a dashboard REST endpoint, authenticated with the cluster's token."""
-        req = urllib.request.Request(
-            self.url + path, headers={"Authorization": f"Bearer {self.token}"}
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        req = urllib.request.Request(self.url + path, headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
+
+    def job_status(self, job_id: str) -> str:
+        try:
+            return self.get(f"/api/jobs/{job_id}")["status"]
+        except (OSError, ValueError) as e:  # a busy dashboard may time out: ask again
+            return f"UNKNOWN ({e!r})"
 
     def job_logs(self, job_id: str) -> str:
         out = self.ray("job", "logs", "--address", self.url, job_id)
         return out.stdout + out.stderr
 
-
-def _head_log_tail(cluster_log: Path, n: int = 40) -> str:
-    return "\n".join(cluster_log.read_text(errors="replace").splitlines()[-n:])
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
 def _wait_until_ready(cluster: Cluster, head: subprocess.Popen) -> None:
@@ -100,45 +93,41 @@ def _wait_until_ready(cluster: Cluster, head: subprocess.Popen) -> None:
     last: Exception | None = None
     while time.monotonic() < deadline:
         if head.poll() is not None:
-            pytest.fail(
-                f"`ray start` exited with {head.returncode}:\n{_head_log_tail(cluster.log)}"
-            )
+            pytest.fail(f"`ray start` exited with {head.returncode}:\n{cluster.log_tail()}")
         try:
             cluster.get("/api/version")
             cluster.get("/api/jobs/")
             return
-        except (OSError, urllib.error.URLError, ValueError) as e:
+        except (OSError, ValueError) as e:
             last = e
             time.sleep(1)
-    pytest.fail(
-        f"Ray head not ready after {START_TIMEOUT_S}s ({last!r}):\n{_head_log_tail(cluster.log)}"
-    )
+    pytest.fail(f"Ray head not ready after {START_TIMEOUT_S}s ({last!r}):\n{cluster.log_tail()}")
 
 
 def _own_processes(leader: int, temp_dir: str, known: list[psutil.Process]) -> list[psutil.Process]:
-    """Live processes of this cluster: `known` (a snapshot of the leader's process tree), those
-    still in the leader's session, and any whose command line names the private temp dir."""
+    """Live processes of this cluster: those of `known` (a snapshot of the leader's process
+    tree), those in the leader's session, and those whose command line names the temp dir."""
+    names_temp_dir = re.compile(re.escape(temp_dir) + r"(/|\s|$)")
     found = {p.pid: p for p in known if p.is_running()}
     for p in psutil.process_iter(["cmdline"]):
-        try:
-            if os.getsid(p.pid) == leader or temp_dir in " ".join(p.info["cmdline"] or ()):
+        cmdline = " ".join(p.info["cmdline"] or ())
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == leader or names_temp_dir.search(cmdline):
                 found.setdefault(p.pid, p)
-        except (psutil.Error, ProcessLookupError, PermissionError):
-            continue
     found.pop(os.getpid(), None)
     return list(found.values())
 
 
 def _stop_cluster(head: subprocess.Popen, temp_dir: str) -> list[str]:
-    """Stop the cluster started as `head`; returns descriptions of processes that survived.
+    """Stop the cluster started as `head`; returns the processes that survived (none, normally).
 
-    `ray start --block` shuts its node down on SIGTERM (raylet, GCS, dashboard, agents,
-    workers). It runs as the leader of its own session (start_new_session=True), so its
-    process group holds the system processes; but Ray workers get a process group of
-    their own, and a job's driver and its watchdog run in new sessions, so a killpg alone
-    would miss them. So: snapshot the whole process tree first, SIGTERM the leader, then
-    SIGTERM/SIGKILL whatever of the snapshot (or of the leader's session, or naming the
-    private temp dir) is still alive. Nothing outside this cluster is touched.
+    `ray start --block` shuts its whole node down on SIGTERM (GCS, raylet, dashboard, agents,
+    workers, in ~3 s). It is the leader of its own session (start_new_session=True), but only
+    Ray's system processes stay in its process group: every worker gets a process group of
+    its own, and a job's driver and its watchdog run in sessions of their own, so a killpg
+    would miss them. Hence: snapshot the process tree, SIGTERM the leader, then SIGTERM and
+    SIGKILL whatever is left of the snapshot, of the leader's session, or names the private
+    temp dir. Nothing outside this cluster is touched.
     """
     try:
         leader = psutil.Process(head.pid)
@@ -161,60 +150,48 @@ def _stop_cluster(head: subprocess.Popen, temp_dir: str) -> list[str]:
     left = []
     for p in _own_processes(head.pid, temp_dir, tree):
         with contextlib.suppress(psutil.Error):
-            left.append(f"{p.pid} {' '.join(p.cmdline())[:200]}")
+            if p.status() != psutil.STATUS_ZOMBIE:  # dead, only not yet reaped by its parent
+                left.append(f"{p.pid} {' '.join(p.cmdline())[:200]}")
     return left
 
 
 @pytest.fixture
 def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
-    # Ray's unix sockets live under <temp dir>/session_<timestamp>_<pid>/sockets/ and a
-    # socket path may not exceed ~107 bytes, too short for pytest's tmp_path: use /tmp/rt*.
+    # Ray's unix sockets live in <temp dir>/session_<timestamp>_<pid>/sockets/ and a socket
+    # path may not exceed ~107 bytes, too short for pytest's tmp_path: use /tmp/rtXXXXXXXX.
     temp_dir = tempfile.mkdtemp(prefix="rt")
-    # Token auth: `ray start --head` turns it on by itself whenever a token is found (e.g.
-    # ~/.ray/auth_token, which any local `ray.init()` creates), and every client then needs
-    # RAY_AUTH_MODE=token plus the token. To be independent of ~/.ray, this cluster gets a
-    # fresh token via RAY_AUTH_TOKEN (it takes precedence over the file); the cluster's
-    # processes, the job driver and the `ray` CLI clients all read it from the environment.
+    # Token auth: `ray start --head` turns it on by itself whenever it finds a token, e.g.
+    # ~/.ray/auth_token (which any local `ray.init()` creates); each client then needs
+    # RAY_AUTH_MODE=token and the token. Independently of ~/.ray, this cluster gets a fresh
+    # token in RAY_AUTH_TOKEN (it wins over the file). The cluster's processes, the job's
+    # driver (which inherits the raylet's environment) and the `ray` CLI all read it there.
     token = secrets.token_hex(32)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH")
-    }
+    drop = {"RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(
         RAY_AUTH_MODE="token",
         RAY_AUTH_TOKEN=token,
-        # On SIGTERM the head first drains the node for up to 30 s; not needed in a test.
+        # On SIGTERM the head first drains the node, waiting up to 30 s for running work.
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
     )
     gcs, dashboard, client, agent = _free_ports(4)
     cmd = [
-        RAY,
-        "start",
-        "--head",
-        "--block",
-        "--disable-usage-stats",
-        f"--temp-dir={temp_dir}",
-        "--num-cpus=4",
-        f"--port={gcs}",
-        "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard}",
-        # These default to fixed ports (10001, 52365, 10002-19999) that would clash with other
-        # clusters; 0 means a port the OS picks. The remaining ports are random by default.
-        f"--ray-client-server-port={client}",
-        f"--dashboard-agent-listen-port={agent}",
-        "--min-worker-port=0",
-        "--max-worker-port=0",
-    ]
+        RAY, "start", "--head", "--block", "--disable-usage-stats",
+        f"--temp-dir={temp_dir}", "--num-cpus=4", f"--port={gcs}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+        # These default to fixed ports (10001, 52365, 10002-19999) that other clusters use
+        # too; worker ports 0 = ports the OS picks. The other ports are random by default.
+        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+        "--min-worker-port=0", "--max-worker-port=0",
+    ]  # fmt: skip
     log = tmp_path / "ray_start.log"
     with open(log, "w") as out:
         head = subprocess.Popen(
             cmd,
             env=env,
+            stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_terminate_with_parent,
         )
@@ -224,14 +201,12 @@ def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield cluster
     finally:
         left = _stop_cluster(head, temp_dir)
-        # Keep the cluster's logs with the test's tmp_path, then drop the private temp dir.
+        # Keep the cluster's logs with the test's tmp_path, then remove the private temp dir.
         logs = Path(temp_dir) / "session_latest" / "logs"
         if logs.is_dir():
             shutil.copytree(logs, tmp_path / "ray_logs", ignore_dangling_symlinks=True)
         shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not left, "processes of the test's Ray cluster survived teardown:\n" + "\n".join(
-            left
-        )
+        assert not left, "processes of the test's Ray cluster survived:\n" + "\n".join(left)
 
 
 @pytest.mark.slow
@@ -239,45 +214,30 @@ def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
 def test_ray_job_submit_tiny(ray_cluster: Cluster, tmp_path: Path) -> None:
     out = tmp_path / "out"
     job_id = f"raytuner-e2e-{secrets.token_hex(4)}"
-    # The job's PATH need not contain the venv's bin dir: run the CLI with this interpreter.
+    # The job's PATH need not hold the venv's bin dir: run the CLI with this interpreter.
     # jobs/tiny.toml's relative paths resolve against the uploaded working dir.
+    entrypoint = [
+        sys.executable, "-m", "raytuner", "run", "jobs/tiny.toml",
+        "--set", f"train.output={out / 'runs'}", "--set", f"data.cache={out / 'cache'}",
+    ]  # fmt: skip
     submit = ray_cluster.ray(
-        "job",
-        "submit",
-        "--address",
-        ray_cluster.url,
-        "--working-dir",
-        str(REPO),
-        "--submission-id",
-        job_id,
-        "--no-wait",
-        "--",
-        sys.executable,
-        "-m",
-        "raytuner",
-        "run",
-        "jobs/tiny.toml",
-        "--set",
-        f"train.output={out / 'runs'}",
-        "--set",
-        f"data.cache={out / 'cache'}",
-    )
+        "job", "submit", "--address", ray_cluster.url, "--working-dir", str(REPO),
+        "--submission-id", job_id, "--no-wait", "--", *entrypoint,
+    )  # fmt: skip
     assert submit.returncode == 0, f"ray job submit failed:\n{submit.stdout}\n{submit.stderr}"
 
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    status = "UNKNOWN"
-    while time.monotonic() < deadline:
-        status = ray_cluster.get(f"/api/jobs/{job_id}")["status"]
-        if status in TERMINAL:
-            break
+    status = ray_cluster.job_status(job_id)
+    while status not in ("SUCCEEDED", "FAILED", "STOPPED") and time.monotonic() < deadline:
         time.sleep(3)
+        status = ray_cluster.job_status(job_id)
     logs = ray_cluster.job_logs(job_id)
-    assert status == "SUCCEEDED", f"job {job_id} ended as {status}; `ray job logs`:\n{logs}"
+    assert status == "SUCCEEDED", f"job {job_id}: {status}; `ray job logs`:\n{logs}"
     assert "trained 12 steps" in logs, logs
 
     lora = out / "runs" / "tiny" / "lora" / "pytorch_lora_weights.safetensors"
     assert lora.is_file() and lora.stat().st_size > 0, f"no LoRA at {lora}; logs:\n{logs}"
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # imports torch: only once the job has passed
 
     weights = load_file(lora)
-    assert weights and any("lora" in k for k in weights), sorted(weights)[:10]
+    assert any("lora" in k for k in weights), sorted(weights)[:10]

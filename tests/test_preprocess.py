@@ -113,3 +113,19 @@ def test_fingerprint_changes_with_encoding_settings_only():
     )
     assert cache.fingerprint(MODEL, PreprocessConfig(resolution=128, bucket_step=16)) != base
     assert cache.fingerprint(ModelConfig(family="sdxl", pretrained="x/y"), PRE) != base
+
+
+def test_training_refuses_a_global_batch_no_bucket_can_fill(encoded, tmp_path):
+    from raytuner.config import ConfigError, JobConfig, TrainConfig
+    from raytuner.train.trainer import train
+
+    data, _, _ = encoded  # 4 rows per bucket
+    job = JobConfig(
+        model=MODEL,
+        data=data,
+        preprocess=PRE,
+        train=TrainConfig(output=str(tmp_path), name="big", global_batch_size=8),
+    )
+    with pytest.raises(ConfigError, match=r'lower it or set train.remainder = "pad".*48x80'):
+        train(job)
+    assert not (tmp_path / "big").exists()  # refused before any worker started

@@ -5,22 +5,31 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import ray.train
 from ray.train.torch import TorchTrainer
 
 from raytuner import storage
-from raytuner.config import JobConfig
+from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import fingerprint, read_manifest, version_dir
 from raytuner.train.loop import LoopConfig, train_loop
+from raytuner.train.schedule import epoch_batches
 from raytuner.train.state import EXPORT, STATE
 
 log = logging.getLogger(__name__)
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
-def run_dir(job: JobConfig) -> str:
-    return storage.join(storage.absolute(job.train.output), job.train.name)
+def run_name(job: JobConfig) -> str:
+    """The job's run name; with ``checkpoint.resume = false`` an existing run is left alone and
+    a fresh, timestamped run is started beside it."""
+    fs, path = storage.resolve(storage.join(storage.absolute(job.train.output), job.train.name))
+    if job.checkpoint.resume or not storage.exists(fs, path):
+        return job.train.name
+    fresh = f"{job.train.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    log.warning("checkpoint.resume = false: starting run %s instead of resuming %s", fresh, path)
+    return fresh
 
 
 def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
@@ -33,9 +42,9 @@ def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
     )
 
 
-def export_final(checkpoint: ray.train.Checkpoint, job: JobConfig) -> dict:
+def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> dict:
     """Copy the checkpoint's loadable LoRA to ``<output>/<name>/lora/``; return the summary."""
-    fs, out = storage.resolve(storage.join(run_dir(job), EXPORT))
+    fs, out = storage.resolve(storage.join(storage.absolute(output), name, EXPORT))
     with checkpoint.as_directory() as directory:
         for name in sorted(os.listdir(os.path.join(directory, EXPORT))):
             storage.copy_file(os.path.join(directory, EXPORT, name), fs, storage.join(out, name))
@@ -47,11 +56,21 @@ def export_final(checkpoint: ray.train.Checkpoint, job: JobConfig) -> dict:
 def train(job: JobConfig) -> dict:
     """Train on the committed cache of this job's model and preprocess settings."""
     fp = fingerprint(job.model, job.preprocess)
-    if read_manifest(job.data.cache, fp) is None:
+    manifest = read_manifest(job.data.cache, fp)
+    if manifest is None:
         raise FileNotFoundError(
             f"no committed cache at {version_dir(job.data.cache, fp)}: "
             "run `raytuner preprocess` (or `raytuner run`) first"
         )
+    # fail here, not in every worker, when no bucket can fill a global batch
+    counts = manifest["report"]["buckets"]
+    rows = [bucket for bucket, n in counts.items() for _ in range(n)]
+    t = job.train
+    try:
+        epoch_batches(rows, t.seed, 0, t.global_batch_size, t.remainder)
+    except ValueError as e:
+        raise ConfigError(f"{e} (rows per bucket in the cache: {counts})") from None
+    name = run_name(job)
     loop = LoopConfig(
         model=job.model,
         train=job.train,
@@ -65,7 +84,7 @@ def train(job: JobConfig) -> dict:
         train_loop_config=vars(loop),
         scaling_config=_scaling(job),
         run_config=ray.train.RunConfig(
-            name=job.train.name,
+            name=name,
             storage_path=storage.absolute(job.train.output),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.keep),
             failure_config=ray.train.FailureConfig(max_failures=job.checkpoint.max_failures),
@@ -75,5 +94,5 @@ def train(job: JobConfig) -> dict:
     )
     result = trainer.fit()
     if result.checkpoint is None:
-        raise RuntimeError(f"training under {run_dir(job)} ended without a checkpoint")
-    return export_final(result.checkpoint, job)
+        raise RuntimeError(f"training run {name} ended without a checkpoint")
+    return export_final(result.checkpoint, job.train.output, name)
