@@ -14,6 +14,18 @@ from raytuner.config import ConfigError, JobConfig, load_job
 log = logging.getLogger("raytuner")
 
 
+def _job_args(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("job", help="job TOML file")
+    cmd.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a key; the value is read as TOML (bare words are strings)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytuner", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -26,27 +38,56 @@ def _parser() -> argparse.ArgumentParser:
         ("run", "preprocess, then train"),
     ]:
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("job", help="job TOML file")
-        cmd.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="SECTION.KEY=VALUE",
-            help="override a key; the value is read as TOML (bare words are strings)",
-        )
+        _job_args(cmd)
         if name in ("preprocess", "run"):
             cmd.add_argument("--report", help="also write the preprocess report (JSON) here")
+    for group, actions in [
+        (
+            "cache",
+            {
+                "verify": "check every cache file against the manifest",
+                "gc": "delete other cache versions and unreferenced part files",
+            },
+        ),
+        ("bench", {"preprocess": "images/s of the pipeline against a bare loop"}),
+    ]:
+        group_parser = sub.add_parser(group, help=f"{group} commands")
+        group_sub = group_parser.add_subparsers(dest="action", required=True)
+        for action, text in actions.items():
+            cmd = group_sub.add_parser(action, help=text)
+            _job_args(cmd)
+            if action == "verify":
+                cmd.add_argument("--repair", action="store_true", help="re-encode bad rows")
+            if action == "gc":
+                cmd.add_argument(
+                    "--min-age-s",
+                    type=float,
+                    default=3600.0,
+                    help="leave part folders younger than this (a run may be writing)",
+                )
+            if group == "bench":
+                cmd.add_argument("--json", action="store_true", help="print one JSON object")
+                cmd.add_argument("--images", type=int, default=192, help="synthetic image count")
     return p
 
 
 def print_report(report: dict) -> None:
     skipped = report["skipped"]
+    rows = [
+        ("total", report["total"]),
+        ("encoded", report["encoded"]),
+        ("already cached", report["already_cached"]),
+        ("duplicates", report["duplicates"]),
+        ("skipped", len(skipped)),
+    ]
+    print("\n".join(f"  {name:<15}{n:>8}" for name, n in rows))
+    c = report["captions"]
     print(
-        f"images: {report['total']} found, {report['encoded']} encoded, {len(skipped)} skipped"
-        f" ({report['seconds']:.1f} s, {report['images_per_s']:.1f} images/s)"
+        f"  captions: {c['distinct']} distinct, {c['fallback']} from fallback, "
+        f"{c['truncated']} truncated; {report['seconds']:.1f} s, "
+        f"{report['images_per_s']:.1f} images/s encoded"
     )
-    print("buckets: " + ", ".join(f"{b}: {n}" for b, n in report["buckets"].items()))
+    print("  buckets: " + ", ".join(f"{b}: {n}" for b, n in report["buckets"].items()))
     for s in skipped[:20]:
         print(f"  skipped {s['path']}: {s['reason']}")
     if len(skipped) > 20:
@@ -78,12 +119,38 @@ def do_train(job: JobConfig) -> dict:
     return summary
 
 
-def _dispatch(args: argparse.Namespace) -> None:
+def do_cache(job: JobConfig, args: argparse.Namespace) -> int:
+    from raytuner.data import cache, verify
+
+    version = cache.Version(job.data.cache, cache.fingerprint(job.model, job.preprocess))
+    if args.action == "gc":
+        for path in verify.collect(job.data.cache, version, args.min_age_s):
+            print(f"deleted {path}")
+        return 0
+    bad = verify.verify(version)
+    for b in bad:
+        print(f"bad {b['path']}: {b['problem']}")
+    if bad and args.repair:
+        from raytuner import runtime
+        from raytuner.data.preprocess import preprocess
+
+        runtime.connect()
+        print_report(
+            preprocess(
+                job.model, job.data, job.preprocess, exclude=frozenset(b["path"] for b in bad)
+            )
+        )
+        bad = verify.verify(version)
+    print(f"{version.root}: {'ok' if not bad else f'{len(bad)} bad file(s)'}")
+    return 1 if bad else 0
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from raytuner.demo import run_demo
 
         run_demo(args.workdir)
-        return
+        return 0
     from raytuner.families import get_family
 
     job = load_job(args.job, args.overrides)
@@ -93,10 +160,17 @@ def _dispatch(args: argparse.Namespace) -> None:
         raise ConfigError(f"{args.job}: {e}") from None
     if args.command == "check":
         print(json.dumps(job.to_dict(), indent=2))
+    if args.command == "cache":
+        return do_cache(job, args)
+    if args.command == "bench":
+        from raytuner.bench import bench_preprocess
+
+        bench_preprocess(job, args.images, args.json)
     if args.command in ("preprocess", "run"):
         do_preprocess(job, args.report)
     if args.command in ("train", "run"):
         do_train(job)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: usage errors exit 2, --help exits 0
         return int(e.code or 0)
     try:
-        _dispatch(args)
+        code = _dispatch(args)
     except ConfigError as e:
         print(f"raytuner: config error: {e}", file=sys.stderr)
         return 2
@@ -116,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"raytuner: {args.command} failed: {type(e).__name__}: {reason}", file=sys.stderr)
         return 1
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -47,20 +47,60 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SourceConfig:
+    """One image folder of the dataset (``[[data.sources]]``)."""
+
+    path: str
+    repeats: int = 1
+    caption_extension: str = ".txt"
+    caption_fallback: str = "stem"
+    caption_errors: str = "replace"
+    metadata: str = ""  # "" = auto: metadata.jsonl, .csv or .parquet in the folder, if any
+
+    def __post_init__(self) -> None:
+        _positive("data.sources.repeats", self.repeats)
+        _one_of("data.sources.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
+        _one_of("data.sources.caption_errors", self.caption_errors, ("replace", "skip"))
+        if not self.caption_extension.startswith("."):
+            raise ConfigError(
+                f"caption_extension = {self.caption_extension!r}: must start with '.'"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Where the images are and where their encoded cache lives."""
 
-    images: str
+    images: str = ""  # shorthand for one source with the caption options below
     cache: str
     caption_extension: str = ".txt"
     caption_fallback: str = "stem"
+    caption_errors: str = "replace"
+    sources: list[SourceConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _one_of("data.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
-        if not self.caption_extension.startswith("."):
-            raise ConfigError(
-                f"data.caption_extension = {self.caption_extension!r}: must start with '.'"
-            )
+        SourceConfig(  # validates the shorthand's caption options
+            path=self.images,
+            caption_extension=self.caption_extension,
+            caption_fallback=self.caption_fallback,
+            caption_errors=self.caption_errors,
+        )
+        if not self.images and not self.sources:
+            raise ConfigError("set data.images or at least one [[data.sources]]")
+
+    def all_sources(self) -> list[SourceConfig]:
+        """``data.images`` (if set) as the first source, then ``[[data.sources]]``."""
+        shorthand = []
+        if self.images:
+            shorthand = [
+                SourceConfig(
+                    path=self.images,
+                    caption_extension=self.caption_extension,
+                    caption_fallback=self.caption_fallback,
+                    caption_errors=self.caption_errors,
+                )
+            ]
+        return shorthand + list(self.sources)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,9 +118,18 @@ class PreprocessConfig:
     max_actors: int = 1
     gpus_per_actor: float = 0.0
     seed: int = 0
+    aspect_policy: str = "clamp"  # images outside [min_aspect, max_aspect]: clamp or skip
+    min_size: int = 64  # skip images whose short side is smaller (pixels)
+    max_pixels: int = 178_956_970  # decompression-bomb limit (width * height)
+    background: list[int] = field(default_factory=lambda: [255, 255, 255])  # under alpha
+    store_std: bool = False  # also store the VAE posterior std, so training can resample
 
     def __post_init__(self) -> None:
         _one_of("preprocess.crop", self.crop, ("center", "random", "none"))
+        _one_of("preprocess.aspect_policy", self.aspect_policy, ("clamp", "skip"))
+        _positive("preprocess.max_pixels", self.max_pixels)
+        if len(self.background) != 3 or not all(0 <= c <= 255 for c in self.background):
+            raise ConfigError(f"preprocess.background = {self.background}: use [r, g, b] 0..255")
         _one_of("preprocess.dtype", self.dtype, ("bfloat16", "float16", "float32"))
         _positive("preprocess.resolution", self.resolution, zero_ok=True)
         _positive("preprocess.bucket_step", self.bucket_step, zero_ok=True)
@@ -197,6 +246,8 @@ SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)  # section name -> 
 
 
 def _type_name(tp: Any) -> str:
+    if dataclasses.is_dataclass(tp):
+        return "table"
     if isinstance(tp, type):
         return {"str": "string", "int": "integer", "float": "float", "bool": "boolean"}.get(
             tp.__name__, tp.__name__
@@ -207,6 +258,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _matches(value: Any, tp: Any) -> bool:
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, dict)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, a) for a in typing.get_args(tp))
@@ -217,6 +270,16 @@ def _matches(value: Any, tp: Any) -> bool:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, tp)
+
+
+def _convert(value: Any, tp: Any, where: str, dotted: str) -> Any:
+    """Checked TOML value -> field value (ints as floats, tables of nested dataclasses)."""
+    if tp is float:
+        return float(value)
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+        return [_build_section(args[0], v, where, f"{dotted}[{i}]") for i, v in enumerate(value)]
+    return value
 
 
 def _build_section(cls: type, values: Any, where: str, section: str) -> Any:
@@ -236,7 +299,7 @@ def _build_section(cls: type, values: Any, where: str, section: str) -> Any:
                 f"{where}: {section}.{key} = {value!r} has type {type(value).__name__}; "
                 f"expected {_type_name(hints[key])}"
             )
-        kwargs[key] = float(value) if hints[key] is float else value
+        kwargs[key] = _convert(value, hints[key], where, f"{section}.{key}")
     missing = [
         f.name
         for f in dataclasses.fields(cls)

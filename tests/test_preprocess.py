@@ -1,131 +1,178 @@
-"""The Ray Data encode job on a real local Ray: complete report, exact latents, manifest last."""
+"""The preprocess job on a real local Ray over a hostile folder: every file accounted for, exact
+latents, text once per caption, incremental re-runs, sources with repeats and metadata."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
-import pyarrow.parquet as pq
 import pytest
 import torch
+from hostile import make_hostile
+from PIL import Image
 
-from raytuner import storage
-from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
+from raytuner.bench import _latent_bytes
+from raytuner.config import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
 from raytuner.data import cache
-from raytuner.data.buckets import make_buckets
-from raytuner.data.decode import DecodeSpec, caption_key, decode_row
 from raytuner.data.preprocess import preprocess
-from raytuner.families import get_family
+from raytuner.data.sources import caption_key
 
 MODEL = ModelConfig(family="sdxl", pretrained="tiny")
-PRE = PreprocessConfig(resolution=64, bucket_step=16)
+PRE = PreprocessConfig(
+    resolution=64, bucket_step=16, min_size=48, max_pixels=2_000_000, aspect_policy="skip"
+)
+
+
+def outcome(report: dict, path: str) -> str:
+    if any(d["path"] == path for d in report["duplicate_files"]):
+        return "duplicate"
+    reasons = [s["reason"] for s in report["skipped"] if s["path"] == path]
+    return f"skipped:{reasons[0]}" if reasons else "encoded"
 
 
 @pytest.fixture(scope="module")
-def encoded(ray_local, tmp_path_factory):
-    from raytuner.demo_data import make_demo_images
-
-    root = tmp_path_factory.mktemp("pp")
-    images = make_demo_images(root / "images", per_aspect=4)
-    (images / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
-    (images / "nested" / "deeper").mkdir(parents=True)
-    (images / "portrait" / "portrait_00.png").rename(images / "nested/deeper/no caption.png")
-    (images / ".DS_Store").write_bytes(b"junk")
-    data = DataConfig(images=str(images), cache=str(root / "cache"))
-    report = preprocess(MODEL, data, PRE)
-    return data, report, cache.load_cached(data.cache, cache.fingerprint(MODEL, PRE))
-
-
-def test_report_accounts_for_every_image(encoded):
-    _, report, _ = encoded
-    assert report["total"] == 13  # 12 drawn + broken.png; .DS_Store and .txt are not images
-    assert report["encoded"] == 12
-    assert report["skipped"] == [{"path": "broken.png", "reason": report["skipped"][0]["reason"]}]
-    assert "not a readable image" in report["skipped"][0]["reason"]
-    assert report["total"] == report["encoded"] + len(report["skipped"])
-    assert report["buckets"] == {"48x80": 4, "64x64": 4, "80x48": 4}
-
-
-def test_missing_caption_falls_back_to_the_file_stem(encoded):
-    _, _, dataset = encoded
-    rows = dataset.latents.to_pydict()
-    i = rows["path"].index("nested/deeper/no caption.png")
-    assert rows["caption"][i] == "no caption"
-
-
-def test_each_latent_is_stored_with_exactly_its_own_bytes(encoded):
-    _, _, dataset = encoded
-    rows = dataset.latents.to_pydict()
-    for cell, shape, w, h in zip(
-        rows["latent"], rows["latent_shape"], rows["width"], rows["height"], strict=True
-    ):
-        assert shape == [4, h // 8, w // 8]
-        assert len(cell) == math.prod(shape) * 2  # bfloat16, one row, not the batch
-
-
-def test_cached_latent_equals_a_direct_encode(encoded):
-    data, _, dataset = encoded
-    rows = dataset.latents.to_pydict()
-    i = rows["path"].index("landscape/landscape_01.png")
-    spec = DecodeSpec(
-        root=data.images,
-        buckets=make_buckets(64, 16, 0.5, 2.0),
-        crop="center",
-        seed=0,
-        caption_fallback="stem",
+def hostile(ray_local, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    expect = make_hostile(root / "images", tmp_path_factory.mktemp("outside"))
+    meta = root / "meta"
+    meta.mkdir()
+    for i in range(3):
+        Image.new("RGB", (96, 96), (i * 80, 10, 10)).save(meta / f"m{i}.png")
+    (meta / "metadata.jsonl").write_text(
+        "\n".join(json.dumps({"file_name": f"m{i}.png", "text": f"metadata {i}"}) for i in range(3))
     )
-    row = decode_row({"path": "landscape/landscape_01.png", "caption_path": ""}, spec)
-    pixels = torch.frombuffer(bytearray(row["pixels"]), dtype=torch.uint8)
-    x = pixels.reshape(1, row["height"], row["width"], 3).permute(0, 3, 1, 2).float() / 127.5 - 1
-    direct = get_family("sdxl").image_encoder("tiny", "", "cpu")(x)[0]
-    cached = dataset.batch([i])["latent"][0]
-    # equal up to bfloat16 rounding (a batched convolution is not bit-identical to a single one)
-    torch.testing.assert_close(cached, direct, rtol=1e-2, atol=1e-3)
-    assert not torch.equal(cached, torch.zeros_like(cached))
+    data = DataConfig(
+        images=str(root / "images"),
+        cache=str(root / "cache"),
+        sources=[SourceConfig(path=str(meta), repeats=3)],
+    )
+    report = preprocess(MODEL, data, PRE)
+    return data, expect, report, cache.load_cached(data.cache, cache.fingerprint(MODEL, PRE))
 
 
-def test_text_is_encoded_once_per_distinct_caption_plus_empty(encoded):
-    _, report, dataset = encoded
-    distinct = set(dataset.latents.column("caption_key").to_pylist())
-    assert report["captions"]["distinct"] == len(distinct)
-    assert set(dataset.text) == distinct | {caption_key("")}
-    batch = dataset.batch([0, 1])
-    assert batch["prompt_embeds"].shape == (2, 32, 64)
+def test_every_file_lands_in_exactly_one_category(hostile):
+    _, expect, report, _ = hostile
+    assert report["total"] == len(expect) + 3  # junk and hidden files are not inputs
+    assert report["total"] == (
+        report["encoded"] + report["already_cached"] + report["duplicates"] + len(report["skipped"])
+    )
+    for path, wanted in expect.items():
+        got = outcome(report, path)
+        category, _, words = wanted.partition(":")
+        assert got.split(":")[0] == category and words in got, f"{path}: {wanted} != {got}"
+    assert report["encoded"] == sum(v == "encoded" for v in expect.values()) + 3
+
+
+def test_report_is_kept_beside_the_manifest(hostile):
+    data, _, report, dataset = hostile
+    version = cache.Version(data.cache, cache.fingerprint(MODEL, PRE))
+    kept = json.loads((__import__("pathlib").Path(version.root) / "report.json").read_text())
+    assert kept == report == dataset.manifest["report"]
+
+
+def test_captions_fallbacks_and_tolerant_decoding(hostile):
+    _, _, report, dataset = hostile
+    rows = {r["path"]: r for r in dataset.index.to_pylist()}
+    assert rows["no caption here.png"]["caption"] == "no caption here"
+    assert rows["empty-caption.png"]["caption"] == "empty-caption"
+    assert rows["latin1-caption.png"]["caption"] == "caf\ufffd cr\ufffdme"
+    assert rows["m1.png"]["caption"] == "metadata 1"
+    assert rows["日本 ü/写真 1.png"]["caption"] == "unicode path"
+    assert rows["animated.gif"]["caption"] == "animated"
+    assert report["captions"]["fallback"] == 3  # no caption here, empty-caption, animated
+    assert report["captions"]["distinct"] == len({r["caption"] for r in rows.values()})
+
+
+def test_repeats_are_a_row_weight_not_copies(hostile):
+    data, _, _, dataset = hostile
+    rows = dataset.index.to_pylist()
+    assert [r["repeats"] for r in rows if r["path"].startswith("m")] == [3, 3, 3]
+    assert len({r["key"] for r in rows}) == len(rows)  # one row, one latent, per image
+    manifest = dataset.manifest
+    assert sum(manifest["appearances"].values()) == len(rows) + 2 * 3
+
+
+def test_each_latent_is_exactly_its_own_bytes(hostile):
+    data, _, _, dataset = hostile
+    for cell, shape in zip(
+        dataset.latents.column("latent").to_pylist(),
+        dataset.latents.column("latent_shape").to_pylist(),
+        strict=True,
+    ):
+        assert len(cell) == math.prod(shape) * 2  # bfloat16, one row, not the batch
+    version = cache.Version(data.cache, cache.fingerprint(MODEL, PRE))
+    stored, tensor = _latent_bytes(version, dataset.manifest)
+    assert tensor <= stored <= 1.05 * tensor
+
+
+def test_conditioning_follows_exif_and_buckets(hostile):
+    _, _, _, dataset = hostile
+    index = dataset.index.to_pylist()
+    i = next(n for n, r in enumerate(index) if r["path"] == "exif-rotated.jpg")
+    batch = dataset.batch([i])
+    assert batch["original_size"].tolist() == [[128, 80]]  # (h, w) after the EXIF rotation
+    assert batch["target_size"].tolist() == [[80, 48]]  # the portrait bucket
+    assert batch["latent"].shape == (1, 4, 10, 6)
+    assert torch.isfinite(batch["latent"]).all()
+
+
+def test_text_once_per_distinct_caption_plus_empty(hostile):
+    _, _, _, dataset = hostile
+    captions = set(dataset.index.column("caption_key").to_pylist())
+    assert set(dataset.text) == captions | {caption_key("")}
+    square = [i for i, b in enumerate(dataset.buckets) if b == "64x64"][:2]
+    batch = dataset.batch(square)
+    assert batch["prompt_embeds"].shape == (2, 77, 64)
     assert batch["pooled_prompt_embeds"].shape == (2, 32)
 
 
-def test_manifest_lists_every_data_file_with_row_counts(encoded):
-    data, report, _ = encoded
-    fs, root = storage.resolve(cache.version_dir(data.cache, cache.fingerprint(MODEL, PRE)))
-    manifest = storage.read_json(fs, f"{root}/manifest.json")
-    assert manifest["report"] == report
-    assert manifest["fingerprint"] == cache.fingerprint(MODEL, PRE)
-    rows = sum(pq.ParquetFile(f"{root}/{f['path']}").metadata.num_rows for f in manifest["latents"])
-    assert rows == sum(f["rows"] for f in manifest["latents"]) == report["encoded"]
+def test_incremental_reruns(ray_local, tmp_path):
+    from raytuner.demo_data import make_demo_images
+
+    images = make_demo_images(tmp_path / "images", per_aspect=2)
+    data = DataConfig(images=str(images), cache=f"file://{tmp_path / 'cache'}")
+    pre = PreprocessConfig(resolution=64, bucket_step=16)
+    first = preprocess(MODEL, data, pre)
+    assert (first["encoded"], first["already_cached"]) == (6, 0)
+    again = preprocess(MODEL, data, pre)
+    assert (again["encoded"], again["already_cached"]) == (0, 6)
+
+    Image.new("RGB", (96, 96), (1, 2, 3)).save(images / "square" / "square_00.png")
+    (images / "portrait" / "portrait_01.png").unlink()
+    (images / "portrait" / "portrait_00.txt").write_text("a brand new caption")
+    edited = preprocess(MODEL, data, pre)
+    assert (edited["total"], edited["encoded"], edited["already_cached"]) == (5, 1, 4)
+    dataset = cache.load_cached(data.cache, cache.fingerprint(MODEL, pre))
+    paths = dataset.index.column("path").to_pylist()
+    assert len(dataset) == 5 and "portrait/portrait_01.png" not in paths
+    assert "a brand new caption" in dataset.index.column("caption").to_pylist()
+
+    bigger = PreprocessConfig(resolution=96, bucket_step=16)
+    assert cache.fingerprint(MODEL, bigger) != cache.fingerprint(MODEL, pre)
+    assert preprocess(MODEL, data, bigger)["encoded"] == 5
+    assert cache.read_manifest(data.cache, cache.fingerprint(MODEL, pre)) is not None
 
 
-def test_fingerprint_changes_with_encoding_settings_only():
-    base = cache.fingerprint(MODEL, PRE)
-    assert (
-        cache.fingerprint(
-            MODEL, PreprocessConfig(resolution=64, bucket_step=16, max_actors=4, batch_size=2)
-        )
-        == base
-    )
-    assert cache.fingerprint(MODEL, PreprocessConfig(resolution=128, bucket_step=16)) != base
-    assert cache.fingerprint(ModelConfig(family="sdxl", pretrained="x/y"), PRE) != base
+def test_random_crop_is_reproducible(ray_local, tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(3):  # wide images: the 80x48 bucket leaves ~70 columns to crop
+        Image.new("RGB", (220, 70), (i * 90, 0, 0)).save(images / f"wide{i}.png")
+    crops = {}
+    for mode, seed, run in (("random", 3, "a"), ("random", 3, "b"), ("center", 0, "c")):
+        pre = PreprocessConfig(resolution=64, bucket_step=16, crop=mode, seed=seed)
+        data = DataConfig(images=str(images), cache=str(tmp_path / run))
+        preprocess(MODEL, data, pre)
+        dataset = cache.load_cached(data.cache, cache.fingerprint(MODEL, pre))
+        crops[run] = [dataset.batch([i])["crop_top_left"].tolist() for i in range(len(dataset))]
+    assert crops["a"] == crops["b"]  # seeded: the same crops on every run
+    assert crops["c"] == [[[0, 35]]] * 3  # centred: (151 - 80) // 2
+    assert crops["a"] != crops["c"]
 
 
-def test_training_refuses_a_global_batch_no_bucket_can_fill(encoded, tmp_path):
-    from raytuner.config import ConfigError, JobConfig, TrainConfig
-    from raytuner.train.trainer import train
-
-    data, _, _ = encoded  # 4 rows per bucket
-    job = JobConfig(
-        model=MODEL,
-        data=data,
-        preprocess=PRE,
-        train=TrainConfig(output=str(tmp_path), name="big", global_batch_size=8),
-    )
-    with pytest.raises(ConfigError, match=r'lower it or set train.remainder = "pad".*48x80'):
-        train(job)
-    assert not (tmp_path / "big").exists()  # refused before any worker started
+def test_sources_reject_missing_folders(ray_local, tmp_path):
+    data = DataConfig(images=str(tmp_path / "nope"), cache=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="is not a folder"):
+        preprocess(MODEL, data, PRE)
+    shutil.rmtree(tmp_path, ignore_errors=True)

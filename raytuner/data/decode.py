@@ -1,67 +1,37 @@
-"""Read, decode and bucket one image (a Ray Data ``map`` step). A bad file becomes a skipped row."""
+"""Decode and bucket one new image (a Ray Data ``map`` step). A bad file becomes a skipped row."""
 
 from __future__ import annotations
 
-import hashlib
-import io
-import posixpath
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from raytuner import storage
 from raytuner.data.buckets import Size, fit_to_bucket, nearest_bucket
-
-
-def caption_key(caption: str) -> str:
-    return hashlib.sha256(caption.encode("utf-8")).hexdigest()
+from raytuner.data.images import ImagePolicy, SkipImage, load_image
 
 
 @dataclass(frozen=True)
 class DecodeSpec:
     """Everything the decode step needs, as plain values (shipped to Ray Data tasks)."""
 
-    root: str
+    roots: list[str]  # source folder of each source index
     buckets: list[Size]
     crop: str
     seed: int
-    caption_fallback: str
+    min_aspect: float
+    max_aspect: float
+    aspect_policy: str
+    image: ImagePolicy
 
 
-def _caption(fs, root: str, row: dict, fallback: str) -> str | None:
-    text = ""
-    if row["caption_path"]:
-        raw = storage.read_bytes(fs, storage.join(root, row["caption_path"]))
-        text = raw.decode("utf-8", errors="replace").strip()
-    if text:
-        return text
-    if fallback == "stem":
-        return posixpath.splitext(posixpath.basename(row["path"]))[0].replace("_", " ")
-    return "" if fallback == "empty" else None
-
-
-def _to_rgb(image: Image.Image) -> Image.Image:
-    image = ImageOps.exif_transpose(image)
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-def _skipped(row: dict, key: str, reason: str) -> dict:
-    return {**_empty(row, key), "status": "skipped", "reason": reason}
-
-
-def _empty(row: dict, key: str) -> dict:
+def _row(row: dict, status: str = "ok", reason: str = "") -> dict:
     return {
-        "key": key,
+        "key": row["key"],
         "path": row["path"],
-        "caption": "",
-        "caption_key": "",
-        "status": "ok",
-        "reason": "",
+        "status": status,
+        "reason": reason,
         "pixels": b"",
         "width": 0,
         "height": 0,
@@ -70,32 +40,35 @@ def _empty(row: dict, key: str) -> dict:
     }
 
 
-def decode_row(row: dict, spec: DecodeSpec) -> dict:
-    """One listed image -> a row with bucket-sized RGB pixels, or a skipped row with a reason."""
-    fs, root = storage.resolve(spec.root)
+def _load(row: dict, spec: DecodeSpec) -> Image.Image:
+    fs, root = storage.resolve(spec.roots[row["source"]])
     try:
         data = storage.read_bytes(fs, storage.join(root, row["path"]))
     except OSError as e:
-        return _skipped(row, "", f"unreadable: {e}")
-    key = hashlib.sha256(data).hexdigest()
-    caption = _caption(fs, root, row, spec.caption_fallback)
-    if caption is None:
-        return _skipped(row, key, "no caption")
+        raise SkipImage(f"unreadable: {e}") from None
+    image = load_image(data, spec.image)
+    aspect = image.width / image.height
+    if spec.aspect_policy == "skip" and not spec.min_aspect <= aspect <= spec.max_aspect:
+        raise SkipImage(
+            f"aspect ratio {aspect:.2f} outside [{spec.min_aspect}, {spec.max_aspect}] "
+            "(preprocess.aspect_policy = skip)"
+        )
+    return image
+
+
+def decode_row(row: dict, spec: DecodeSpec) -> dict:
+    """One new image -> a row with bucket-sized RGB pixels, or a skipped row with a reason."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-            rgb = _to_rgb(image)
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        return _skipped(row, key, f"not a readable image: {type(e).__name__}: {e}")
+        rgb = _load(row, spec)
+    except SkipImage as e:
+        return _row(row, "skipped", str(e))
     bucket = nearest_bucket(rgb.width, rgb.height, spec.buckets)
-    int_seed = int.from_bytes(bytes.fromhex(key[:8]), "big") ^ spec.seed
-    (rw, rh), (top, left) = fit_to_bucket(rgb.width, rgb.height, bucket, spec.crop, int_seed)
+    crop_seed = int(row["key"][:8], 16) ^ spec.seed
+    (rw, rh), (top, left) = fit_to_bucket(rgb.width, rgb.height, bucket, spec.crop, crop_seed)
     resized = rgb.resize((rw, rh), Image.Resampling.LANCZOS)
     pixels = np.asarray(resized.crop((left, top, left + bucket[0], top + bucket[1])))
     return {
-        **_empty(row, key),
-        "caption": caption,
-        "caption_key": caption_key(caption),
+        **_row(row),
         "pixels": pixels.tobytes(),
         "width": bucket[0],
         "height": bucket[1],

@@ -15,8 +15,6 @@ SHAPE = pa.list_(pa.int32())
 LATENT_SCHEMA = {
     "key": pa.string(),
     "path": pa.string(),
-    "caption": pa.string(),
-    "caption_key": pa.string(),
     "status": pa.string(),
     "reason": pa.string(),
     "width": pa.int32(),
@@ -47,13 +45,15 @@ def _device() -> str:
 class LatentEncoder:
     """Adds ``latent`` / ``latent_shape`` to every ok row and drops the pixels."""
 
-    def __init__(self, family: str, pretrained: str, revision: str, dtype: str):
+    def __init__(self, family: str, pretrained: str, revision: str, dtype: str, store_std: bool):
         self.encode = get_family(family).image_encoder(pretrained, revision, _device())
-        self.dtype = dtype
+        self.dtype, self.store_std = dtype, store_std
+        self.schema = LATENT_SCHEMA | ({"latent_std": pa.binary()} if store_std else {})
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         n = len(batch["path"])
         latents: list[bytes] = [b""] * n
+        stds: list[bytes] = [b""] * n
         shapes = np.zeros((n, 3), np.int32)
         ok = [i for i in range(n) if batch["status"][i] == "ok"]
         sizes = {(int(batch["height"][i]), int(batch["width"][i])) for i in ok}
@@ -63,23 +63,28 @@ class LatentEncoder:
                 [np.frombuffer(batch["pixels"][i], np.uint8).reshape(h, w, 3) for i in rows]
             )
             x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-            cells, cell_shapes = to_cells(self.encode(x), self.dtype)
+            mean, std = self.encode(x)
+            cells, cell_shapes = to_cells(mean, self.dtype)
+            std_cells = to_cells(std, self.dtype)[0] if self.store_std else [b""] * len(rows)
             for j, i in enumerate(rows):
-                latents[i], shapes[i] = cells[j], cell_shapes[j]
-        return to_table({**batch, "latent": latents, "latent_shape": shapes}, LATENT_SCHEMA)
+                latents[i], shapes[i], stds[i] = cells[j], cell_shapes[j], std_cells[j]
+        columns = {**batch, "latent": latents, "latent_shape": shapes, "latent_std": stds}
+        return to_table(columns, self.schema)
 
 
 class CaptionEncoder:
-    """Adds one cell + shape column per text tensor the family produces (e.g. prompt_embeds)."""
+    """One cell + shape column per text tensor the family produces (e.g. prompt_embeds), and
+    whether the tokenizer truncated the caption."""
 
     def __init__(self, family: str, pretrained: str, revision: str, dtype: str):
         self.encode = get_family(family).text_encoder(pretrained, revision, _device())
         self.dtype = dtype
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
-        columns: dict = dict(batch)
-        schema = {"caption_key": pa.string(), "caption": pa.string()}
-        for name, tensor in self.encode([str(c) for c in batch["caption"]]).items():
+        captions = [str(c) for c in batch["caption"]]
+        columns: dict = {**batch, "truncated": self.encode.truncated(captions)}
+        schema = {"caption_key": pa.string(), "caption": pa.string(), "truncated": pa.bool_()}
+        for name, tensor in self.encode(captions).items():
             columns[name], columns[f"{name}_shape"] = to_cells(tensor, self.dtype)
             schema |= {name: pa.binary(), f"{name}_shape": SHAPE}
         return to_table(columns, schema)

@@ -1,7 +1,9 @@
-"""The preprocess job: images -> decode/bucket -> VAE actor pool -> Parquet; distinct captions ->
-text-encoder actor pool -> Parquet; then the manifest, written last.
+"""The preprocess job, in three Ray Data passes and a commit:
 
-Only Ray Data tasks and actors write data files; training ranks never write the cache.
+1. probe (tasks): content hash and caption of every listed file;
+2. encode (decode tasks -> VAE actor pool -> Parquet): only images whose key is not cached yet;
+3. text (text-encoder actor pool -> Parquet): only captions not cached yet, plus "";
+then the index of trained rows and the manifest, written last. Training ranks never write here.
 """
 
 from __future__ import annotations
@@ -9,9 +11,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter
 
-import pyarrow.fs as pafs
+import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
@@ -19,12 +20,29 @@ from raytuner import storage
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
 from raytuner.data import cache
 from raytuner.data.buckets import make_buckets
-from raytuner.data.decode import DecodeSpec, caption_key, decode_row
+from raytuner.data.decode import DecodeSpec, decode_row
 from raytuner.data.encode import CaptionEncoder, LatentEncoder
-from raytuner.data.scan import scan_images
+from raytuner.data.images import ImagePolicy
+from raytuner.data.plan import plan, report
+from raytuner.data.sources import caption_key, list_source, probe_row
 from raytuner.families import get_family
 
 log = logging.getLogger(__name__)
+# Tensor bytes do not compress, each cell is unique, and min/max statistics of a binary column
+# would store two whole tensors per page: plain pages keep every latent within a
+# few bytes of its tensor size (the cell's length prefix and the page headers).
+PARQUET = {"use_dictionary": False, "compression": "none", "write_statistics": False}
+INDEX_COLUMNS = [
+    "source",
+    "path",
+    "key",
+    "caption",
+    "caption_key",
+    "caption_from",
+    "repeats",
+    "size",
+    "mtime_ns",
+]
 
 
 def bucket_sizes(family_name: str, pre: PreprocessConfig) -> list[tuple[int, int]]:
@@ -44,94 +62,188 @@ def _pool(pre: PreprocessConfig) -> dict:
     )
 
 
-def _parquet_files(fs, root: str, sub: str) -> list[dict]:
-    selector = pafs.FileSelector(storage.join(root, sub), recursive=True, allow_not_found=True)
-    files = sorted(i.path for i in fs.get_file_info(selector) if i.path.endswith(".parquet"))
-    return [
-        {"path": f[len(root) + 1 :], "rows": pq.ParquetFile(f, filesystem=fs).metadata.num_rows}
-        for f in files
-    ]
+def _listing(data: DataConfig, version: cache.Version) -> list[dict]:
+    """Every image file of every source, with its key from the last index if unchanged."""
+    known = {}
+    if (manifest := version.manifest()) is not None:
+        for r in version.read(manifest["index"]["path"]).to_pylist():
+            known[(r["source"], r["path"])] = (r["size"], r["mtime_ns"], r["key"])
+    rows = []
+    for i, source in enumerate(data.all_sources()):
+        root = storage.absolute(source.path)
+        for row in list_source(i, source):
+            size, mtime, key = known.get((root, row["path"]), (None, None, ""))
+            unchanged = (size, mtime) == (row["size"], row["mtime_ns"])
+            rows.append({**row, "known_key": key if unchanged else ""})
+    return rows
 
 
-def _encode_images(files, model, data, pre, fs, out: str) -> None:
-    spec = DecodeSpec(
-        root=storage.absolute(data.images),
-        buckets=bucket_sizes(model.family, pre),
-        crop=pre.crop,
-        seed=pre.seed,
-        caption_fallback=data.caption_fallback,
-    )
-    args = (model.family, model.pretrained, model.revision, pre.dtype)
+def _probe(listing: list[dict], data: DataConfig) -> list[dict]:
+    ds = ray.data.from_items(listing).map(probe_row, fn_kwargs={"sources": data.all_sources()})
+    return ds.take_all()
+
+
+def _key_info(version: cache.Version, files: list[str], columns: list[str]) -> dict[str, dict]:
+    info = {}
+    for rel in files:
+        for row in version.read(rel, columns).to_pylist():
+            info.setdefault(row[columns[0]], row)
+    return info
+
+
+def _encode_images(rows: list[dict], spec: DecodeSpec, model, pre, out: str, fs) -> None:
+    args = (model.family, model.pretrained, model.revision, pre.dtype, pre.store_std)
+    items = [{"source": r["source_index"], "path": r["path"], "key": r["key"]} for r in rows]
     (
-        ray.data.from_items(files)
+        ray.data.from_items(items)
         .map(decode_row, fn_kwargs={"spec": spec})
         .map_batches(LatentEncoder, fn_constructor_args=args, **_pool(pre))
-        .write_parquet(out, filesystem=fs, partition_cols=["status"])
+        .write_parquet(out, filesystem=fs, partition_cols=["status"], **PARQUET)
     )
 
 
-def _encode_captions(captions: dict[str, str], model, pre, fs, out: str) -> None:
+def _encode_captions(captions: dict[str, str], model, pre, out: str, fs) -> None:
     rows = [{"caption_key": k, "caption": c} for k, c in sorted(captions.items())]
     args = (model.family, model.pretrained, model.revision, pre.dtype)
     (
         ray.data.from_items(rows)
         .map_batches(CaptionEncoder, fn_constructor_args=args, **_pool(pre))
-        .write_parquet(out, filesystem=fs)
+        .write_parquet(out, filesystem=fs, **PARQUET)
     )
 
 
-def _read(fs, root: str, files: list[dict], columns: list[str]) -> list[dict]:
-    rows = []
-    for f in files:
-        rows += pq.read_table(
-            storage.join(root, f["path"]), columns=columns, filesystem=fs
-        ).to_pylist()
-    return rows
+def _spec(model: ModelConfig, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:
+    return DecodeSpec(
+        roots=[storage.absolute(s.path) for s in data.all_sources()],
+        buckets=bucket_sizes(model.family, pre),
+        crop=pre.crop,
+        seed=pre.seed,
+        min_aspect=pre.min_aspect,
+        max_aspect=pre.max_aspect,
+        aspect_policy=pre.aspect_policy,
+        image=ImagePolicy(
+            max_pixels=pre.max_pixels, min_size=pre.min_size, background=tuple(pre.background)
+        ),
+    )
 
 
-def _report(n_files: int, ok: list[dict], skipped: list[dict], seconds: float) -> dict:
-    return {
-        "total": n_files,
-        "encoded": len(ok),
-        "skipped": sorted(skipped, key=lambda s: s["path"]),
-        "captions": {"distinct": len({r["caption_key"] for r in ok})},
-        "buckets": dict(sorted(Counter(f"{r['width']}x{r['height']}" for r in ok).items())),
-        "seconds": round(seconds, 3),
-        "images_per_s": round(len(ok) / max(seconds, 1e-9), 3),
-    }
+def _entries(version: cache.Version, files: list[str], old: dict | None) -> list[dict]:
+    """Manifest entries, reusing the checksums of files the last manifest already holds."""
+    known = {f["path"]: f for f in (old or {}).get("latents", []) + (old or {}).get("text", [])}
+    return [known.get(rel) or version.describe(rel) for rel in files]
 
 
-def preprocess(model: ModelConfig, data: DataConfig, pre: PreprocessConfig) -> dict:
-    """Encode ``data.images`` into a new committed cache version; return the report."""
+def _appearances(indexed: list[dict]) -> dict[str, int]:
+    """Samples per bucket in one epoch of the schedule: every row times its source's repeats."""
+    counts: dict[str, int] = {}
+    for row in indexed:
+        counts[row["bucket"]] = counts.get(row["bucket"], 0) + row["repeats"]
+    return dict(sorted(counts.items()))
+
+
+def _text_tensors(version: cache.Version, rel: str) -> list[str]:
+    names = pq.read_schema(version.path(rel), filesystem=version.fs).names
+    return sorted(n[: -len("_shape")] for n in names if n.endswith("_shape"))
+
+
+def _write_index(version: cache.Version, run: str, rows: list[dict]) -> dict:
+    table = pa.Table.from_pylist([{k: r[k] for k in INDEX_COLUMNS} for r in rows])
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    rel = f"{run}/index.parquet"
+    storage.write_atomic(version.fs, version.path(rel), sink.getvalue().to_pybytes())
+    return version.describe(rel)
+
+
+def _encode_new(p, spec, model, pre, version, run: str) -> None:
+    """Pass 2: decode and VAE-encode the new images; their decode failures join p.skipped."""
+    if not p.new:
+        return
+    _encode_images(p.new, spec, model, pre, version.path(f"{run}/latents"), version.fs)
+    bad = version.path(f"{run}/latents/status=skipped")
+    if storage.exists(version.fs, bad):
+        rows = pq.read_table(bad, columns=["key", "reason"], filesystem=version.fs).to_pylist()
+        p.failed({r["key"]: r["reason"] for r in rows})
+
+
+def preprocess(
+    model: ModelConfig,
+    data: DataConfig,
+    pre: PreprocessConfig,
+    exclude: frozenset[str] = frozenset(),
+) -> dict:
+    """Bring the cache version of this model and encoding up to date with the sources.
+
+    ``exclude``: data files to treat as missing (``cache verify --repair`` re-encodes them).
+    """
     start = time.monotonic()
-    fp = cache.fingerprint(model, pre)
-    fs, root = storage.resolve(cache.version_dir(data.cache, fp))
-    files = scan_images(data.images, data.caption_extension)
-    if not files:
-        raise ValueError(f"data.images = {data.images!r} holds no images")
-    part = f"parts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    log.info("preprocess: %d images -> %s/%s", len(files), root, part)
-    _encode_images(files, model, data, pre, fs, storage.join(root, part, "latents"))
+    version = cache.Version(data.cache, cache.fingerprint(model, pre))
+    old = version.manifest()
+    listing = _listing(data, version)
+    if not listing:
+        raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
+    roots = [storage.absolute(s.path) for s in data.all_sources()]
+    probed = [{**r, "source_index": r["source"]} for r in _probe(listing, data)]
+    latent_files = [f for f in version.part_files("latents") if f not in exclude]
+    available = _key_info(version, latent_files, ["key", "width", "height"])
+    p = plan(probed, set(available), roots)
+    run = f"parts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    log.info(
+        "preprocess: %d files, %d cached, %d to encode -> %s/%s",
+        len(listing),
+        len(p.cached),
+        len(p.new),
+        version.root,
+        run,
+    )
+    _encode_new(p, _spec(model, data, pre), model, pre, version, run)
 
-    ok_files = _parquet_files(fs, root, f"{part}/latents/status=ok")
-    ok = _read(fs, root, ok_files, ["caption_key", "caption", "width", "height"])
-    captions = {caption_key(""): ""} | {r["caption_key"]: r["caption"] for r in ok}
-    _encode_captions(captions, model, pre, fs, storage.join(root, part, "text"))
-    skipped_files = _parquet_files(fs, root, f"{part}/latents/status=skipped")
-    skipped = _read(fs, root, skipped_files, ["path", "reason"])
-    report = _report(len(files), ok, skipped, time.monotonic() - start)
+    latent_files = [f for f in version.part_files("latents") if f not in exclude]
+    available = _key_info(version, latent_files, ["key", "width", "height"])
+    indexed = [
+        {
+            **r,
+            "caption_key": caption_key(r["caption"]),
+            "bucket": f"{available[r['key']]['width']}x{available[r['key']]['height']}",
+            "repeats": data.all_sources()[r["source_index"]].repeats,
+        }
+        for r in p.cached + p.new
+        if r["key"] in available
+    ]
+    need = {r["caption_key"]: r["caption"] for r in indexed} | {caption_key(""): ""}
+    text_files = [f for f in version.part_files("text") if f not in exclude]
+    have = _key_info(version, text_files, ["caption_key", "truncated"])
+    missing = {k: c for k, c in need.items() if k not in have}
+    if missing:
+        _encode_captions(missing, model, pre, version.path(f"{run}/text"), version.fs)
+        text_files = [f for f in version.part_files("text") if f not in exclude]
+        have = _key_info(version, text_files, ["caption_key", "truncated"])
 
-    text_files = _parquet_files(fs, root, f"{part}/text")
-    text_columns = pq.read_schema(storage.join(root, text_files[0]["path"]), filesystem=fs).names
+    rep = report(
+        len(listing), p, indexed, sum(have[k]["truncated"] for k in need), time.monotonic() - start
+    )
+    live_keys = {r["key"] for r in indexed}
+    live_latents = [
+        f
+        for f in latent_files
+        if live_keys & set(version.read(f, ["key"]).column("key").to_pylist())
+    ]
+    live_text = [
+        f
+        for f in text_files
+        if need.keys() & set(version.read(f, ["caption_key"]).column(0).to_pylist())
+    ]
     manifest = {
         "format_version": cache.FORMAT_VERSION,
-        "fingerprint": fp,
+        "fingerprint": version.fp,
         "family": model.family,
         "dtype": pre.dtype,
-        "latents": ok_files,
-        "text": text_files,
-        "text_tensors": sorted(n[: -len("_shape")] for n in text_columns if n.endswith("_shape")),
-        "report": report,
+        "latents": _entries(version, live_latents, old),
+        "text": _entries(version, live_text, old),
+        "index": _write_index(version, run, indexed),
+        "appearances": _appearances(indexed),
+        "text_tensors": _text_tensors(version, live_text[0]),
+        "report": rep,
     }
-    storage.write_json_atomic(fs, storage.join(root, cache.MANIFEST), manifest)
-    return report
+    version.commit(manifest)
+    return rep

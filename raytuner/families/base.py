@@ -17,10 +17,15 @@ from torch import nn
 # A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
 # per-image conditioning "original_size", "crop_top_left", "target_size" ([B,2], (h, w) order).
 Batch = dict[str, torch.Tensor]
-ImageEncoder = Callable[[torch.Tensor], torch.Tensor]  # pixels [B,3,H,W] in [-1,1] -> latents
-TextEncoder = Callable[[list[str]], dict[str, torch.Tensor]]  # captions -> named tensors [B,...]
+# pixels [B,3,H,W] in [-1,1] -> (latent mean, latent std), both in the denoiser's latent scale
+ImageEncoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # (denoiser, batch, one generator per sample) -> per-sample loss [B]
 Loss = Callable[[nn.Module, Batch, Sequence[torch.Generator]], torch.Tensor]
+
+
+class TextEncoder(Protocol):
+    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]: ...  # name -> [B, ...]
+    def truncated(self, captions: list[str]) -> list[bool]: ...  # longer than the tokenizer limit
 
 
 class Family(Protocol):
@@ -53,7 +58,7 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def tiny_clip_tokenizer(max_length: int = 32):
+def tiny_clip_tokenizer(max_length: int = 77):
     """A byte-level CLIP tokenizer built in code: one token per byte, no merges, no download."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import CLIPTokenizer
@@ -83,6 +88,16 @@ def tiny_clip_config(tokenizer, *, hidden: int = 32, projection: int = 32):
         projection_dim=projection,
         hidden_act="gelu",
     )
+
+
+def truncated(tokenizers, captions: list[str]) -> list[bool]:
+    """Whether any of the tokenizers cuts the caption at its model_max_length."""
+    flags = [False] * len(captions)
+    for tokenizer in tokenizers:
+        ids = tokenizer(captions, truncation=False, verbose=False).input_ids
+        lengths = [len(i) for i in ids]
+        flags = [f or n > tokenizer.model_max_length for f, n in zip(flags, lengths, strict=True)]
+    return flags
 
 
 def tokenize(tokenizer, captions: list[str], device: str) -> torch.Tensor:

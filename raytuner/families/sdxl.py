@@ -89,6 +89,9 @@ class _SdxlText:
         hidden = torch.cat([out1.hidden_states[-2], out2.hidden_states[-2]], dim=-1)
         return {"prompt_embeds": hidden, "pooled_prompt_embeds": out2.text_embeds}
 
+    def truncated(self, captions: list[str]) -> list[bool]:
+        return base.truncated(self.tokenizers, captions)
+
 
 @dataclass(frozen=True)
 class SDXL:
@@ -108,8 +111,9 @@ class SDXL:
         scale = vae.config.scaling_factor
 
         @torch.no_grad()
-        def encode(pixels: torch.Tensor) -> torch.Tensor:
-            return vae.encode(pixels.to(device, vae.dtype)).latent_dist.mean * scale
+        def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            dist = vae.encode(pixels.to(device, vae.dtype)).latent_dist
+            return dist.mean * scale, dist.std * scale
 
         return encode
 

@@ -38,7 +38,10 @@ class Feed:
 
     def __init__(self, data: CachedDataset, train: TrainConfig, rank: int, world: int, device):
         self.data, self.train, self.rank, self.world, self.device = data, train, rank, world, device
-        self.buckets = data.buckets
+        # a source's repeats are repeated appearances of its rows in the schedule
+        self.rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
+        buckets = data.buckets
+        self.buckets = [buckets[i] for i in self.rows]
         self._epoch, self._batches = -1, []
 
     def next(self, st: ckpt.TrainState) -> tuple[dict, list[torch.Generator]]:
@@ -53,7 +56,8 @@ class Feed:
         start, stop = rank_slice(global_batch, self.rank, self.world)
         seeds = [sample_seed(self.train.seed, st.epoch, st.index, p) for p in range(start, stop)]
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        batch = {k: v.to(self.device) for k, v in self.data.batch(global_batch[start:stop]).items()}
+        rows = [self.rows[j] for j in global_batch[start:stop]]
+        batch = {k: v.to(self.device) for k, v in self.data.batch(rows).items()}
         st.index += 1
         if st.index == len(self._batches):
             st.epoch, st.index = st.epoch + 1, 0

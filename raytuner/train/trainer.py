@@ -63,13 +63,13 @@ def train(job: JobConfig) -> dict:
             "run `raytuner preprocess` (or `raytuner run`) first"
         )
     # fail here, not in every worker, when no bucket can fill a global batch
-    counts = manifest["report"]["buckets"]
+    counts = manifest["appearances"]
     rows = [bucket for bucket, n in counts.items() for _ in range(n)]
     t = job.train
     try:
         epoch_batches(rows, t.seed, 0, t.global_batch_size, t.remainder)
     except ValueError as e:
-        raise ConfigError(f"{e} (rows per bucket in the cache: {counts})") from None
+        raise ConfigError(f"{e} (samples per bucket, repeats included: {counts})") from None
     name = run_name(job)
     loop = LoopConfig(
         model=job.model,

@@ -1,0 +1,102 @@
+"""`raytuner bench …`: throughput of raytuner's pipelines against bare in-process loops."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import time
+from collections import defaultdict
+
+import pyarrow.parquet as pq
+import torch
+
+from raytuner import runtime
+from raytuner.config import DataConfig, JobConfig
+from raytuner.data import cache
+from raytuner.data.decode import decode_row
+from raytuner.data.preprocess import _spec, preprocess
+from raytuner.data.sources import list_source, probe_row
+from raytuner.data.tensors import DTYPES
+from raytuner.families import get_family
+
+
+def _bench_data(job: JobConfig, images: int, workdir: str) -> DataConfig:
+    """The job's data, or ``images`` drawn images (three aspect ratios) in a fresh folder."""
+    if images <= 0:
+        return dataclasses.replace(job.data, cache=os.path.join(workdir, "cache"))
+    from raytuner.demo_data import make_demo_images
+
+    folder = make_demo_images(os.path.join(workdir, "images"), per_aspect=math.ceil(images / 3))
+    return DataConfig(images=str(folder), cache=os.path.join(workdir, "cache"))
+
+
+def _bare(job: JobConfig, data: DataConfig) -> tuple[int, float]:
+    """Decode, VAE-encode and text-encode every image in this process: (images, seconds)."""
+    family, m, pre = get_family(job.model.family), job.model, job.preprocess
+    encode_image = family.image_encoder(m.pretrained, m.revision, "cpu")
+    encode_text = family.text_encoder(m.pretrained, m.revision, "cpu")
+    sources = data.all_sources()
+    listing = [{**r, "known_key": ""} for i, s in enumerate(sources) for r in list_source(i, s)]
+    spec = _spec(job.model, data, pre)
+    start, done = time.perf_counter(), 0
+    for i in range(0, len(listing), pre.batch_size):
+        probed = [probe_row(r, sources) for r in listing[i : i + pre.batch_size]]
+        rows = [decode_row(r, spec) for r in probed if not r["reason"]]
+        groups = defaultdict(list)
+        for r in rows:
+            if r["status"] == "ok":
+                groups[(r["height"], r["width"])].append(r)
+        for (h, w), group in groups.items():
+            pixels = [torch.frombuffer(bytearray(r["pixels"]), dtype=torch.uint8) for r in group]
+            x = torch.stack(pixels).reshape(-1, h, w, 3).permute(0, 3, 1, 2).float() / 127.5 - 1
+            encode_image(x)
+            done += len(group)
+        encode_text(sorted({r["caption"] for r in probed if not r["reason"]}))
+    return done, time.perf_counter() - start
+
+
+def _latent_bytes(version: cache.Version, manifest: dict) -> tuple[int, int]:
+    """(bytes the latent column takes in the Parquet files, bytes of the tensors it holds)."""
+    stored = tensor = 0
+    itemsize = torch.empty(0, dtype=DTYPES[manifest["dtype"]]).element_size()
+    for entry in manifest["latents"]:
+        meta = pq.read_metadata(version.path(entry["path"]), filesystem=version.fs)
+        names = [meta.schema.column(j).name for j in range(meta.num_columns)]
+        col = names.index("latent")
+        stored += sum(
+            meta.row_group(g).column(col).total_compressed_size for g in range(meta.num_row_groups)
+        )
+        shapes = version.read(entry["path"], ["latent_shape"]).column(0).to_pylist()
+        tensor += sum(math.prod(s) * itemsize for s in shapes)
+    return stored, tensor
+
+
+def bench_preprocess(job: JobConfig, images: int, as_json: bool) -> dict:
+    runtime.connect()
+    torch.set_num_threads(1)  # like one encoder actor (Ray gives it OMP_NUM_THREADS=1)
+    with tempfile.TemporaryDirectory(prefix="raytuner-bench-") as workdir:
+        data = _bench_data(job, images, workdir)
+        report = preprocess(job.model, data, job.preprocess)
+        version = cache.Version(data.cache, cache.fingerprint(job.model, job.preprocess))
+        stored, tensor = _latent_bytes(version, version.manifest())
+        bare_images, bare_s = _bare(job, data)
+    result = {
+        "images": report["encoded"],
+        "pipeline_images_per_s": round(report["encoded"] / report["seconds"], 2),
+        "bare_images_per_s": round(bare_images / bare_s, 2),
+        "bytes_per_latent_ratio": round(stored / tensor, 4),
+        "latent_bytes_stored": stored,
+        "latent_tensor_bytes": tensor,
+        "encoder_actors": [job.preprocess.min_actors, job.preprocess.max_actors],
+        "cpus": os.cpu_count(),
+    }
+    result["ratio"] = round(result["pipeline_images_per_s"] / result["bare_images_per_s"], 3)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:<24}{value}")
+    return result

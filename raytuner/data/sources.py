@@ -1,0 +1,147 @@
+"""Dataset sources: list the images of each folder (driver side) and probe each one (a Ray Data
+task: content hash and caption), so that every file ends in exactly one report category."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+
+import pyarrow.fs as pafs
+
+from raytuner import storage
+from raytuner.config import SourceConfig
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
+JUNK_NAMES = {"__MACOSX", "Thumbs.db", "desktop.ini", "@eaDir", "$RECYCLE.BIN"}
+
+
+def caption_key(caption: str) -> str:
+    return hashlib.sha256(caption.encode("utf-8")).hexdigest()
+
+
+def _is_junk(rel: str) -> bool:
+    return any(p.startswith(".") or p in JUNK_NAMES for p in rel.split("/"))
+
+
+def _escapes(fs: pafs.FileSystem, root: str, path: str) -> bool:
+    """A local symlink whose target lies outside the source folder."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return False
+    real_root = os.path.realpath(root)
+    return os.path.commonpath([real_root, os.path.realpath(path)]) != real_root
+
+
+def read_metadata(fs: pafs.FileSystem, path: str) -> dict[str, str]:
+    """``file_name -> text`` from an imagefolder-style metadata.jsonl / .csv / .parquet."""
+    import pyarrow.csv
+    import pyarrow.parquet as pq
+
+    if path.endswith(".jsonl"):
+        lines = storage.read_bytes(fs, path).decode("utf-8").splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+    elif path.endswith(".csv"):
+        with fs.open_input_stream(path) as f:
+            rows = pyarrow.csv.read_csv(f).to_pylist()
+    else:
+        rows = pq.read_table(path, filesystem=fs).to_pylist()
+    missing = {"file_name", "text"} - set(rows[0] if rows else {"file_name", "text"})
+    if missing:
+        raise ValueError(f"{path}: metadata needs columns file_name and text; missing {missing}")
+    return {posixpath.normpath(str(r["file_name"])): str(r["text"] or "") for r in rows}
+
+
+def _metadata_file(fs, root: str, source: SourceConfig, names: set[str]) -> str | None:
+    if source.metadata:
+        return storage.join(root, source.metadata)
+    return next((storage.join(root, n) for n in METADATA_NAMES if n in names), None)
+
+
+def list_source(index: int, source: SourceConfig) -> list[dict]:
+    """One row per image file of a source (hidden and OS junk files are not inputs)."""
+    fs, root = storage.resolve(source.path)
+    if fs.get_file_info(root).type != pafs.FileType.Directory:
+        raise ValueError(f"data source {source.path!r} is not a folder")
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    files = {posixpath.relpath(i.path, root): i for i in infos if i.type == pafs.FileType.File}
+    metadata_path = _metadata_file(fs, root, source, set(files))
+    captions = read_metadata(fs, metadata_path) if metadata_path else {}
+    rows = []
+    for rel in sorted(files):
+        stem, ext = posixpath.splitext(rel)
+        if ext.lower() not in IMAGE_EXTENSIONS or _is_junk(rel):
+            continue
+        txt = stem + source.caption_extension
+        info = files[rel]
+        rows.append(
+            {
+                "source": index,
+                "path": rel,
+                "size": info.size,
+                "mtime_ns": info.mtime_ns or 0,
+                "caption_path": txt if txt in files else "",
+                "metadata_caption": captions.get(rel),
+                "refused": "symlink outside the dataset folder"
+                if _escapes(fs, root, storage.join(root, rel))
+                else "",
+            }
+        )
+    return rows
+
+
+def _caption(fs, root: str, row: dict, source: SourceConfig) -> tuple[str | None, str, str]:
+    """(caption or None to skip, where it came from, reason when skipped)."""
+    if row["metadata_caption"]:
+        return row["metadata_caption"].strip(), "metadata", ""
+    if row["caption_path"]:
+        raw = storage.read_bytes(fs, storage.join(root, row["caption_path"]))
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            if source.caption_errors == "skip":
+                return None, "", "caption file is not valid UTF-8"
+            text = raw.decode("utf-8", errors="replace")
+        if text.strip():
+            return " ".join(text.split()), "file", ""
+    if source.caption_fallback == "stem":
+        stem = posixpath.splitext(posixpath.basename(row["path"]))[0]
+        return stem.replace("_", " ").strip(), "fallback", ""
+    if source.caption_fallback == "empty":
+        return "", "fallback", ""
+    return None, "", "no caption (data caption_fallback = skip)"
+
+
+def probe_row(row: dict, sources: list[SourceConfig]) -> dict:
+    """Content key and caption of one listed file; ``reason`` is set when it must be skipped.
+
+    When the file's size and mtime equal those of the last committed index, its known key is
+    kept without reading the image again.
+    """
+    source = sources[row["source"]]
+    fs, root = storage.resolve(source.path)
+    out = {
+        "source": row["source"],
+        "path": row["path"],
+        "size": row["size"],
+        "mtime_ns": row["mtime_ns"],
+        "key": "",
+        "caption": "",
+        "caption_from": "",
+        "reason": row["refused"],
+    }
+    if out["reason"]:
+        return out
+    try:
+        if row.get("known_key"):
+            out["key"] = row["known_key"]
+        else:
+            data = storage.read_bytes(fs, storage.join(root, row["path"]))
+            out["key"] = hashlib.sha256(data).hexdigest() if data else ""
+            out["reason"] = "" if data else "empty file"
+        caption, where, why = _caption(fs, root, row, source)
+    except OSError as e:
+        return {**out, "reason": f"unreadable: {e}"}
+    out["reason"] = out["reason"] or why
+    return {**out, "caption": caption or "", "caption_from": where}

@@ -1,0 +1,96 @@
+"""`raytuner cache verify` and `raytuner cache gc`: check a committed version against its
+manifest, and delete what no manifest references."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+from raytuner import storage
+from raytuner.data.cache import MANIFEST, Version
+from raytuner.data.tensors import DTYPES
+
+
+def _tensor_problems(table: pa.Table, names: list[str], dtype: str) -> str:
+    """Wrong sizes, or NaN / Inf in any tensor cell of these columns ("" if none)."""
+    itemsize = torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    for name in names:
+        shape_column = "latent_shape" if name.startswith("latent") else f"{name}_shape"
+        cells, shapes = table.column(name).to_pylist(), table.column(shape_column).to_pylist()
+        for i, (cell, shape) in enumerate(zip(cells, shapes, strict=True)):
+            if len(cell) != math.prod(shape) * itemsize:
+                return (
+                    f"row {i}: {name} has {len(cell)} bytes, shape {shape} needs "
+                    f"{math.prod(shape) * itemsize}"
+                )
+            values = torch.frombuffer(bytearray(cell), dtype=DTYPES[dtype])
+            if not torch.isfinite(values).all():
+                return f"row {i}: {name} holds NaN or Inf"
+    return ""
+
+
+def _file_problem(version: Version, entry: dict, tensors: list[str], dtype: str) -> str:
+    path = version.path(entry["path"])
+    if not storage.exists(version.fs, path):
+        return "missing"
+    data = storage.read_bytes(version.fs, path)
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        return "sha256 differs from the manifest"
+    table = pq.read_table(pa.BufferReader(data))
+    if table.num_rows != entry["rows"]:
+        return f"{table.num_rows} rows, the manifest says {entry['rows']}"
+    return _tensor_problems(table, [n for n in tensors if n in table.column_names], dtype)
+
+
+def verify(version: Version) -> list[dict]:
+    """Every file of the committed version that is missing, altered or holds bad tensors."""
+    manifest = version.manifest()
+    if manifest is None:
+        raise FileNotFoundError(f"no committed cache at {version.root}")
+    dtype, bad = manifest["dtype"], []
+    groups = [
+        (manifest["latents"], ["latent", "latent_std"]),
+        (manifest["text"], manifest["text_tensors"]),
+        ([manifest["index"]], []),
+    ]
+    for entries, tensors in groups:
+        for entry in entries:
+            if problem := _file_problem(version, entry, tensors, dtype):
+                bad.append({"path": entry["path"], "problem": problem})
+    return bad
+
+
+def garbage(cache_root: str, keep: Version, min_age_s: float) -> list[str]:
+    """Other versions under the cache root, and this version's part folders its manifest does
+    not reference (older than ``min_age_s``, so a run still writing is left alone)."""
+    fs, root = storage.resolve(cache_root)
+    infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    found = [
+        i.path
+        for i in infos
+        if i.type == pafs.FileType.Directory
+        and i.base_name != keep.fp
+        and storage.exists(fs, storage.join(i.path, MANIFEST))
+    ]
+    manifest = keep.manifest() or {"latents": [], "text": [], "index": {"path": ""}}
+    files = manifest["latents"] + manifest["text"] + [manifest["index"]]
+    live = {f["path"].split("/")[1] for f in files if f["path"]}
+    runs = keep.fs.get_file_info(pafs.FileSelector(keep.path("parts"), allow_not_found=True))
+    cutoff = time.time_ns() - min_age_s * 1e9
+    found += [r.path for r in runs if r.base_name not in live and (r.mtime_ns or 0) < cutoff]
+    return sorted(found)
+
+
+def collect(cache_root: str, keep: Version, min_age_s: float) -> list[str]:
+    """Delete what ``garbage`` finds; return it."""
+    fs, _ = storage.resolve(cache_root)
+    doomed = garbage(cache_root, keep, min_age_s)
+    for path in doomed:
+        fs.delete_dir(path)
+    return doomed
