@@ -35,8 +35,8 @@ def _row(row: dict, status: str = "ok", reason: str = "") -> dict:
         "pixels": b"",
         "width": 0,
         "height": 0,
-        "original_size": np.zeros(2, np.int32),
-        "crop_top_left": np.zeros(2, np.int32),
+        "original_size": [0, 0],
+        "crop_top_left": [0, 0],
     }
 
 
@@ -72,6 +72,6 @@ def decode_row(row: dict, spec: DecodeSpec) -> dict:
         "pixels": pixels.tobytes(),
         "width": bucket[0],
         "height": bucket[1],
-        "original_size": np.asarray([rgb.height, rgb.width], np.int32),
-        "crop_top_left": np.asarray([top, left], np.int32),
+        "original_size": [rgb.height, rgb.width],
+        "crop_top_left": [top, left],
     }

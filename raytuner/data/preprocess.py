@@ -78,8 +78,26 @@ def _listing(data: DataConfig, version: cache.Version) -> list[dict]:
     return rows
 
 
+def _rows(batch: dict) -> list[dict]:
+    """A pyarrow batch as rows (cheaper per row than Ray Data's per-row ``map``)."""
+    return batch.to_pylist()
+
+
+def _probe_batch(batch, sources) -> list[dict]:
+    return pa.Table.from_pylist([probe_row(r, sources) for r in _rows(batch)])
+
+
+def _decode_batch(batch, spec: DecodeSpec) -> pa.Table:
+    return pa.Table.from_pylist([decode_row(r, spec) for r in _rows(batch)])
+
+
 def _probe(listing: list[dict], data: DataConfig) -> list[dict]:
-    ds = ray.data.from_items(listing).map(probe_row, fn_kwargs={"sources": data.all_sources()})
+    ds = ray.data.from_items(listing).map_batches(
+        _probe_batch,
+        fn_kwargs={"sources": data.all_sources()},
+        batch_size=64,
+        batch_format="pyarrow",
+    )
     return ds.take_all()
 
 
@@ -96,7 +114,14 @@ def _encode_images(rows: list[dict], spec: DecodeSpec, model, pre, out: str, fs)
     items = [{"source": r["source_index"], "path": r["path"], "key": r["key"]} for r in rows]
     (
         ray.data.from_items(items)
-        .map(decode_row, fn_kwargs={"spec": spec})
+        # half a CPU: decode tasks run beside the encoder actors, not fused into them
+        .map_batches(
+            _decode_batch,
+            fn_kwargs={"spec": spec},
+            batch_size=pre.batch_size,
+            batch_format="pyarrow",
+            num_cpus=0.5,
+        )
         .map_batches(LatentEncoder, fn_constructor_args=args, **_pool(pre))
         .write_parquet(out, filesystem=fs, partition_cols=["status"], **PARQUET)
     )
