@@ -135,11 +135,9 @@ def do_cache(job: JobConfig, args: argparse.Namespace) -> int:
         from raytuner.data.preprocess import preprocess
 
         runtime.connect()
-        print_report(
-            preprocess(
-                job.model, job.data, job.preprocess, exclude=frozenset(b["path"] for b in bad)
-            )
-        )
+        for path in verify.quarantine(version, bad):
+            print(f"quarantined {path} as {path}.corrupt")
+        print_report(preprocess(job.model, job.data, job.preprocess))
         bad = verify.verify(version)
     print(f"{version.root}: {'ok' if not bad else f'{len(bad)} bad file(s)'}")
     return 1 if bad else 0

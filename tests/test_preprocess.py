@@ -131,7 +131,7 @@ def test_incremental_reruns(ray_local, tmp_path):
     from raytuner.demo_data import make_demo_images
 
     images = make_demo_images(tmp_path / "images", per_aspect=2)
-    data = DataConfig(images=str(images), cache=f"file://{tmp_path / 'cache'}")
+    data = DataConfig(images=f"file://{images}", cache=f"file://{tmp_path / 'cache'}")
     pre = PreprocessConfig(resolution=64, bucket_step=16)
     first = preprocess(MODEL, data, pre)
     assert (first["encoded"], first["already_cached"]) == (6, 0)
@@ -161,11 +161,16 @@ def test_random_crop_is_reproducible(ray_local, tmp_path):
         Image.new("RGB", (220, 70), (i * 90, 0, 0)).save(images / f"wide{i}.png")
     crops = {}
     for mode, seed, run in (("random", 3, "a"), ("random", 3, "b"), ("center", 0, "c")):
-        pre = PreprocessConfig(resolution=64, bucket_step=16, crop=mode, seed=seed)
+        pre = PreprocessConfig(resolution=64, bucket_step=16, crop=mode, seed=seed,
+                               store_std=run == "c")
         data = DataConfig(images=str(images), cache=str(tmp_path / run))
         preprocess(MODEL, data, pre)
         dataset = cache.load_cached(data.cache, cache.fingerprint(MODEL, pre))
         crops[run] = [dataset.batch([i])["crop_top_left"].tolist() for i in range(len(dataset))]
+        if run == "c":  # the posterior std is stored too, shaped like the latent
+            batch = dataset.batch([0])
+            assert batch["latent_std"].shape == batch["latent"].shape
+            assert (batch["latent_std"] > 0).all()
     assert crops["a"] == crops["b"]  # seeded: the same crops on every run
     assert crops["c"] == [[[0, 35]]] * 3  # centred: (151 - 80) // 2
     assert crops["a"] != crops["c"]

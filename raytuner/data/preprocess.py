@@ -66,7 +66,12 @@ def _listing(data: DataConfig, version: cache.Version) -> list[dict]:
     """Every image file of every source, with its key from the last index if unchanged."""
     known = {}
     if (manifest := version.manifest()) is not None:
-        for r in version.read(manifest["index"]["path"]).to_pylist():
+        try:
+            index = version.read(manifest["index"]["path"]).to_pylist()
+        except (OSError, pa.ArrowInvalid) as e:  # lost or damaged: every file is re-hashed
+            log.warning("cache index unreadable (%s): re-hashing every image", e)
+            index = []
+        for r in index:
             known[(r["source"], r["path"])] = (r["size"], r["mtime_ns"], r["key"])
     rows = []
     for i, source in enumerate(data.all_sources()):
@@ -195,12 +200,8 @@ def preprocess(
     model: ModelConfig,
     data: DataConfig,
     pre: PreprocessConfig,
-    exclude: frozenset[str] = frozenset(),
 ) -> dict:
-    """Bring the cache version of this model and encoding up to date with the sources.
-
-    ``exclude``: data files to treat as missing (``cache verify --repair`` re-encodes them).
-    """
+    """Bring the cache version of this model and encoding up to date with the sources."""
     start = time.monotonic()
     version = cache.Version(data.cache, cache.fingerprint(model, pre))
     old = version.manifest()
@@ -209,7 +210,7 @@ def preprocess(
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
     roots = [storage.absolute(s.path) for s in data.all_sources()]
     probed = [{**r, "source_index": r["source"]} for r in _probe(listing, data)]
-    latent_files = [f for f in version.part_files("latents") if f not in exclude]
+    latent_files = version.part_files("latents")
     available = _key_info(version, latent_files, ["key", "width", "height"])
     p = plan(probed, set(available), roots)
     run = f"parts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
@@ -223,7 +224,7 @@ def preprocess(
     )
     _encode_new(p, _spec(model, data, pre), model, pre, version, run)
 
-    latent_files = [f for f in version.part_files("latents") if f not in exclude]
+    latent_files = version.part_files("latents")
     available = _key_info(version, latent_files, ["key", "width", "height"])
     indexed = [
         {
@@ -236,12 +237,12 @@ def preprocess(
         if r["key"] in available
     ]
     need = {r["caption_key"]: r["caption"] for r in indexed} | {caption_key(""): ""}
-    text_files = [f for f in version.part_files("text") if f not in exclude]
+    text_files = version.part_files("text")
     have = _key_info(version, text_files, ["caption_key", "truncated"])
     missing = {k: c for k, c in need.items() if k not in have}
     if missing:
         _encode_captions(missing, model, pre, version.path(f"{run}/text"), version.fs)
-        text_files = [f for f in version.part_files("text") if f not in exclude]
+        text_files = version.part_files("text")
         have = _key_info(version, text_files, ["caption_key", "truncated"])
 
     rep = report(

@@ -66,6 +66,23 @@ def verify(version: Version) -> list[dict]:
     return bad
 
 
+def quarantine(version: Version, bad: list[dict]) -> list[str]:
+    """Rename bad data files to ``*.corrupt`` so no later run lists or reuses them."""
+    moved = []
+    for b in bad:
+        path = version.path(b["path"])
+        if storage.exists(version.fs, path):
+            version.fs.move(path, path + ".corrupt")
+            moved.append(b["path"])
+    return moved
+
+
+def _newest_ns(fs: pafs.FileSystem, folder: pafs.FileInfo) -> int:
+    """The latest modification anywhere inside a folder: a run still writing looks young."""
+    inside = fs.get_file_info(pafs.FileSelector(folder.path, recursive=True))
+    return max([folder.mtime_ns or 0] + [i.mtime_ns or 0 for i in inside])
+
+
 def garbage(cache_root: str, keep: Version, min_age_s: float) -> list[str]:
     """Other versions under the cache root, and this version's part folders its manifest does
     not reference (older than ``min_age_s``, so a run still writing is left alone)."""
@@ -83,7 +100,7 @@ def garbage(cache_root: str, keep: Version, min_age_s: float) -> list[str]:
     live = {f["path"].split("/")[1] for f in files if f["path"]}
     runs = keep.fs.get_file_info(pafs.FileSelector(keep.path("parts"), allow_not_found=True))
     cutoff = time.time_ns() - min_age_s * 1e9
-    found += [r.path for r in runs if r.base_name not in live and (r.mtime_ns or 0) < cutoff]
+    found += [r.path for r in runs if r.base_name not in live and _newest_ns(keep.fs, r) < cutoff]
     return sorted(found)
 
 

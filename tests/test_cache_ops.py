@@ -1,0 +1,567 @@
+"""Cache operations as a user runs them: real `raytuner` subprocesses over real files.
+
+Two preprocess runs at once, a driver killed midway, `cache verify [--repair]` and `cache gc`.
+Every CLI call starts its own local Ray (RAY_ADDRESS is removed from its environment) in a
+session of its own, so that every process it started, Ray's included, can be found and,
+if still alive when it should not be, killed by id. Other Ray clusters on the machine are
+never touched (no `ray stop`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+
+from raytuner.config import load_job
+from raytuner.data import cache
+from raytuner.demo_data import make_demo_images
+
+REPO = Path(__file__).resolve().parents[1]
+CLI_TIMEOUT_S = 400
+_SESSIONS: list[int] = []  # session id (= pid of the CLI) of every command started here
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)  # never join somebody else's cluster
+    env["PYTHONFAULTHANDLER"] = "1"  # a native crash prints the Python stacks
+    return env
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _in_session(sid: int) -> list[psutil.Process]:
+    """Live processes of the session a CLI call was started in (the CLI and all it spawned)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                found.append(p)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return _alive(found)
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _reap(sid: int, grace_s: float) -> list[str]:
+    """Wait up to ``grace_s`` for the session to empty, then kill what is left (by pid).
+
+    Returns a description of every process that had to be killed.
+    """
+    deadline = time.monotonic() + grace_s
+    while (left := _in_session(sid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    described = []
+    for p in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            described.append(f"{p.pid} {p.name()}")
+    _kill(left)
+    return described
+
+
+@pytest.fixture(autouse=True)
+def _kill_what_a_test_left_running():
+    """A failing test may leave a CLI (and its Ray) running: end those, and only those."""
+    first = len(_SESSIONS)
+    yield
+    for sid in _SESSIONS[first:]:
+        _reap(sid, grace_s=1.0)
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def lines(self, prefix: str) -> list[str]:
+        return [line for line in self.out.splitlines() if line.startswith(prefix)]
+
+
+def start_cli(logs: Path, *args: str) -> subprocess.Popen:
+    """``python -m raytuner ARGS`` from the repository root, output into files under ``logs``."""
+    logs.mkdir(parents=True, exist_ok=True)
+    n = len(list(logs.glob("*.out")))
+    out, err = logs / f"{n:02d}.out", logs / f"{n:02d}.err"
+    with out.open("w") as fo, err.open("w") as fe:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "raytuner", *args],
+            cwd=REPO,
+            env=_env(),
+            stdout=fo,
+            stderr=fe,
+            start_new_session=True,
+        )
+    _SESSIONS.append(proc.pid)
+    proc.logs = (out, err)  # type: ignore[attr-defined]
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = CLI_TIMEOUT_S) -> Result:
+    """Wait for the command; its Ray must be gone soon after it returns."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _reap(proc.pid, grace_s=0)
+        proc.wait()
+        pytest.fail(f"{proc.args} ran longer than {timeout} s")
+    leaked = _reap(proc.pid, grace_s=20)
+    out, err = (p.read_text() for p in proc.logs)  # type: ignore[attr-defined]
+    assert not leaked, f"{proc.args[3:]} left processes running after it returned: {leaked}"
+    return Result(proc.returncode, out, err)
+
+
+# Now and then (about 1 in 70 runs on a loaded 2-core machine) the interpreter aborts while it
+# exits, after the command has printed everything: a native thread of torch/pyarrow, not Python
+# (compare apache/arrow#34314). A read-only `cache verify` is run again when that happens.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def cli(logs: Path, *args: str) -> Result:
+    result = finish(start_cli(logs, *args))
+    read_only = args[:2] == ("cache", "verify") and "--repair" not in args
+    if read_only and result.code == -signal.SIGABRT and EXIT_ABORT in result.err:
+        print(f"{args}: aborted at exit ({EXIT_ABORT}); running it again")
+        result = finish(start_cli(logs, *args))
+    return result
+
+
+# --- jobs and caches -----------------------------------------------------------------------
+
+
+def write_job(path: Path, images: Path, cache_dir: Path, resolution: int = 64) -> Path:
+    q = json.dumps  # a JSON string of a plain path is a TOML basic string
+    path.write_text(
+        "[model]\n"
+        'family = "sdxl"\n'
+        'pretrained = "tiny"\n'
+        "[data]\n"
+        f"images = {q(str(images))}\n"
+        f"cache = {q(str(cache_dir))}\n"
+        "[preprocess]\n"
+        f"resolution = {resolution}\n"
+        "bucket_step = 16\n"
+        "batch_size = 2\n"
+        "[train]\n"
+        f"output = {q(str(path.parent / 'runs'))}\n"
+    )
+    return path
+
+
+def version_of(job: Path) -> cache.Version:
+    config = load_job(job)
+    return cache.Version(config.data.cache, cache.fingerprint(config.model, config.preprocess))
+
+
+def dataset_of(job: Path) -> cache.CachedDataset:
+    config = load_job(job)
+    return cache.load_cached(config.data.cache, cache.fingerprint(config.model, config.preprocess))
+
+
+def distinct_images(folder: Path) -> dict[str, str]:
+    """content hash -> first relative path (what one trained row per content means)."""
+    out: dict[str, str] = {}
+    for p in sorted(folder.rglob("*.png")):
+        out.setdefault(hashlib.sha256(p.read_bytes()).hexdigest(), p.relative_to(folder).as_posix())
+    return out
+
+
+def check_report(report: dict) -> None:
+    assert report["total"] == (
+        report["encoded"] + report["already_cached"] + report["duplicates"] + len(report["skipped"])
+    ), report
+
+
+def run_folders(version: cache.Version) -> set[str]:
+    return {p.name for p in Path(version.path("parts")).iterdir()}
+
+
+def referenced_runs(manifest: dict) -> set[str]:
+    files = manifest["latents"] + manifest["text"] + [manifest["index"]]
+    return {f["path"].split("/")[1] for f in files}
+
+
+def complete_new_part(version: cache.Version, old_runs: set[str]) -> Path | None:
+    """A latents part file of a run not in ``old_runs`` whose Parquet footer is written."""
+    for p in sorted(Path(version.path("parts")).glob("*/latents/status=ok/*.parquet")):
+        if p.parts[-4] in old_runs:
+            continue
+        try:
+            pq.read_metadata(p)
+        except Exception:  # still being written
+            continue
+        return p
+    return None
+
+
+def latent_of(dataset: cache.CachedDataset, key: str) -> bytes:
+    keys = dataset.latents.column("key").to_pylist()
+    return dataset.latents.column("latent")[keys.index(key)].as_py()
+
+
+def corrupt_latent(version: cache.Version, rel: str) -> tuple[str, bytes]:
+    """Zero 32 bytes in the middle of the first latent of a part file: bit rot that Parquet
+    still reads (zeros are finite values), which only the manifest's sha256 can notice.
+
+    Returns the row's key and its latent bytes before the damage.
+    """
+    path = Path(version.path(rel))
+    table = pq.read_table(path)
+    key, cell = table.column("key")[0].as_py(), table.column("latent")[0].as_py()
+    data = bytearray(path.read_bytes())
+    at = data.find(cell)
+    assert at > 0 and data.find(cell, at + 1) == -1, "latent bytes not found once in the file"
+    middle = at + len(cell) // 2
+    data[middle : middle + 32] = bytes(32)
+    path.write_bytes(bytes(data))
+    damaged = pq.read_table(path)
+    assert damaged.column("latent")[0].as_py() != cell  # the damage is real ...
+    assert damaged.num_rows == table.num_rows  # ... and the file still reads
+    return key, cell
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory) -> Path:
+    """A folder with images/ (6 images) and cache/ holding their committed 64 px version.
+
+    Tests copy the cache (never change this one) and point their job at these images.
+    """
+    root = tmp_path_factory.mktemp("committed")
+    images = make_demo_images(root / "images", per_aspect=2)
+    job = write_job(root / "job.toml", images, root / "cache")
+    done = cli(root / "logs", "preprocess", str(job))
+    assert done.code == 0, done.err[-3000:]
+    return root
+
+
+def copy_committed(committed: Path, tmp_path: Path) -> Path:
+    shutil.copytree(committed / "cache", tmp_path / "cache")
+    return write_job(tmp_path / "job.toml", committed / "images", tmp_path / "cache")
+
+
+# --- 1. two runs at once -------------------------------------------------------------------
+
+
+@pytest.mark.slow  # two runs on 2 cores: 70-120 s
+@pytest.mark.timeout(900)
+def test_two_preprocess_runs_at_once_both_commit_a_valid_cache(tmp_path):
+    images = make_demo_images(tmp_path / "images", per_aspect=2)
+    wanted = distinct_images(images)
+    job = write_job(tmp_path / "job.toml", images, tmp_path / "cache")
+    logs = tmp_path / "logs"
+    reports = [tmp_path / "report-a.json", tmp_path / "report-b.json"]
+
+    start = time.monotonic()
+    runs = [start_cli(logs, "preprocess", str(job), "--report", str(r)) for r in reports]
+    results = [finish(p) for p in runs]
+    print(f"two runs at once took {time.monotonic() - start:.0f} s")
+    for r in results:
+        assert r.code == 0, r.err[-3000:]
+    written = [json.loads(r.read_text()) for r in reports]
+    for report in written:
+        check_report(report)
+        assert report["total"] == len(wanted) and not report["skipped"]
+    print("encoded by each run:", [r["encoded"] for r in written])
+
+    version = version_of(job)
+    manifest = version.manifest()
+    assert manifest is not None
+    assert manifest["report"] in written  # the commit of one of the two runs, whole
+    assert len(run_folders(version)) == 2  # both runs wrote their own parts
+
+    verify = cli(logs, "cache", "verify", str(job))
+    assert verify.code == 0, verify.out + verify.err[-2000:]
+    assert not verify.lines("bad ")
+    assert f"{version.root}: ok" in verify.out
+
+    dataset = dataset_of(job)
+    assert len(dataset) == len(wanted)
+    assert sorted(dataset.index.column("path").to_pylist()) == sorted(wanted.values())
+    assert sorted(dataset.latents.column("key").to_pylist()) == sorted(wanted)
+    buckets = dataset.buckets
+    for bucket in set(buckets):  # every row has its latent and its caption's embeddings
+        rows = [i for i, b in enumerate(buckets) if b == bucket]
+        batch = dataset.batch(rows)
+        assert batch["latent"].shape[0] == len(rows)
+        assert all(batch[n].shape[0] == len(rows) for n in dataset.manifest["text_tensors"])
+
+
+# --- 2. the driver killed midway -----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(tmp_path):
+    images = make_demo_images(tmp_path / "images", per_aspect=2)
+    job = write_job(tmp_path / "job.toml", images, tmp_path / "cache")
+    logs = tmp_path / "logs"
+    first = cli(logs, "preprocess", str(job))
+    assert first.code == 0, first.err[-3000:]
+    version = version_of(job)
+    v1_manifest = Path(version.path(cache.MANIFEST)).read_bytes()
+    v1_rows = len(dataset_of(job))
+    assert v1_rows == len(distinct_images(images)) == 6
+    v1_runs = run_folders(version)
+
+    make_demo_images(images / "more", per_aspect=20, seed=1)  # 60 new images
+    wanted = distinct_images(images)
+    new_images = len(wanted) - v1_rows
+    assert new_images > 50
+
+    # batch_size=1 (not part of the fingerprint: same version) writes one part per image
+    proc = start_cli(logs, "preprocess", str(job), "--set", "preprocess.batch_size=1")
+    driver = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 300
+    while (part := complete_new_part(version, v1_runs)) is None:
+        assert proc.poll() is None, (
+            "preprocess ended before a new part appeared: " + proc.logs[1].read_text()[-3000:]
+        )
+        assert time.monotonic() < deadline, "no new part file within 300 s"
+        time.sleep(0.05)
+    ours = [driver, *driver.children(recursive=True)]  # its local Ray: ours to clean up
+    assert proc.poll() is None, "preprocess finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(3)
+    survivors = _alive(ours) + [p for p in _in_session(proc.pid) if p not in ours]
+    survivors += [c for p in _alive(survivors) for c in p.children(recursive=True)]
+    names = [f"{p.pid} {p.name()}" for p in _alive(survivors)]
+    print(f"killed the driver; of its processes these outlived it by 3 s: {names}")
+    _kill(_alive(survivors))
+    assert not _alive(ours) and not _in_session(proc.pid)
+
+    # The commit is the old one, whole.
+    assert Path(version.path(cache.MANIFEST)).read_bytes() == v1_manifest
+    verify = cli(logs, "cache", "verify", str(job))
+    assert verify.code == 0, verify.out + verify.err[-2000:]
+    assert len(dataset_of(job)) == v1_rows
+    assert part.is_file()
+    pq.read_metadata(part)  # the killed run left complete part files
+    killed_run = part.parts[-4]
+
+    report_path = tmp_path / "report.json"
+    again = cli(logs, "preprocess", str(job), "--report", str(report_path))
+    assert again.code == 0, again.err[-3000:]
+    report = json.loads(report_path.read_text())
+    print("re-run after the kill:", {k: report[k] for k in ("encoded", "already_cached")})
+    check_report(report)
+    assert report["total"] == len(wanted) and report["duplicates"] == 0 and not report["skipped"]
+    assert report["already_cached"] > v1_rows  # it reused what the killed run had finished
+    assert report["encoded"] < new_images
+
+    dataset = dataset_of(job)
+    assert len(dataset) == len(wanted)
+    assert sorted(dataset.latents.column("key").to_pylist()) == sorted(wanted)
+    manifest = version.manifest()
+    assert killed_run in referenced_runs(manifest)
+    verify = cli(logs, "cache", "verify", str(job))
+    assert verify.code == 0, verify.out + verify.err[-2000:]
+    assert not _alive(ours)
+
+
+# --- 3. verify and repair ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_verify_finds_a_corrupt_part_and_repair_reencodes_only_its_rows(committed, tmp_path):
+    job = copy_committed(committed, tmp_path)
+    logs = tmp_path / "logs"
+    version = version_of(job)
+    entry = version.manifest()["latents"][0]
+    total = len(dataset_of(job))
+    key, original = corrupt_latent(version, entry["path"])
+
+    bad = cli(logs, "cache", "verify", str(job))
+    assert bad.code == 1, bad.out + bad.err[-2000:]
+    assert bad.lines("bad ") == [f"bad {entry['path']}: sha256 differs from the manifest"]
+    assert f"{version.root}: 1 bad file(s)" in bad.out
+
+    fixed = cli(logs, "cache", "verify", str(job), "--repair")
+    assert fixed.code == 0, fixed.out + fixed.err[-3000:]
+    assert fixed.lines("bad ") == [f"bad {entry['path']}: sha256 differs from the manifest"]
+    assert fixed.out.rstrip().endswith(f"{version.root}: ok")
+    printed = re.search(r"^\s+encoded\s+(\d+)$", fixed.out, re.MULTILINE)
+    assert printed and int(printed.group(1)) == entry["rows"]
+    report = json.loads(Path(version.path(cache.REPORT)).read_text())
+    check_report(report)
+    assert report["encoded"] == entry["rows"]
+    assert report["already_cached"] == total - entry["rows"]
+    assert entry["path"] not in {f["path"] for f in version.manifest()["latents"]}
+
+    again = cli(logs, "cache", "verify", str(job))
+    assert again.code == 0, again.out + again.err[-2000:]
+    dataset = dataset_of(job)
+    assert len(dataset) == total
+    assert latent_of(dataset, key) == original  # re-encoded, not the damaged bytes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_preprocess_after_repair_does_not_bring_the_damaged_part_back(committed, tmp_path):
+    """Repair must take the damaged file out for good: a later run lists part files anew,
+    and a damaged file still on the list would be committed again with a fresh sha256
+    (verify ok) and trained on."""
+    job = copy_committed(committed, tmp_path)
+    logs = tmp_path / "logs"
+    version = version_of(job)
+    entry = version.manifest()["latents"][0]
+    key, original = corrupt_latent(version, entry["path"])
+    fixed = cli(logs, "cache", "verify", str(job), "--repair")
+    assert fixed.code == 0, fixed.out + fixed.err[-3000:]
+    assert latent_of(dataset_of(job), key) == original
+
+    again = cli(logs, "preprocess", str(job))  # nothing changed: nothing to do
+    assert again.code == 0, again.err[-3000:]
+    verify = cli(logs, "cache", "verify", str(job))
+    assert verify.code == 0, verify.out + verify.err[-2000:]
+    assert latent_of(dataset_of(job), key) == original
+    assert entry["path"] not in {f["path"] for f in version.manifest()["latents"]}
+
+
+@pytest.mark.slow  # only for the committed cache it copies; the commands here start no Ray
+@pytest.mark.timeout(300)
+def test_verify_names_a_deleted_index(committed, tmp_path):
+    job = copy_committed(committed, tmp_path)
+    version = version_of(job)
+    index = version.manifest()["index"]["path"]
+    Path(version.path(index)).unlink()
+    bad = cli(tmp_path / "logs", "cache", "verify", str(job))
+    assert bad.code == 1, bad.out + bad.err[-2000:]
+    assert bad.lines("bad ") == [f"bad {index}: missing"]
+    assert f"{version.root}: 1 bad file(s)" in bad.out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_repair_rebuilds_a_deleted_index(committed, tmp_path):
+    """A lost index only costs re-hashing the images: nothing is re-encoded."""
+    job = copy_committed(committed, tmp_path)
+    logs = tmp_path / "logs"
+    version = version_of(job)
+    total = len(dataset_of(job))
+    Path(version.path(version.manifest()["index"]["path"])).unlink()
+    fixed = cli(logs, "cache", "verify", str(job), "--repair")
+    assert fixed.code == 0, fixed.out + fixed.err[-3000:]
+    report = json.loads(Path(version.path(cache.REPORT)).read_text())
+    check_report(report)
+    assert report["encoded"] == 0 and report["already_cached"] == total
+    again = cli(logs, "cache", "verify", str(job))
+    assert again.code == 0, again.out + again.err[-2000:]
+    assert len(dataset_of(job)) == total
+
+
+# --- 4. gc ---------------------------------------------------------------------------------
+
+
+def _deleted(result: Result) -> set[str]:
+    return {line[len("deleted ") :] for line in result.lines("deleted ")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_gc_deletes_other_versions_and_unreferenced_runs_only(committed, tmp_path):
+    job64 = copy_committed(committed, tmp_path)  # the cache holds the committed 64 px version
+    v64 = version_of(job64)
+    logs = tmp_path / "logs"
+    images = make_demo_images(tmp_path / "images96", per_aspect=2)
+    job96 = write_job(tmp_path / "job96.toml", images, tmp_path / "cache", resolution=96)
+    v96 = version_of(job96)
+    assert v96.fp != v64.fp
+
+    def preprocess() -> str:
+        """Run the 96 px job; return the name of the run folder it created."""
+        before = run_folders(v96) if Path(v96.path("parts")).is_dir() else set()
+        done = cli(logs, "preprocess", str(job96))
+        assert done.code == 0, done.err[-3000:]
+        (created,) = run_folders(v96) - before
+        return created
+
+    base = preprocess()
+    make_demo_images(images / "extra", per_aspect=1, seed=5)
+    extra = preprocess()  # encodes only the 3 extra images
+    shutil.rmtree(images / "extra")
+    last = preprocess()  # the extra images left: their run folder is no longer referenced
+    manifest = v96.manifest()
+    assert manifest["report"]["encoded"] == 0
+    assert referenced_runs(manifest) == {base, last}
+    rows = len(dataset_of(job96))
+    assert rows == len(distinct_images(images))
+
+    gc = cli(logs, "cache", "gc", str(job96), "--min-age-s", "0")
+    assert gc.code == 0, gc.out + gc.err[-2000:]
+    assert _deleted(gc) == {v64.root, v96.path(f"parts/{extra}")}
+    assert not Path(v64.root).exists()
+    assert run_folders(v96) == {base, last}
+    verify = cli(logs, "cache", "verify", str(job96))
+    assert verify.code == 0, verify.out + verify.err[-2000:]
+    assert len(dataset_of(job96)) == rows
+
+    # An unreferenced run folder written just now (a run may be writing it) is young:
+    # the default minimum age (1 h) leaves it alone; --min-age-s 0 does not.
+    fresh = Path(v96.path("parts/zz-still-writing/latents/status=ok"))
+    fresh.mkdir(parents=True)
+    shutil.copy(v96.path(manifest["latents"][0]["path"]), fresh / "x.parquet")
+    kept = cli(logs, "cache", "gc", str(job96))
+    assert kept.code == 0, kept.out + kept.err[-2000:]
+    assert _deleted(kept) == set()
+    assert (fresh / "x.parquet").is_file()
+    swept = cli(logs, "cache", "gc", str(job96), "--min-age-s", "0")
+    assert _deleted(swept) == {v96.path("parts/zz-still-writing")}
+    verify = cli(logs, "cache", "verify", str(job96))
+    assert verify.code == 0, verify.out + verify.err[-2000:]
+
+
+@pytest.mark.slow  # only for the committed cache it copies; gc starts no Ray
+@pytest.mark.timeout(300)
+def test_gc_leaves_a_long_run_that_is_still_writing_alone(committed, tmp_path):
+    """A run folder's own mtime changes only when a direct child is added: a run encoding for
+    longer than the minimum age is still writing deeper down, and must not be deleted."""
+    job = copy_committed(committed, tmp_path)
+    version = version_of(job)
+    manifest = version.manifest()
+    # A run that started 2 h ago and wrote its latest part file just now.
+    run = Path(version.path("parts/20260101-000000-0123abcd"))
+    writing = run / "latents" / "status=ok"
+    writing.mkdir(parents=True)
+    shutil.copy(version.path(manifest["latents"][0]["path"]), writing / "part-0001.parquet")
+    two_hours_ago = time.time() - 7200
+    for folder in (run, run / "latents"):
+        os.utime(folder, (two_hours_ago, two_hours_ago))
+
+    gc = cli(tmp_path / "logs", "cache", "gc", str(job))
+    assert gc.code == 0, gc.out + gc.err[-2000:]
+    assert _deleted(gc) == set()
+    assert (writing / "part-0001.parquet").is_file()
