@@ -107,10 +107,11 @@ def _probe(listing: list[dict], data: DataConfig) -> list[dict]:
 
 
 def _key_info(version: cache.Version, files: list[str], columns: list[str]) -> dict[str, dict]:
+    """key (the first column) -> its row and the first file (in sorted order) that holds it."""
     info = {}
     for rel in files:
         for row in version.read(rel, columns).to_pylist():
-            info.setdefault(row[columns[0]], row)
+            info.setdefault(row[columns[0]], {**row, "file": rel})
     return info
 
 
@@ -210,8 +211,7 @@ def preprocess(
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
     roots = [storage.absolute(s.path) for s in data.all_sources()]
     probed = [{**r, "source_index": r["source"]} for r in _probe(listing, data)]
-    latent_files = version.part_files("latents")
-    available = _key_info(version, latent_files, ["key", "width", "height"])
+    available = _key_info(version, version.part_files("latents"), ["key", "width", "height"])
     p = plan(probed, set(available), roots)
     run = f"parts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
     log.info(
@@ -224,8 +224,7 @@ def preprocess(
     )
     _encode_new(p, _spec(model, data, pre), model, pre, version, run)
 
-    latent_files = version.part_files("latents")
-    available = _key_info(version, latent_files, ["key", "width", "height"])
+    available = _key_info(version, version.part_files("latents"), ["key", "width", "height"])
     indexed = [
         {
             **r,
@@ -237,28 +236,17 @@ def preprocess(
         if r["key"] in available
     ]
     need = {r["caption_key"]: r["caption"] for r in indexed} | {caption_key(""): ""}
-    text_files = version.part_files("text")
-    have = _key_info(version, text_files, ["caption_key", "truncated"])
+    have = _key_info(version, version.part_files("text"), ["caption_key", "truncated"])
     missing = {k: c for k, c in need.items() if k not in have}
     if missing:
         _encode_captions(missing, model, pre, version.path(f"{run}/text"), version.fs)
-        text_files = version.part_files("text")
-        have = _key_info(version, text_files, ["caption_key", "truncated"])
+        have = _key_info(version, version.part_files("text"), ["caption_key", "truncated"])
 
     rep = report(
         len(listing), p, indexed, sum(have[k]["truncated"] for k in need), time.monotonic() - start
     )
-    live_keys = {r["key"] for r in indexed}
-    live_latents = [
-        f
-        for f in latent_files
-        if live_keys & set(version.read(f, ["key"]).column("key").to_pylist())
-    ]
-    live_text = [
-        f
-        for f in text_files
-        if need.keys() & set(version.read(f, ["caption_key"]).column(0).to_pylist())
-    ]
+    live_latents = sorted({available[r["key"]]["file"] for r in indexed})
+    live_text = sorted({have[k]["file"] for k in need})
     manifest = {
         "format_version": cache.FORMAT_VERSION,
         "fingerprint": version.fp,
