@@ -8,8 +8,8 @@ import math
 import os
 import tempfile
 import time
-from collections import defaultdict
 
+import numpy as np
 import pyarrow.parquet as pq
 import torch
 
@@ -17,10 +17,10 @@ from raytuner import runtime
 from raytuner.config import DataConfig, JobConfig
 from raytuner.data import cache
 from raytuner.data.decode import decode_row
-from raytuner.data.preprocess import _spec, preprocess
+from raytuner.data.encode import CaptionEncoder, LatentEncoder
+from raytuner.data.preprocess import decode_spec, preprocess
 from raytuner.data.sources import list_source, probe_row
 from raytuner.data.tensors import DTYPES
-from raytuner.families import get_family
 
 
 def _bench_data(job: JobConfig, images: int, workdir: str) -> DataConfig:
@@ -34,28 +34,32 @@ def _bench_data(job: JobConfig, images: int, workdir: str) -> DataConfig:
 
 
 def _bare(job: JobConfig, data: DataConfig) -> tuple[int, float]:
-    """Decode, VAE-encode and text-encode every image in this process: (images, seconds)."""
-    family, m, pre = get_family(job.model.family), job.model, job.preprocess
-    encode_image = family.image_encoder(m.pretrained, m.revision, "cpu")
-    encode_text = family.text_encoder(m.pretrained, m.revision, "cpu")
+    """Probe, decode and encode every image in this process, with the pipeline's own encoder
+    classes called directly (no Ray): (images encoded, seconds)."""
+    m, pre = job.model, job.preprocess
+    encode_images = LatentEncoder(m.family, m.pretrained, m.revision, pre.dtype, pre.store_std)
+    encode_text = CaptionEncoder(m.family, m.pretrained, m.revision, pre.dtype)
     sources = data.all_sources()
     listing = [{**r, "known_key": ""} for i, s in enumerate(sources) for r in list_source(i, s)]
-    spec = _spec(job.model, data, pre)
+    spec = decode_spec(job.model, data, pre)
     start, done = time.perf_counter(), 0
     for i in range(0, len(listing), pre.batch_size):
         probed = [probe_row(r, sources) for r in listing[i : i + pre.batch_size]]
-        rows = [decode_row(r, spec) for r in probed if not r["reason"]]
-        groups = defaultdict(list)
-        for r in rows:
-            if r["status"] == "ok":
-                groups[(r["height"], r["width"])].append(r)
-        for (h, w), group in groups.items():
-            pixels = [torch.frombuffer(bytearray(r["pixels"]), dtype=torch.uint8) for r in group]
-            x = torch.stack(pixels).reshape(-1, h, w, 3).permute(0, 3, 1, 2).float() / 127.5 - 1
-            encode_image(x)
-            done += len(group)
-        encode_text(sorted({r["caption"] for r in probed if not r["reason"]}))
+        probed = [r for r in probed if not r["reason"]]
+        rows = [decode_row(r, spec) for r in probed]
+        if rows:
+            encoded = encode_images(_columns(rows))
+            done += sum(1 for status in encoded.column("status").to_pylist() if status == "ok")
+            captions = sorted({r["caption"] for r in probed})
+            encode_text(
+                {"caption_key": np.array(captions, object), "caption": np.array(captions, object)}
+            )
     return done, time.perf_counter() - start
+
+
+def _columns(rows: list[dict]) -> dict[str, np.ndarray]:
+    """Rows as the numpy column batch Ray Data hands the encoder actors."""
+    return {k: np.array([r[k] for r in rows], dtype=object) for k in rows[0]}
 
 
 def _latent_bytes(version: cache.Version, manifest: dict) -> tuple[int, int]:

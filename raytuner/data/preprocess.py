@@ -83,17 +83,12 @@ def _listing(data: DataConfig, version: cache.Version) -> list[dict]:
     return rows
 
 
-def _rows(batch: dict) -> list[dict]:
-    """A pyarrow batch as rows (cheaper per row than Ray Data's per-row ``map``)."""
-    return batch.to_pylist()
-
-
 def _probe_batch(batch, sources) -> list[dict]:
-    return pa.Table.from_pylist([probe_row(r, sources) for r in _rows(batch)])
+    return pa.Table.from_pylist([probe_row(r, sources) for r in batch.to_pylist()])
 
 
 def _decode_batch(batch, spec: DecodeSpec) -> pa.Table:
-    return pa.Table.from_pylist([decode_row(r, spec) for r in _rows(batch)])
+    return pa.Table.from_pylist([decode_row(r, spec) for r in batch.to_pylist()])
 
 
 def _probe(listing: list[dict], data: DataConfig) -> list[dict]:
@@ -143,7 +138,7 @@ def _encode_captions(captions: dict[str, str], model, pre, out: str, fs) -> None
     )
 
 
-def _spec(model: ModelConfig, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:
+def decode_spec(model: ModelConfig, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:
     return DecodeSpec(
         roots=[storage.absolute(s.path) for s in data.all_sources()],
         buckets=bucket_sizes(model.family, pre),
@@ -209,7 +204,9 @@ def preprocess(
     listing = _listing(data, version)
     if not listing:
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
-    roots = [storage.absolute(s.path) for s in data.all_sources()]
+    sources = data.all_sources()
+    roots = [storage.absolute(s.path) for s in sources]
+    repeats = [s.repeats for s in sources]
     probed = [{**r, "source_index": r["source"]} for r in _probe(listing, data)]
     available = _key_info(version, version.part_files("latents"), ["key", "width", "height"])
     p = plan(probed, set(available), roots)
@@ -222,7 +219,7 @@ def preprocess(
         version.root,
         run,
     )
-    _encode_new(p, _spec(model, data, pre), model, pre, version, run)
+    _encode_new(p, decode_spec(model, data, pre), model, pre, version, run)
 
     available = _key_info(version, version.part_files("latents"), ["key", "width", "height"])
     indexed = [
@@ -230,7 +227,7 @@ def preprocess(
             **r,
             "caption_key": caption_key(r["caption"]),
             "bucket": f"{available[r['key']]['width']}x{available[r['key']]['height']}",
-            "repeats": data.all_sources()[r["source_index"]].repeats,
+            "repeats": repeats[r["source_index"]],
         }
         for r in p.cached + p.new
         if r["key"] in available
