@@ -156,10 +156,15 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     remainder: str = "drop"
+    micro_batch_size: int = 0  # 0: a rank's whole slice in one pass; else gradient accumulation
+    prefetch: int = 2  # batches a worker assembles ahead of the step
     log_every: int = 10
+    sample_log: bool = False  # write the cache rows of every step under <run>/samples/
 
     def __post_init__(self) -> None:
         _positive("train.max_steps", self.max_steps)
+        _positive("train.micro_batch_size", self.micro_batch_size, zero_ok=True)
+        _positive("train.prefetch", self.prefetch)
         _positive("train.global_batch_size", self.global_batch_size)
         _positive("train.learning_rate", self.learning_rate)
         _positive("train.warmup_steps", self.warmup_steps, zero_ok=True)

@@ -31,6 +31,12 @@ def exists(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 
 
+def listdir(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo]:
+    """The entries directly under ``path``, sorted by name."""
+    infos = fs.get_file_info(pafs.FileSelector(path))
+    return sorted(infos, key=lambda info: info.path)
+
+
 def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
     with fs.open_input_stream(path) as f:
         return f.read()

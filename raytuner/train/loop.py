@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
@@ -13,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from raytuner.config import CheckpointConfig, LoraConfig, ModelConfig, TrainConfig
-from raytuner.data.cache import CachedDataset, load_cached
+from raytuner.data.cache import load_cached
 from raytuner.families import get_family
 from raytuner.train import state as ckpt
-from raytuner.train.schedule import epoch_batches, rank_slice, sample_seed
+from raytuner.train.feed import Batch, Feed
+from raytuner.train.samples import SampleLog, attempt_id
 
 log = logging.getLogger("raytuner.train")
 
@@ -31,59 +33,62 @@ class LoopConfig:
     checkpoint: CheckpointConfig
     cache: str
     fingerprint: str
-
-
-class Feed:
-    """This rank's slice of the global schedule, from a cursor (epoch, next global batch)."""
-
-    def __init__(self, data: CachedDataset, train: TrainConfig, rank: int, world: int, device):
-        self.data, self.train, self.rank, self.world, self.device = data, train, rank, world, device
-        # a source's repeats are repeated appearances of its rows in the schedule
-        self.rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
-        buckets = data.buckets
-        self.buckets = [buckets[i] for i in self.rows]
-        self._epoch, self._batches = -1, []
-
-    def next(self, st: ckpt.TrainState) -> tuple[dict, list[torch.Generator]]:
-        """The batch at the cursor in ``st``, which is moved to the following global batch."""
-        if self._epoch != st.epoch:
-            t = self.train
-            self._batches = epoch_batches(
-                self.buckets, t.seed, st.epoch, t.global_batch_size, t.remainder
-            )
-            self._epoch = st.epoch
-        global_batch = self._batches[st.index]
-        start, stop = rank_slice(global_batch, self.rank, self.world)
-        seeds = [sample_seed(self.train.seed, st.epoch, st.index, p) for p in range(start, stop)]
-        generators = [torch.Generator().manual_seed(s) for s in seeds]
-        rows = [self.rows[j] for j in global_batch[start:stop]]
-        batch = {k: v.to(self.device) for k, v in self.data.batch(rows).items()}
-        st.index += 1
-        if st.index == len(self._batches):
-            st.epoch, st.index = st.epoch + 1, 0
-        return batch, generators
-
-
-def _global_mean(per_sample_sum: torch.Tensor, global_batch_size: int) -> float:
-    total = per_sample_sum.detach().clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total)
-    return total.item() / global_batch_size
+    run_dir: str  # <train.output>/<run name>
 
 
 class Meter:
-    """Mean loss and throughput over the steps since the last flush."""
+    """Loss, throughput and data wait over the steps since the last flush. The loss stays on the
+    device until the flush, so steps do not synchronise with the host to log it."""
 
-    def __init__(self) -> None:
-        self.losses: list[float] = []
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss_sum, self.steps = torch.zeros((), device=self.device), 0
         self.tick = time.perf_counter()
 
-    def flush(self, samples_per_step: int) -> tuple[float, float]:
+    def add(self, loss_sum: torch.Tensor) -> None:
+        self.loss_sum += loss_sum
+        self.steps += 1
+
+    def flush(self, global_batch_size: int, wait_s: float) -> dict[str, float]:
+        """Means over the window, across ranks for the loss; ``wait_s``: this rank's data wait."""
         seconds = time.perf_counter() - self.tick
-        mean = sum(self.losses) / len(self.losses)
-        rate = len(self.losses) * samples_per_step / seconds
-        self.losses, self.tick = [], time.perf_counter()
-        return mean, rate
+        total = self.loss_sum.detach().clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total)
+        samples = self.steps * global_batch_size
+        out = {
+            "loss": total.item() / samples,
+            "samples_per_s": samples / seconds,
+            "step_time_s": seconds / self.steps,
+            "data_wait_fraction": wait_s / seconds,
+        }
+        self._reset()
+        return out
+
+
+def _step(model, loss_fn, batch: Batch, device, micro_batch_size: int, scale: float):
+    """Forward and backward over this rank's slice, in micro-batches (gradient accumulation,
+    synchronised across ranks on the last one only); returns the slice's loss sum."""
+    tensors = {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}
+    n = len(batch.seeds)
+    size = micro_batch_size or n
+    total = torch.zeros((), device=device)
+    for a in range(0, n, size):
+        last = a + size >= n
+        no_sync = getattr(model, "no_sync", None)
+        sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
+        generators = [torch.Generator().manual_seed(s) for s in batch.seeds[a : a + size]]
+        with sync:
+            per_sample = loss_fn(
+                model, {k: v[a : a + size] for k, v in tensors.items()}, generators
+            )
+            # DDP averages gradients over ranks: scaled, the update is the global batch's mean
+            (per_sample.sum() * scale).backward()
+        total += per_sample.detach().sum()
+    return total
 
 
 def _report(cfg: LoopConfig, st: ckpt.TrainState, metrics: dict, model, opt, sched, family):
@@ -105,57 +110,87 @@ def _quiet_ray_train_reports() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
+def _restore(denoiser, opt, sched, rank: int) -> ckpt.TrainState:
+    if (restored := ray.train.get_checkpoint()) is None:
+        return ckpt.TrainState()
+    with restored.as_directory() as directory:
+        st = ckpt.load_checkpoint(directory, denoiser, opt, sched)
+    log.info("rank %d resumed at step %d (epoch %d, batch %d)", rank, st.step, st.epoch, st.index)
+    return st
+
+
+def _feed(cfg: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
+    t = cfg.train
+    return Feed(
+        load_cached(cfg.cache, cfg.fingerprint),
+        seed=t.seed,
+        global_batch_size=t.global_batch_size,
+        remainder=t.remainder,
+        rank=rank,
+        world=world,
+        prefetch=t.prefetch,
+        pin=device.type == "cuda",
+    )
+
+
+def _log(cfg: LoopConfig, st: ckpt.TrainState, m: dict, lr: float) -> None:
+    log.info(
+        "step %d/%d loss %.4f lr %.2e %.1f samples/s data wait %.1f%%",
+        st.step,
+        cfg.train.max_steps,
+        m["loss"],
+        lr,
+        m["samples_per_s"],
+        100 * m["data_wait_fraction"],
+    )
+
+
+def _window_ends(cfg: LoopConfig, step: int) -> bool:
+    every = (cfg.train.log_every, cfg.checkpoint.every_steps)
+    return step == cfg.train.max_steps or any(step % n == 0 for n in every)
+
+
+def _end_window(cfg: LoopConfig, st, meter: Meter, feed: Feed, samples: SampleLog, lr) -> dict:
+    """Close the metrics window: log on rank 0, write the sample log, return the metrics."""
+    metrics = meter.flush(cfg.train.global_batch_size, feed.wait_s)
+    feed.wait_s, st.loss = 0.0, metrics["loss"]
+    st.first_loss = st.loss if st.first_loss is None else st.first_loss
+    if ray.train.get_context().get_world_rank() == 0:
+        _log(cfg, st, metrics, lr)
+    samples.flush()
+    return metrics | {"step": st.step, "epoch": st.epoch, "first_loss": st.first_loss, "lr": lr}
+
+
 def train_loop(config: dict) -> None:
     cfg = LoopConfig(**config)
     _quiet_ray_train_reports()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    family, device = get_family(cfg.model.family), ray.train.torch.get_device()
-    torch.manual_seed(cfg.train.seed)  # the same LoRA init on every rank
+    family, device, t = get_family(cfg.model.family), ray.train.torch.get_device(), cfg.train
+    torch.manual_seed(t.seed)  # the same LoRA init on every rank
     denoiser = family.denoiser(cfg.model.pretrained, cfg.model.revision)
     params = ckpt.add_lora(denoiser, cfg.lora, family.lora_targets)
-    opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
-    warmup = max(cfg.train.warmup_steps, 1)
+    opt = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    warmup = max(t.warmup_steps, 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    st = ckpt.TrainState()
-    if (restored := ray.train.get_checkpoint()) is not None:
-        with restored.as_directory() as directory:
-            st = ckpt.load_checkpoint(directory, denoiser, opt, sched)
-        log.info(
-            "rank %d resumed at step %d (epoch %d, batch %d)", rank, st.step, st.epoch, st.index
-        )
+    st = _restore(denoiser, opt, sched, rank)
     model = ray.train.torch.prepare_model(denoiser)
     loss_fn = family.loss(cfg.model.pretrained, cfg.model.revision)
-    feed = Feed(load_cached(cfg.cache, cfg.fingerprint), cfg.train, rank, world, device)
-    gbs, meter = cfg.train.global_batch_size, Meter()
-    while st.step < cfg.train.max_steps:
-        batch, generators = feed.next(st)
-        per_sample = loss_fn(model, batch, generators)
-        # DDP averages gradients over ranks: scale so the update is the mean over the global batch
-        (per_sample.sum() * world / gbs).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
-        opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
-        st.step += 1
-        meter.losses.append(_global_mean(per_sample.sum(), gbs))
-        log_due = st.step % cfg.train.log_every == 0 or st.step == cfg.train.max_steps
-        if log_due or st.step % cfg.checkpoint.every_steps == 0:
-            st.loss, rate = meter.flush(gbs)
-            st.first_loss = st.loss if st.first_loss is None else st.first_loss
-            if rank == 0:
-                log.info(
-                    "step %d/%d loss %.4f lr %.2e %.1f samples/s",
-                    st.step,
-                    cfg.train.max_steps,
-                    st.loss,
-                    sched.get_last_lr()[0],
-                    rate,
-                )
-            metrics = {
-                "step": st.step,
-                "loss": st.loss,
-                "first_loss": st.first_loss,
-                "epoch": st.epoch,
-                "samples_per_s": rate,
-            }
-            _report(cfg, st, metrics, denoiser, opt, sched, family)
+    feed = _feed(cfg, rank, world, device).start(st.epoch, st.index)
+    samples = SampleLog(cfg.run_dir if t.sample_log else None, attempt_id(), rank, world)
+    meter = Meter(device)
+    try:
+        while st.step < t.max_steps:
+            batch = feed.next(st.epoch, st.index)
+            scale = world / t.global_batch_size
+            meter.add(_step(model, loss_fn, batch, device, t.micro_batch_size, scale))
+            torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+            opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
+            st.step, (st.epoch, st.index) = st.step + 1, batch.after()
+            samples.add(st.step, batch.epoch, batch.index, batch.ids)
+            if _window_ends(cfg, st.step):
+                metrics = _end_window(cfg, st, meter, feed, samples, sched.get_last_lr()[0])
+                _report(cfg, st, metrics, denoiser, opt, sched, family)
+    finally:
+        feed.close()

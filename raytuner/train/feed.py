@@ -1,0 +1,122 @@
+"""A rank's slice of the global schedule, assembled ahead of the step by a background thread.
+
+The cursor (epoch, next global batch) is ours, not a data iterator's: Ray 2.60's iterators
+restart at the epoch start after a failure, so resuming mid-epoch exactly needs our own. The
+thread walks the same deterministic schedule from the cursor, reads the rows from the cache and
+stacks them into tensors (pinned when training on a GPU), so the step only waits when the
+reads are slower than the step itself; that wait is measured.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from raytuner.data.cache import CachedDataset
+from raytuner.train.schedule import epoch_batches, rank_slice, sample_seed
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's inputs on this rank, and where in the schedule they came from."""
+
+    epoch: int
+    index: int  # global batch index within the epoch
+    count: int  # global batches in the epoch
+    tensors: dict[str, torch.Tensor]
+    seeds: list[int]  # per-sample noise seeds, the same whatever rank trains the sample
+    ids: list[str]  # the cache rows (source path) of this rank's slice, in order
+
+    def after(self) -> tuple[int, int]:
+        """The cursor after this batch: the next global batch, or the next epoch's first."""
+        if self.index + 1 == self.count:
+            return self.epoch + 1, 0
+        return self.epoch, self.index + 1
+
+
+class Feed:
+    """Batches for one rank from a cursor onwards; ``next`` hands them out in schedule order."""
+
+    def __init__(
+        self,
+        data: CachedDataset,
+        *,
+        seed: int,
+        global_batch_size: int,
+        remainder: str,
+        rank: int,
+        world: int,
+        prefetch: int,
+        pin: bool,
+    ) -> None:
+        self.data, self.seed, self.gbs, self.remainder = data, seed, global_batch_size, remainder
+        self.rank, self.world, self.pin = rank, world, pin
+        # a source's repeats are repeated appearances of its rows in the schedule
+        self.rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
+        buckets = data.buckets
+        self.buckets = [buckets[i] for i in self.rows]
+        paths = data.index.column("path").to_pylist()
+        self.paths = [paths[i] for i in self.rows]
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.wait_s = 0.0  # time ``next`` spent waiting for the thread, since the last reset
+
+    def epoch(self, epoch: int) -> list[list[int]]:
+        return epoch_batches(self.buckets, self.seed, epoch, self.gbs, self.remainder)
+
+    def assemble(self, epoch: int, index: int, batches: list[list[int]]) -> Batch:
+        global_batch = batches[index]
+        start, stop = rank_slice(global_batch, self.rank, self.world)
+        mine = global_batch[start:stop]
+        tensors = self.data.batch([self.rows[j] for j in mine])
+        if self.pin:
+            tensors = {k: v.pin_memory() for k, v in tensors.items()}
+        seeds = [sample_seed(self.seed, epoch, index, p) for p in range(start, stop)]
+        return Batch(epoch, index, len(batches), tensors, seeds, [self.paths[j] for j in mine])
+
+    def _produce(self, epoch: int, index: int) -> None:
+        try:
+            while not self._stop.is_set():
+                batches = self.epoch(epoch)
+                for i in range(index, len(batches)):
+                    item = self.assemble(epoch, i, batches)
+                    while not self._stop.is_set():
+                        try:
+                            self._queue.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                epoch, index = epoch + 1, 0
+        except BaseException as e:  # handed to the training thread, which raises it
+            self._queue.put(e)
+
+    def start(self, epoch: int, index: int) -> Feed:
+        self._thread = threading.Thread(
+            target=self._produce, args=(epoch, index), name="raytuner-feed", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def next(self, epoch: int, index: int) -> Batch:
+        """The batch at cursor (epoch, index); the caller moves its cursor past it."""
+        tick = time.perf_counter()
+        item = self._queue.get()
+        self.wait_s += time.perf_counter() - tick
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"reading the batch at epoch {epoch}, batch {index}") from item
+        if (item.epoch, item.index) != (epoch, index):
+            raise RuntimeError(
+                f"feed out of step: batch ({item.epoch}, {item.index}) for cursor "
+                f"({epoch}, {index})"
+            )
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

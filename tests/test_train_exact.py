@@ -1,0 +1,221 @@
+"""The global schedule in real Ray Train runs (2 gloo workers on CPU): a skewed bucket
+distribution cannot hang DDP, a SIGKILLed worker resumes exactly, and the world size changes
+neither the samples trained at each step nor the weights.
+
+Every run writes the sample log (`train.sample_log`): which cache rows each rank trained at
+each step, per attempt (a restart is a new attempt). An uninterrupted 2-worker run is the
+reference the other runs are compared with, step by step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from raytuner.config import load_job
+from raytuner.data import cache
+from raytuner.data.preprocess import preprocess
+from raytuner.train import samples
+from raytuner.train.trainer import train
+
+STEPS = 12
+# 9 + 3 + 1 rows: with 4 samples per global batch and per-rank bucketing, two ranks would end
+# the epoch after different numbers of steps; the global schedule pads the small buckets.
+SHAPES = {"square": ((64, 64), 9), "wide": ((96, 64), 3), "tall": ((64, 112), 1)}
+
+JOB = """
+[model]
+family = "sdxl"
+pretrained = "tiny"
+
+[data]
+images = "{root}/images"
+cache = "{root}/cache"
+
+[preprocess]
+resolution = 64
+bucket_step = 16
+batch_size = 16
+
+[train]
+output = "{root}/runs"
+max_steps = {steps}
+global_batch_size = 4
+remainder = "pad"
+learning_rate = 1e-2
+log_every = 1
+sample_log = true
+
+[scaling]
+workers = 2
+cpus_per_worker = 0.5
+
+[checkpoint]
+every_steps = 4
+keep = 2
+max_failures = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def job_file(ray_local, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("exact")
+    rng = np.random.default_rng(0)
+    (root / "images").mkdir()
+    for kind, (size, count) in SHAPES.items():
+        for i in range(count):
+            pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / "images" / f"{kind}{i}.png")
+            (root / "images" / f"{kind}{i}.txt").write_text(f"a noisy {kind} picture {i}")
+    path = root / "job.toml"
+    path.write_text(JOB.format(root=root, steps=STEPS))
+    job = load_job(path)
+    report = preprocess(job.model, job.data, job.preprocess)
+    assert report["encoded"] == sum(n for _, n in SHAPES.values())
+    return path
+
+
+_RUNS: dict[str, tuple[dict, str]] = {}
+
+
+def run(job_file: Path, name: str, *overrides: str) -> tuple[dict, str]:
+    """Train (or resume) run ``name``; returns the summary and the run directory."""
+    job = load_job(job_file, [f'train.name="{name}"', *overrides])
+    summary = train(job)
+    return summary, f"{job.train.output}/{name}"
+
+
+def reference(job_file: Path) -> tuple[dict, str]:
+    """The uninterrupted 2-worker run, trained once per module."""
+    if "reference" not in _RUNS:
+        _RUNS["reference"] = run(job_file, "reference")
+    return _RUNS["reference"]
+
+
+def weights(summary: dict) -> dict[str, torch.Tensor]:
+    return load_file(summary["lora"])
+
+
+def assert_same_weights(a: dict, b: dict, tolerance: float) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        change = (wa[key] - wb[key]).norm() / wa[key].norm().clamp_min(1e-12)
+        assert change <= tolerance, f"{key}: relative difference {change:.2e}"
+
+
+def buckets_of(job_file: Path) -> dict[str, str]:
+    job = load_job(job_file)
+    data = cache.load_cached(job.data.cache, cache.fingerprint(job.model, job.preprocess))
+    return dict(zip(data.index.column("path").to_pylist(), data.buckets, strict=True))
+
+
+@pytest.mark.timeout(300)  # a rank waiting in a collective for the other would hang: fail instead
+def test_skewed_buckets_give_every_rank_the_same_steps_and_shapes(job_file):
+    summary, run_dir = reference(job_file)
+    assert summary["step"] == STEPS
+    bucket = buckets_of(job_file)
+    assert sorted(Counter(bucket.values()).values()) == [1, 3, 9]
+
+    (attempt,) = samples.read_attempts(run_dir)  # no restart
+    assert sorted(attempt) == list(range(1, STEPS + 1))
+    for step, ranks in attempt.items():
+        assert sorted(ranks) == [0, 1], f"step {step}: ranks {sorted(ranks)}"
+        assert [len(ranks[r]["ids"]) for r in (0, 1)] == [2, 2]
+        shapes = {bucket[i] for r in (0, 1) for i in ranks[r]["ids"]}
+        assert len(shapes) == 1, f"step {step} mixes buckets {shapes}"
+
+    # 9, 3 and 1 rows padded to whole batches of 4: 3 + 1 + 1 = 5 global batches per epoch
+    trained = samples.trained(run_dir)
+    epochs = [[i for s in range(e * 5 + 1, e * 5 + 6) for i in trained[s]] for e in (0, 1)]
+    for ids in epochs:
+        assert set(ids) == set(bucket), "a row was never trained in an epoch"
+        padding = Counter(ids) - Counter(bucket.keys())
+        assert sum(padding.values()) == 20 - 13
+    assert epochs[0] != epochs[1], "the second epoch should be reshuffled"
+
+
+def _workers_of_this_test() -> list[psutil.Process]:
+    """The Ray Train worker processes of the local Ray this test process started."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _kill_a_worker_after(run_dir: str, step: int, killed: list) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        attempts = samples.read_attempts(run_dir)
+        if attempts and max(attempts[0], default=0) >= step:
+            victim = _workers_of_this_test()[-1]
+            victim.send_signal(signal.SIGKILL)
+            killed.append((victim.pid, max(attempts[0])))
+            return
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(600)
+def test_sigkilled_worker_resumes_exactly_where_the_checkpoint_left_off(job_file):
+    expected, reference_dir = reference(job_file)
+    run_dir = str(load_job(job_file).train.output) + "/killed"
+    killed: list = []
+    killer = threading.Thread(target=_kill_a_worker_after, args=(run_dir, 6, killed))
+    killer.start()
+    summary, _ = run(job_file, "killed")
+    killer.join()
+    assert killed, "the run finished before a worker could be killed"
+    pid, at_step = killed[0]
+    print(f"killed worker pid {pid} after step {at_step}")
+
+    first, second = samples.read_attempts(run_dir)[:2]
+    resumed_from = min(second) - 1
+    assert resumed_from % 4 == 0 and 0 < resumed_from <= at_step, "resume not at a checkpoint"
+    assert summary["step"] == STEPS
+    assert samples.trained(run_dir) == samples.trained(reference_dir)
+    # the redone steps trained the same rows as before the kill
+    for step in set(first) & set(second):
+        assert first[step] == second[step] or len(first[step]) < 2
+    assert_same_weights(summary, expected, tolerance=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_one_two_and_three_workers_train_the_same_weights(job_file):
+    expected, reference_dir = reference(job_file)
+    one, one_dir = run(job_file, "one", "scaling.workers=1", "train.micro_batch_size=3")
+    three, three_dir = run(job_file, "three", "scaling.workers=3")
+    for summary, run_dir in ((one, one_dir), (three, three_dir)):
+        assert samples.trained(run_dir) == samples.trained(reference_dir)
+        assert_same_weights(summary, expected, tolerance=1e-4)
+    slices = samples.read_attempts(three_dir)[0][1]
+    assert [len(slices[r]["ids"]) for r in (0, 1, 2)] == [2, 1, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_on_fewer_workers_continues_at_the_next_global_batch(job_file):
+    expected, reference_dir = reference(job_file)
+    half, run_dir = run(job_file, "shrink", "train.max_steps=3")
+    assert half["step"] == 3 and (half["epoch"], half["index"]) == (0, 3)  # mid-epoch
+    final, _ = run(job_file, "shrink", "scaling.workers=1")
+    assert final["step"] == STEPS
+    first, second = samples.read_attempts(run_dir)
+    assert (sorted(first), min(second)) == ([1, 2, 3], 4)
+    assert {r["world"] for ranks in second.values() for r in ranks.values()} == {1}
+    assert samples.trained(run_dir) == samples.trained(reference_dir)
+    assert_same_weights(final, expected, tolerance=1e-4)
