@@ -49,7 +49,13 @@ def _parser() -> argparse.ArgumentParser:
                 "gc": "delete other cache versions and unreferenced part files",
             },
         ),
-        ("bench", {"preprocess": "images/s of the pipeline against a bare loop"}),
+        (
+            "bench",
+            {
+                "preprocess": "images/s of the pipeline against a bare loop",
+                "train": "samples/s of one training worker against a bare loop",
+            },
+        ),
     ]:
         group_parser = sub.add_parser(group, help=f"{group} commands")
         group_sub = group_parser.add_subparsers(dest="action", required=True)
@@ -67,7 +73,10 @@ def _parser() -> argparse.ArgumentParser:
                 )
             if group == "bench":
                 cmd.add_argument("--json", action="store_true", help="print one JSON object")
+            if action == "preprocess":
                 cmd.add_argument("--images", type=int, default=192, help="synthetic image count")
+            if action == "train":
+                cmd.add_argument("--steps", type=int, default=20, help="measured steps")
     return p
 
 
@@ -160,10 +169,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(job.to_dict(), indent=2))
     if args.command == "cache":
         return do_cache(job, args)
-    if args.command == "bench":
+    if args.command == "bench" and args.action == "preprocess":
         from raytuner.bench import bench_preprocess
 
         bench_preprocess(job, args.images, args.json)
+    if args.command == "bench" and args.action == "train":
+        from raytuner.train.bench import bench_train
+
+        bench_train(job, args.steps, args.json)
     if args.command in ("preprocess", "run"):
         do_preprocess(job, args.report)
     if args.command in ("train", "run"):

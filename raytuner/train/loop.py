@@ -158,7 +158,8 @@ def _end_window(cfg: LoopConfig, st, meter: Meter, feed: Feed, samples: SampleLo
     if ray.train.get_context().get_world_rank() == 0:
         _log(cfg, st, metrics, lr)
     samples.flush()
-    return metrics | {"step": st.step, "epoch": st.epoch, "first_loss": st.first_loss, "lr": lr}
+    position = {"step": st.step, "epoch": st.epoch, "first_loss": st.first_loss}
+    return metrics | position | {"lr": lr, "threads": torch.get_num_threads()}
 
 
 def train_loop(config: dict) -> None:

@@ -102,4 +102,4 @@ def train(job: JobConfig) -> dict:
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training run {name} ended without a checkpoint")
-    return export_final(result.checkpoint, job.train.output, name)
+    return export_final(result.checkpoint, job.train.output, name) | {"metrics": result.metrics}

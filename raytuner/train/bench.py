@@ -1,0 +1,104 @@
+"""`raytuner bench train`: one Ray Train worker on the cached dataset against a bare loop.
+
+Both sides train the same LoRA on the same denoiser with the same global batches of the same
+cached tensors and the same torch thread count; each is timed over ``steps`` steps after
+``steps`` warm-up steps. The bare loop has every batch in memory before the clock starts, so
+the ratio charges raytuner with everything it adds: Ray Train, the cache reads, the prefetch
+thread, the metrics and the reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from raytuner import runtime
+from raytuner.config import JobConfig
+from raytuner.data.cache import fingerprint, load_cached, read_manifest
+from raytuner.data.preprocess import preprocess
+from raytuner.families import get_family
+from raytuner.train.schedule import epoch_batches, sample_seed
+from raytuner.train.state import add_lora
+
+
+def _one_worker_job(job: JobConfig, steps: int, output: str) -> JobConfig:
+    """The job trained by one worker for two windows of ``steps``; the second is measured."""
+    return dataclasses.replace(
+        job,
+        train=dataclasses.replace(
+            job.train, output=output, name="bench", max_steps=2 * steps, log_every=steps
+        ),
+        scaling=dataclasses.replace(job.scaling, workers=1),
+        checkpoint=dataclasses.replace(job.checkpoint, every_steps=2 * steps, resume=True),
+    )
+
+
+def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
+    """The first ``count`` global batches of the schedule as tensors, with their noise seeds."""
+    data = load_cached(job.data.cache, fingerprint(job.model, job.preprocess))
+    rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
+    buckets = [data.buckets[i] for i in rows]
+    t, out, epoch = job.train, [], 0
+    while len(out) < count:
+        batches = epoch_batches(buckets, t.seed, epoch, t.global_batch_size, t.remainder)
+        for index, batch in enumerate(batches[: count - len(out)]):
+            seeds = [sample_seed(t.seed, epoch, index, p) for p in range(len(batch))]
+            out.append((data.batch([rows[j] for j in batch]), seeds))
+        epoch += 1
+    return out
+
+
+def bare_loop(job: JobConfig, steps: int, threads: int) -> float:
+    """Samples/s of a plain single-process loop over the same batches (no Ray)."""
+    torch.set_num_threads(threads)
+    family, t = get_family(job.model.family), job.train
+    torch.manual_seed(t.seed)
+    denoiser = family.denoiser(job.model.pretrained, job.model.revision)
+    params = add_lora(denoiser, job.lora, family.lora_targets)
+    opt = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    loss_fn = family.loss(job.model.pretrained, job.model.revision)
+    batches = _batches(job, 2 * steps)
+    start = 0.0
+    for i, (batch, seeds) in enumerate(batches):
+        if i == steps:
+            start = time.perf_counter()
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        loss_fn(denoiser, batch, generators).mean().backward()
+        torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return steps * t.global_batch_size / (time.perf_counter() - start)
+
+
+def bench_train(job: JobConfig, steps: int, as_json: bool) -> dict:
+    from raytuner.train.trainer import train
+
+    runtime.connect()
+    if read_manifest(job.data.cache, fingerprint(job.model, job.preprocess)) is None:
+        preprocess(job.model, job.data, job.preprocess)
+    with tempfile.TemporaryDirectory(prefix="raytuner-bench-train-") as output:
+        metrics = train(_one_worker_job(job, steps, output))["metrics"]
+    threads = int(metrics["threads"])
+    bare = bare_loop(job, steps, threads)
+    result = {
+        "samples_per_s": round(metrics["samples_per_s"], 2),
+        "bare_samples_per_s": round(bare, 2),
+        "ratio": round(metrics["samples_per_s"] / bare, 3),
+        "data_wait_fraction": round(metrics["data_wait_fraction"], 4),
+        "step_time_s": round(metrics["step_time_s"], 4),
+        "global_batch_size": job.train.global_batch_size,
+        "measured_steps": steps,
+        "threads": threads,
+        "cpus": os.cpu_count(),
+    }
+    if as_json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:<22}{value}")
+    return result
