@@ -22,7 +22,7 @@ from raytuner.config import JobConfig
 from raytuner.data.cache import fingerprint, load_cached, read_manifest
 from raytuner.data.preprocess import preprocess
 from raytuner.families import get_family
-from raytuner.train.schedule import epoch_batches, sample_seed
+from raytuner.train.feed import Feed
 from raytuner.train.state import add_lora
 
 
@@ -40,15 +40,23 @@ def _one_worker_job(job: JobConfig, steps: int, output: str) -> JobConfig:
 
 def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
     """The first ``count`` global batches of the schedule as tensors, with their noise seeds."""
-    data = load_cached(job.data.cache, fingerprint(job.model, job.preprocess))
-    rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
-    buckets = [data.buckets[i] for i in rows]
-    t, out, epoch = job.train, [], 0
+    t = job.train
+    feed = Feed(
+        load_cached(job.data.cache, fingerprint(job.model, job.preprocess)),
+        seed=t.seed,
+        global_batch_size=t.global_batch_size,
+        remainder=t.remainder,
+        rank=0,
+        world=1,
+        prefetch=1,
+        pin=False,
+    )
+    out, epoch = [], 0
     while len(out) < count:
-        batches = epoch_batches(buckets, t.seed, epoch, t.global_batch_size, t.remainder)
-        for index, batch in enumerate(batches[: count - len(out)]):
-            seeds = [sample_seed(t.seed, epoch, index, p) for p in range(len(batch))]
-            out.append((data.batch([rows[j] for j in batch]), seeds))
+        batches = feed.epoch(epoch)
+        for index in range(min(len(batches), count - len(out))):
+            batch = feed.assemble(epoch, index, batches)
+            out.append((batch.tensors, batch.seeds))
         epoch += 1
     return out
 
