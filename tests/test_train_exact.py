@@ -9,6 +9,7 @@ reference the other runs are compared with, step by step.
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -22,7 +23,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from raytuner.config import load_job
+from raytuner.config import ConfigError, load_job
 from raytuner.data import cache
 from raytuner.data.preprocess import preprocess
 from raytuner.train import samples
@@ -158,13 +159,17 @@ def _workers_of_this_test() -> list[psutil.Process]:
 
 
 def _kill_a_worker_after(run_dir: str, step: int, killed: list) -> None:
+    """SIGKILL a worker once the first attempt logged ``step``; then time until the restarted
+    group has trained its first step."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         attempts = samples.read_attempts(run_dir)
-        if attempts and max(attempts[0], default=0) >= step:
+        if not killed and attempts and max(attempts[0], default=0) >= step:
             victim = _workers_of_this_test()[-1]
             victim.send_signal(signal.SIGKILL)
-            killed.append((victim.pid, max(attempts[0])))
+            killed.append((victim.pid, max(attempts[0]), time.monotonic()))
+        if killed and len(attempts) > 1:
+            killed.append(time.monotonic() - killed[0][2])
             return
         time.sleep(0.02)
 
@@ -179,8 +184,9 @@ def test_sigkilled_worker_resumes_exactly_where_the_checkpoint_left_off(job_file
     summary, _ = run(job_file, "killed")
     killer.join()
     assert killed, "the run finished before a worker could be killed"
-    pid, at_step = killed[0]
-    print(f"killed worker pid {pid} after step {at_step}")
+    (pid, at_step, _), *recovery = killed
+    assert recovery, "no step was trained after the kill"
+    print(f"killed worker pid {pid} after step {at_step}; training again {recovery[0]:.1f} s later")
 
     first, second = samples.read_attempts(run_dir)[:2]
     resumed_from = min(second) - 1
@@ -208,14 +214,28 @@ def test_one_two_and_three_workers_train_the_same_weights(job_file):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_resume_on_fewer_workers_continues_at_the_next_global_batch(job_file):
+def test_resume_on_fewer_workers_past_a_corrupt_checkpoint_continues_exactly(job_file):
     expected, reference_dir = reference(job_file)
-    half, run_dir = run(job_file, "shrink", "train.max_steps=3")
-    assert half["step"] == 3 and (half["epoch"], half["index"]) == (0, 3)  # mid-epoch
+    half, run_dir = run(job_file, "shrink", "train.max_steps=6")
+    assert half["step"] == 6
+    # the newest checkpoint (step 6) is damaged: the resume must fall back to step 4, which is
+    # mid-epoch (5 global batches an epoch), and still train every later batch exactly once
+    newest = sorted(p for p in Path(run_dir).glob("checkpoint_*") if p.is_dir())[-1]
+    assert '"step": 6' in (newest / "state.json").read_text()
+    (newest / "adapter.safetensors").write_bytes(b"not a safetensors file")
     final, _ = run(job_file, "shrink", "scaling.workers=1")
     assert final["step"] == STEPS
     first, second = samples.read_attempts(run_dir)
-    assert (sorted(first), min(second)) == ([1, 2, 3], 4)
+    assert (sorted(first), min(second)) == ([1, 2, 3, 4, 5, 6], 5)
     assert {r["world"] for ranks in second.values() for r in ranks.values()} == {1}
     assert samples.trained(run_dir) == samples.trained(reference_dir)
     assert_same_weights(final, expected, tolerance=1e-4)
+
+
+def test_resuming_with_another_adapter_shape_or_schedule_is_refused(job_file):
+    _, run_dir = reference(job_file)
+    before = sorted(p.name for p in Path(run_dir).iterdir())
+    for change, key in (("lora.rank=8", "lora.rank"), ("train.seed=1", "schedule.seed")):
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)}.*checkpoint.resume=false"):
+            run(job_file, "reference", change)
+    assert sorted(p.name for p in Path(run_dir).iterdir()) == before  # nothing was touched

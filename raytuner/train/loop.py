@@ -73,6 +73,7 @@ def _step(model, loss_fn, batch: Batch, device, micro_batch_size: int, scale: fl
     """Forward and backward over this rank's slice, in micro-batches (gradient accumulation,
     synchronised across ranks on the last one only); returns the slice's loss sum."""
     tensors = {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}
+    torch.manual_seed(batch.seeds[0])  # dropout: a redone step draws the same masks
     n = len(batch.seeds)
     size = micro_batch_size or n
     total = torch.zeros((), device=device)
@@ -91,13 +92,16 @@ def _step(model, loss_fn, batch: Batch, device, micro_batch_size: int, scale: fl
     return total
 
 
-def _report(cfg: LoopConfig, st: ckpt.TrainState, metrics: dict, model, opt, sched, family):
+def _report(cfg: LoopConfig, st, metrics: dict, model, opt, sched, family, now: bool = False):
     """Every rank reports (it is a barrier); rank 0 attaches the checkpoint when one is due."""
-    due = st.step % cfg.checkpoint.every_steps == 0 or st.step == cfg.train.max_steps
+    due = now or st.step % cfg.checkpoint.every_steps == 0 or st.step == cfg.train.max_steps
+    if now and ray.train.get_context().get_world_rank() == 0:
+        log.warning("preemption announced: checkpoint at step %d before the node goes", st.step)
     checkpoint = None
     if due and ray.train.get_context().get_world_rank() == 0:
         directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")  # Ray deletes it after upload
-        ckpt.save_checkpoint(directory, model, opt, sched, st, family.save_lora)
+        identity = ckpt.run_identity(cfg.model, cfg.lora, cfg.train, cfg.fingerprint)
+        ckpt.save_checkpoint(directory, model, opt, sched, st, family.save_lora, identity)
         checkpoint = ray.train.Checkpoint.from_directory(directory)
     ray.train.report(metrics, checkpoint=checkpoint)
 
@@ -110,13 +114,32 @@ def _quiet_ray_train_reports() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
-def _restore(denoiser, opt, sched, rank: int) -> ckpt.TrainState:
+def _candidates(restored: ray.train.Checkpoint, run_dir: str):
+    """Ray's latest checkpoint first, then the run's older checkpoint folders, newest first."""
+    yield restored
+    fs, folders = ckpt.checkpoint_folders(run_dir)
+    for path in folders:
+        if path.rstrip("/") != restored.path.rstrip("/"):
+            yield ray.train.Checkpoint(path, filesystem=fs)
+
+
+def _restore(cfg: LoopConfig, denoiser, opt, sched, rank: int) -> ckpt.TrainState:
+    """The newest readable checkpoint's state, applied; a broken one is skipped with a warning."""
     if (restored := ray.train.get_checkpoint()) is None:
         return ckpt.TrainState()
-    with restored.as_directory() as directory:
-        st = ckpt.load_checkpoint(directory, denoiser, opt, sched)
-    log.info("rank %d resumed at step %d (epoch %d, batch %d)", rank, st.step, st.epoch, st.index)
-    return st
+    for candidate in _candidates(restored, cfg.run_dir):
+        try:
+            with candidate.as_directory() as directory:
+                st = ckpt.load_checkpoint(directory, denoiser, opt, sched)
+        except ckpt.CheckpointError as e:
+            log.warning("rank %d: skipping unreadable checkpoint: %s", rank, e)
+            continue
+        log.info(
+            "rank %d resumed at step %d (epoch %d, batch %d) from %s",
+            *(rank, st.step, st.epoch, st.index, candidate.path),
+        )
+        return st
+    raise RuntimeError(f"no readable checkpoint in {cfg.run_dir}: start a new run instead")
 
 
 def _feed(cfg: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
@@ -175,12 +198,12 @@ def train_loop(config: dict) -> None:
     opt = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
     warmup = max(t.warmup_steps, 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    st = _restore(denoiser, opt, sched, rank)
+    st = _restore(cfg, denoiser, opt, sched, rank)
     model = ray.train.torch.prepare_model(denoiser)
     loss_fn = family.loss(cfg.model.pretrained, cfg.model.revision)
     feed = _feed(cfg, rank, world, device).start(st.epoch, st.index)
     samples = SampleLog(cfg.run_dir if t.sample_log else None, attempt_id(), rank, world)
-    meter = Meter(device)
+    meter, warned = Meter(device), False
     try:
         while st.step < t.max_steps:
             batch = feed.next(st.epoch, st.index)
@@ -190,8 +213,12 @@ def train_loop(config: dict) -> None:
             opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
             st.step, (st.epoch, st.index) = st.step + 1, batch.after()
             samples.add(st.step, batch.epoch, batch.index, batch.ids)
-            if _window_ends(cfg, st.step):
+            # a spot reclaim announced to any rank: every rank checkpoints now (once), so the
+            # restart loses no finished step; the call is a barrier that agrees across ranks
+            jit = not warned and ray.train.get_preemption_info() is not None
+            warned |= jit
+            if jit or _window_ends(cfg, st.step):
                 metrics = _end_window(cfg, st, meter, feed, samples, sched.get_last_lr()[0])
-                _report(cfg, st, metrics, denoiser, opt, sched, family)
+                _report(cfg, st, metrics, denoiser, opt, sched, family, now=jit)
     finally:
         feed.close()

@@ -15,7 +15,14 @@ from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import fingerprint, read_manifest, version_dir
 from raytuner.train.loop import LoopConfig, train_loop
 from raytuner.train.schedule import epoch_batches
-from raytuner.train.state import EXPORT, STATE
+from raytuner.train.state import (
+    EXPORT,
+    RUN,
+    STATE,
+    checkpoint_folders,
+    identity_changes,
+    run_identity,
+)
 
 log = logging.getLogger(__name__)
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -30,6 +37,26 @@ def run_name(job: JobConfig) -> str:
     fresh = f"{job.train.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     log.warning("checkpoint.resume = false: starting run %s instead of resuming %s", fresh, path)
     return fresh
+
+
+def check_resumable(job: JobConfig, name: str, fp: str) -> None:
+    """Refuse to resume a run whose newest checkpoint was trained on another cache, model,
+    adapter shape or schedule."""
+    run_dir = storage.join(storage.absolute(job.train.output), name)
+    fs, folders = checkpoint_folders(run_dir)
+    for folder in folders:
+        try:
+            saved = storage.read_json(fs, storage.join(folder, RUN))
+        except (OSError, ValueError):
+            continue  # unreadable: the workers skip it too
+        current = run_identity(job.model, job.lora, job.train, fp)
+        if changes := identity_changes(saved, current):
+            raise ConfigError(
+                f"run {run_dir} was trained with other settings ({', '.join(changes)} changed; "
+                f"a changed fingerprint means other model or preprocess settings): resuming it "
+                "would mix them. Use --set checkpoint.resume=false or another train.name"
+            )
+        return
 
 
 def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
@@ -77,6 +104,7 @@ def train(job: JobConfig) -> dict:
     except ValueError as e:
         raise ConfigError(f"{e} (samples per bucket, repeats included: {counts})") from None
     name = run_name(job)
+    check_resumable(job, name, fp)
     loop = LoopConfig(
         model=job.model,
         train=job.train,
