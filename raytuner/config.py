@@ -217,11 +217,13 @@ class CheckpointConfig:
     keep: int = 2
     max_failures: int = 0
     resume: bool = True
+    preemption_check_every: int = 1  # steps between checks for an announced preemption; 0: never
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every_steps", self.every_steps)
         _positive("checkpoint.keep", self.keep)
         _positive("checkpoint.max_failures", self.max_failures, zero_ok=True)
+        _positive("checkpoint.preemption_check_every", self.preemption_check_every, zero_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True)

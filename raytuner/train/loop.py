@@ -168,6 +168,12 @@ def _log(cfg: LoopConfig, st: ckpt.TrainState, m: dict, lr: float) -> None:
     )
 
 
+def _preempted(cfg: LoopConfig, step: int) -> bool:
+    """Whether Ray announced a preemption of a node of this group (one actor round trip)."""
+    every = cfg.checkpoint.preemption_check_every
+    return bool(every) and step % every == 0 and ray.train.get_preemption_info() is not None
+
+
 def _window_ends(cfg: LoopConfig, step: int) -> bool:
     every = (cfg.train.log_every, cfg.checkpoint.every_steps)
     return step == cfg.train.max_steps or any(step % n == 0 for n in every)
@@ -215,7 +221,7 @@ def train_loop(config: dict) -> None:
             samples.add(st.step, batch.epoch, batch.index, batch.ids)
             # a spot reclaim announced to any rank: every rank checkpoints now (once), so the
             # restart loses no finished step; the call is a barrier that agrees across ranks
-            jit = not warned and ray.train.get_preemption_info() is not None
+            jit = not warned and _preempted(cfg, st.step)
             warned |= jit
             if jit or _window_ends(cfg, st.step):
                 metrics = _end_window(cfg, st, meter, feed, samples, sched.get_last_lr()[0])
