@@ -98,9 +98,15 @@ def bench_preprocess(job: JobConfig, images: int, as_json: bool) -> dict:
         "cpus": os.cpu_count(),
     }
     result["ratio"] = round(result["pipeline_images_per_s"] / result["bare_images_per_s"], 3)
+    return print_figures(result, as_json)
+
+
+def print_figures(result: dict, as_json: bool) -> dict:
+    """One JSON object, or one aligned ``name value`` line per figure."""
     if as_json:
         print(json.dumps(result))
     else:
+        width = max(map(len, result)) + 2
         for key, value in result.items():
-            print(f"{key:<24}{value}")
+            print(f"{key:<{width}}{value}")
     return result

@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
             if action == "preprocess":
                 cmd.add_argument("--images", type=int, default=192, help="synthetic image count")
             if action == "train":
-                cmd.add_argument("--steps", type=int, default=20, help="measured steps")
+                cmd.add_argument("--steps", type=int, default=100, help="measured steps")
     return p
 
 

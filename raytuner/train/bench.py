@@ -10,7 +10,6 @@ thread, the metrics and the reports.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import tempfile
 import time
@@ -18,6 +17,7 @@ import time
 import torch
 
 from raytuner import runtime
+from raytuner.bench import print_figures
 from raytuner.config import JobConfig
 from raytuner.data.cache import fingerprint, load_cached, read_manifest
 from raytuner.data.preprocess import preprocess
@@ -104,9 +104,4 @@ def bench_train(job: JobConfig, steps: int, as_json: bool) -> dict:
         "threads": threads,
         "cpus": os.cpu_count(),
     }
-    if as_json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:<22}{value}")
-    return result
+    return print_figures(result, as_json)
