@@ -118,8 +118,9 @@ def _candidates(restored: ray.train.Checkpoint, run_dir: str):
     """Ray's latest checkpoint first, then the run's older checkpoint folders, newest first."""
     yield restored
     fs, folders = ckpt.checkpoint_folders(run_dir)
+    newest = restored.path.rstrip("/").rsplit("/", 1)[-1]
     for path in folders:
-        if path.rstrip("/") != restored.path.rstrip("/"):
+        if path.rstrip("/").rsplit("/", 1)[-1] < newest:  # timestamp names sort by age
             yield ray.train.Checkpoint(path, filesystem=fs)
 
 
