@@ -5,6 +5,10 @@ Every CLI call starts its own local Ray (RAY_ADDRESS is removed from its environ
 session of its own, so that every process it started, Ray's included, can be found and,
 if still alive when it should not be, killed by id. Other Ray clusters on the machine are
 never touched (no `ray stop`).
+
+Each such call costs a Ray start, so the tests share work where that changes nothing they
+check: the committed cache (and its repairs) are made once and copied, and independent
+commands run side by side.
 """
 
 from __future__ import annotations
@@ -173,6 +177,22 @@ def cli(logs: Path, *args: str) -> Result:
     return result
 
 
+def cli_at_once(logs: Path, *commands: tuple[str, ...]) -> list[Result]:
+    """Independent commands run side by side (each with its own Ray), to save wall time; one
+    whose Ray did not start is run again on its own."""
+    procs = [start_cli(logs, *args) for args in commands]
+    try:
+        results = [finish(p) for p in procs]
+    except BaseException:  # from a fixture too: end the others (by their sessions) at once
+        for p in procs:
+            _reap(p.pid, grace_s=0)
+        raise
+    return [
+        cli(logs, *args) if r.code == 1 and RAY_DID_NOT_START in r.err else r
+        for args, r in zip(commands, results, strict=True)
+    ]
+
+
 # --- jobs and caches -----------------------------------------------------------------------
 
 
@@ -281,9 +301,12 @@ def committed(tmp_path_factory) -> Path:
     return root
 
 
-def copy_committed(committed: Path, tmp_path: Path) -> Path:
+def copy_committed(committed: Path, tmp_path: Path, images: Path | None = None) -> Path:
+    """A copy of the committed cache under ``tmp_path``; the job reads ``images`` (default:
+    the committed images, which no test changes)."""
     shutil.copytree(committed / "cache", tmp_path / "cache")
-    return write_job(tmp_path / "job.toml", committed / "images", tmp_path / "cache")
+    images = images or committed / "images"
+    return write_job(tmp_path / "job.toml", images, tmp_path / "cache")
 
 
 # --- 1. two runs at once -------------------------------------------------------------------
@@ -338,24 +361,24 @@ def test_two_preprocess_runs_at_once_both_commit_a_valid_cache(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(tmp_path):
-    images = make_demo_images(tmp_path / "images", per_aspect=2)
-    job = write_job(tmp_path / "job.toml", images, tmp_path / "cache")
+def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(committed, tmp_path):
+    # The committed version of the 6 images, over a copy of them that can grow.
+    images = shutil.copytree(committed / "images", tmp_path / "images")
+    job = copy_committed(committed, tmp_path, images)
     logs = tmp_path / "logs"
-    first = cli(logs, "preprocess", str(job))
-    assert first.code == 0, first.err[-3000:]
     version = version_of(job)
     v1_manifest = Path(version.path(cache.MANIFEST)).read_bytes()
     v1_rows = len(dataset_of(job))
     assert v1_rows == len(distinct_images(images)) == 6
     v1_runs = run_folders(version)
 
-    make_demo_images(images / "more", per_aspect=20, seed=1)  # 60 new images
+    make_demo_images(images / "more", per_aspect=4, seed=1)  # 12 new images
     wanted = distinct_images(images)
     new_images = len(wanted) - v1_rows
-    assert new_images > 50
+    assert new_images == 12
 
-    # batch_size=1 (not part of the fingerprint: same version) writes one part per image
+    # batch_size=1 (not part of the fingerprint: same version) writes one part per image; the
+    # driver is killed as soon as the first of them is complete, with most images still to do
     proc = start_cli(logs, "preprocess", str(job), "--set", "preprocess.batch_size=1")
     driver = psutil.Process(proc.pid)
     deadline = time.monotonic() + 300
@@ -369,7 +392,9 @@ def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(tmp_
     assert proc.poll() is None, "preprocess finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    time.sleep(3)
+    deadline = time.monotonic() + 3
+    while _alive(ours) and time.monotonic() < deadline:
+        time.sleep(0.1)
     survivors = _alive(ours) + [p for p in _in_session(proc.pid) if p not in ours]
     for p in list(survivors):
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -411,22 +436,54 @@ def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(tmp_
 # --- 3. verify and repair ------------------------------------------------------------------
 
 
+@dataclass
+class Repair:
+    """A copy of the committed cache with one file damaged, then `cache verify --repair` of it."""
+
+    job: Path  # the job over the committed images and this cache (tests copy the cache)
+    entry: dict  # the damaged file's manifest entry, from before the repair
+    total: int  # rows of the committed version
+    fixed: Result | None = None  # `cache verify --repair`
+    bad: Result | None = None  # `cache verify` before it
+    key: str = ""  # for a damaged latent: its row ...
+    original: bytes = b""  # ... and the latent before the damage
+
+
+@pytest.fixture(scope="module")
+def repairs(committed, tmp_path_factory) -> dict[str, Repair]:
+    """Two repaired copies of the committed cache: "part", whose first part file had a latent
+    damaged (and was verified before the repair too), and "index", whose index file was lost.
+    The two repairs run side by side. Tests only read these caches, or copy them."""
+    found = {}
+    for name in ("part", "index"):
+        job = copy_committed(committed, tmp_path_factory.mktemp(f"repair-{name}"))
+        manifest = version_of(job).manifest()
+        entry = manifest["latents"][0] if name == "part" else manifest["index"]
+        found[name] = Repair(job, entry, len(dataset_of(job)))
+    part, index = found["part"], found["index"]
+    logs = part.job.parent / "logs"
+    part.key, part.original = corrupt_latent(version_of(part.job), part.entry["path"])
+    Path(version_of(index.job).path(index.entry["path"])).unlink()
+    part.bad = cli(logs, "cache", "verify", str(part.job))
+    part.fixed, index.fixed = cli_at_once(
+        logs, *[("cache", "verify", str(r.job), "--repair") for r in (part, index)]
+    )
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_verify_finds_a_corrupt_part_and_repair_reencodes_only_its_rows(committed, tmp_path):
-    job = copy_committed(committed, tmp_path)
-    logs = tmp_path / "logs"
+def test_verify_finds_a_corrupt_part_and_repair_reencodes_only_its_rows(repairs, tmp_path):
+    repaired = repairs["part"]
+    job, entry, total = repaired.job, repaired.entry, repaired.total
     version = version_of(job)
-    entry = version.manifest()["latents"][0]
-    total = len(dataset_of(job))
-    key, original = corrupt_latent(version, entry["path"])
 
-    bad = cli(logs, "cache", "verify", str(job))
+    bad = repaired.bad
     assert bad.code == 1, bad.out + bad.err[-2000:]
     assert bad.lines("bad ") == [f"bad {entry['path']}: sha256 differs from the manifest"]
     assert f"{version.root}: 1 bad file(s)" in bad.out
 
-    fixed = cli(logs, "cache", "verify", str(job), "--repair")
+    fixed = repaired.fixed
     assert fixed.code == 0, fixed.out + fixed.err[-3000:]
     assert fixed.lines("bad ") == [f"bad {entry['path']}: sha256 differs from the manifest"]
     assert fixed.out.rstrip().endswith(f"{version.root}: ok")
@@ -438,25 +495,28 @@ def test_verify_finds_a_corrupt_part_and_repair_reencodes_only_its_rows(committe
     assert report["already_cached"] == total - entry["rows"]
     assert entry["path"] not in {f["path"] for f in version.manifest()["latents"]}
 
-    again = cli(logs, "cache", "verify", str(job))
+    again = cli(tmp_path / "logs", "cache", "verify", str(job))  # reads, never writes
     assert again.code == 0, again.out + again.err[-2000:]
     dataset = dataset_of(job)
     assert len(dataset) == total
-    assert latent_of(dataset, key) == original  # re-encoded, not the damaged bytes
+    assert latent_of(dataset, repaired.key) == repaired.original  # re-encoded, not the damage
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_preprocess_after_repair_does_not_bring_the_damaged_part_back(committed, tmp_path):
+def test_a_preprocess_after_repair_does_not_bring_the_damaged_part_back(
+    committed, repairs, tmp_path
+):
     """Repair must take the damaged file out for good: a later run lists part files anew,
     and a damaged file still on the list would be committed again with a fresh sha256
     (verify ok) and trained on."""
-    job = copy_committed(committed, tmp_path)
+    repaired = repairs["part"]
+    shutil.copytree(repaired.job.parent / "cache", tmp_path / "cache")  # with the .corrupt file
+    job = write_job(tmp_path / "job.toml", committed / "images", tmp_path / "cache")
     logs = tmp_path / "logs"
     version = version_of(job)
-    entry = version.manifest()["latents"][0]
-    key, original = corrupt_latent(version, entry["path"])
-    fixed = cli(logs, "cache", "verify", str(job), "--repair")
+    entry, key, original = repaired.entry, repaired.key, repaired.original
+    fixed = repaired.fixed
     assert fixed.code == 0, fixed.out + fixed.err[-3000:]
     assert latent_of(dataset_of(job), key) == original
 
@@ -483,19 +543,18 @@ def test_verify_names_a_deleted_index(committed, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_repair_rebuilds_a_deleted_index(committed, tmp_path):
+def test_repair_rebuilds_a_deleted_index(repairs, tmp_path):
     """A lost index only costs re-hashing the images: nothing is re-encoded."""
-    job = copy_committed(committed, tmp_path)
-    logs = tmp_path / "logs"
+    repaired = repairs["index"]
+    job, total = repaired.job, repaired.total
     version = version_of(job)
-    total = len(dataset_of(job))
-    Path(version.path(version.manifest()["index"]["path"])).unlink()
-    fixed = cli(logs, "cache", "verify", str(job), "--repair")
+    fixed = repaired.fixed
     assert fixed.code == 0, fixed.out + fixed.err[-3000:]
+    assert fixed.lines("bad ") == [f"bad {repaired.entry['path']}: missing"]
     report = json.loads(Path(version.path(cache.REPORT)).read_text())
     check_report(report)
     assert report["encoded"] == 0 and report["already_cached"] == total
-    again = cli(logs, "cache", "verify", str(job))
+    again = cli(tmp_path / "logs", "cache", "verify", str(job))  # reads, never writes
     assert again.code == 0, again.out + again.err[-2000:]
     assert len(dataset_of(job)) == total
 
@@ -510,55 +569,56 @@ def _deleted(result: Result) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_gc_deletes_other_versions_and_unreferenced_runs_only(committed, tmp_path):
-    job64 = copy_committed(committed, tmp_path)  # the cache holds the committed 64 px version
-    v64 = version_of(job64)
+    # The version to keep: the committed 64 px one, over a copy of its images that can change.
+    images = shutil.copytree(committed / "images", tmp_path / "images")
+    job = copy_committed(committed, tmp_path, images)
+    keep = version_of(job)
+    (base,) = run_folders(keep)
     logs = tmp_path / "logs"
-    images = make_demo_images(tmp_path / "images96", per_aspect=2)
-    job96 = write_job(tmp_path / "job96.toml", images, tmp_path / "cache", resolution=96)
-    v96 = version_of(job96)
-    assert v96.fp != v64.fp
+    # Another version in the same cache: 96 px, over one image of each aspect.
+    few = make_demo_images(tmp_path / "images96", per_aspect=1)
+    job96 = write_job(tmp_path / "job96.toml", few, tmp_path / "cache", resolution=96)
+    other = version_of(job96)
+    assert other.fp != keep.fp
 
-    def preprocess() -> str:
-        """Run the 96 px job; return the name of the run folder it created."""
-        before = run_folders(v96) if Path(v96.path("parts")).is_dir() else set()
-        done = cli(logs, "preprocess", str(job96))
-        assert done.code == 0, done.err[-3000:]
-        (created,) = run_folders(v96) - before
-        return created
-
-    base = preprocess()
+    # The run that encodes 3 extra images, and the other version's first run, side by side.
     make_demo_images(images / "extra", per_aspect=1, seed=5)
-    extra = preprocess()  # encodes only the 3 extra images
+    done = cli_at_once(logs, ("preprocess", str(job)), ("preprocess", str(job96)))
+    for r in done:
+        assert r.code == 0, r.err[-3000:]
+    assert other.manifest() is not None
+    (extra,) = run_folders(keep) - {base}
+    assert keep.manifest()["report"]["encoded"] == 3  # only the extra images
+    assert extra in referenced_runs(keep.manifest())
     shutil.rmtree(images / "extra")
-    last = preprocess()  # the extra images left: their run folder is no longer referenced
-    manifest = v96.manifest()
+    again = cli(logs, "preprocess", str(job))  # the extra images left: their run is unused
+    assert again.code == 0, again.err[-3000:]
+    (last,) = run_folders(keep) - {base, extra}
+    manifest = keep.manifest()
     assert manifest["report"]["encoded"] == 0
     assert referenced_runs(manifest) == {base, last}
-    rows = len(dataset_of(job96))
+    rows = len(dataset_of(job))
     assert rows == len(distinct_images(images))
 
-    gc = cli(logs, "cache", "gc", str(job96), "--min-age-s", "0")
-    assert gc.code == 0, gc.out + gc.err[-2000:]
-    assert _deleted(gc) == {v64.root, v96.path(f"parts/{extra}")}
-    assert not Path(v64.root).exists()
-    assert run_folders(v96) == {base, last}
-    verify = cli(logs, "cache", "verify", str(job96))
-    assert verify.code == 0, verify.out + verify.err[-2000:]
-    assert len(dataset_of(job96)) == rows
-
-    # An unreferenced run folder written just now (a run may be writing it) is young:
-    # the default minimum age (1 h) leaves it alone; --min-age-s 0 does not.
-    fresh = Path(v96.path("parts/zz-still-writing/latents/status=ok"))
+    # An unreferenced run folder written just now (a run may be writing it) is young, and so is
+    # the extra run's: the default minimum age (1 h) leaves both alone, but not other versions;
+    # --min-age-s 0 deletes them too.
+    fresh = Path(keep.path("parts/zz-still-writing/latents/status=ok"))
     fresh.mkdir(parents=True)
-    shutil.copy(v96.path(manifest["latents"][0]["path"]), fresh / "x.parquet")
-    kept = cli(logs, "cache", "gc", str(job96))
+    shutil.copy(keep.path(manifest["latents"][0]["path"]), fresh / "x.parquet")
+    kept = cli(logs, "cache", "gc", str(job))
     assert kept.code == 0, kept.out + kept.err[-2000:]
-    assert _deleted(kept) == set()
+    assert _deleted(kept) == {other.root}
+    assert not Path(other.root).exists()
     assert (fresh / "x.parquet").is_file()
-    swept = cli(logs, "cache", "gc", str(job96), "--min-age-s", "0")
-    assert _deleted(swept) == {v96.path("parts/zz-still-writing")}
-    verify = cli(logs, "cache", "verify", str(job96))
+    assert run_folders(keep) == {base, extra, last, "zz-still-writing"}
+    swept = cli(logs, "cache", "gc", str(job), "--min-age-s", "0")
+    assert swept.code == 0, swept.out + swept.err[-2000:]
+    assert _deleted(swept) == {keep.path(f"parts/{extra}"), keep.path("parts/zz-still-writing")}
+    assert run_folders(keep) == {base, last}
+    verify = cli(logs, "cache", "verify", str(job))
     assert verify.code == 0, verify.out + verify.err[-2000:]
+    assert len(dataset_of(job)) == rows
 
 
 @pytest.mark.slow  # only for the committed cache it copies; gc starts no Ray

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,21 +160,35 @@ def test_random_crop_is_reproducible(ray_local, tmp_path):
     images.mkdir()
     for i in range(3):  # wide images: the 80x48 bucket leaves ~70 columns to crop
         Image.new("RGB", (220, 70), (i * 90, 0, 0)).save(images / f"wide{i}.png")
-    crops = {}
-    for mode, seed, run in (("random", 3, "a"), ("random", 3, "b"), ("center", 0, "c")):
-        pre = PreprocessConfig(resolution=64, bucket_step=16, crop=mode, seed=seed,
-                               store_std=run == "c")
-        data = DataConfig(images=str(images), cache=str(tmp_path / run))
-        preprocess(MODEL, data, pre)
-        dataset = cache.load_cached(data.cache, cache.fingerprint(MODEL, pre))
-        crops[run] = [dataset.batch([i])["crop_top_left"].tolist() for i in range(len(dataset))]
-        if run == "c":  # the posterior std is stored too, shaped like the latent
-            batch = dataset.batch([0])
-            assert batch["latent_std"].shape == batch["latent"].shape
-            assert (batch["latent_std"] > 0).all()
-    assert crops["a"] == crops["b"]  # seeded: the same crops on every run
-    assert crops["c"] == [[[0, 35]]] * 3  # centred: (151 - 80) // 2
-    assert crops["a"] != crops["c"]
+
+    def encode(pre: PreprocessConfig, cache_dir: Path) -> tuple[dict, cache.CachedDataset]:
+        data = DataConfig(images=str(images), cache=str(cache_dir))
+        report = preprocess(MODEL, data, pre)
+        return report, cache.load_cached(data.cache, cache.fingerprint(MODEL, pre))
+
+    def crops(dataset: cache.CachedDataset) -> list:
+        return [dataset.batch([i])["crop_top_left"].tolist() for i in range(len(dataset))]
+
+    seeded = PreprocessConfig(resolution=64, bucket_step=16, crop="random", seed=3)
+    first = crops(encode(seeded, tmp_path / "a")[1])
+    # The next run encodes every image again: their latents are lost (the captions' text
+    # embeddings are kept, which saves encoding them again).
+    version = cache.Version(str(tmp_path / "a"), cache.fingerprint(MODEL, seeded))
+    for latents in Path(version.path("parts")).glob("*/latents"):
+        shutil.rmtree(latents)
+    report, dataset = encode(seeded, tmp_path / "a")
+    assert report["encoded"] == 3
+    second = crops(dataset)
+
+    centred = PreprocessConfig(resolution=64, bucket_step=16, crop="center", store_std=True)
+    _, dataset = encode(centred, tmp_path / "c")
+    batch = dataset.batch([0])  # the posterior std is stored too, shaped like the latent
+    assert batch["latent_std"].shape == batch["latent"].shape
+    assert (batch["latent_std"] > 0).all()
+
+    assert first == second  # seeded: the same crops on every run
+    assert crops(dataset) == [[[0, 35]]] * 3  # centred: (151 - 80) // 2
+    assert first != crops(dataset)
 
 
 def test_sources_reject_missing_folders(ray_local, tmp_path):
