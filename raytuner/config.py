@@ -217,7 +217,7 @@ class CheckpointConfig:
     keep: int = 2
     max_failures: int = 0
     resume: bool = True
-    preemption_check_every: int = 1  # steps between checks for an announced preemption; 0: never
+    preemption_check_every: int = 10  # steps between checks for an announced preemption; 0: never
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every_steps", self.every_steps)
