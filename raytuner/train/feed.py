@@ -116,6 +116,11 @@ class Feed:
             )
         return item
 
+    def take_wait(self) -> float:
+        """Seconds ``next`` waited since the last call."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:

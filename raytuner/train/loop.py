@@ -182,8 +182,8 @@ def _window_ends(cfg: LoopConfig, step: int) -> bool:
 
 def _end_window(cfg: LoopConfig, st, meter: Meter, feed: Feed, samples: SampleLog, lr) -> dict:
     """Close the metrics window: log on rank 0, write the sample log, return the metrics."""
-    metrics = meter.flush(cfg.train.global_batch_size, feed.wait_s)
-    feed.wait_s, st.loss = 0.0, metrics["loss"]
+    metrics = meter.flush(cfg.train.global_batch_size, feed.take_wait())
+    st.loss = metrics["loss"]
     st.first_loss = st.loss if st.first_loss is None else st.first_loss
     if ray.train.get_context().get_world_rank() == 0:
         _log(cfg, st, metrics, lr)
@@ -211,10 +211,10 @@ def train_loop(config: dict) -> None:
     feed = _feed(cfg, rank, world, device).start(st.epoch, st.index)
     samples = SampleLog(cfg.run_dir if t.sample_log else None, attempt_id(), rank, world)
     meter, warned = Meter(device), False
+    scale = world / t.global_batch_size  # DDP's average over ranks becomes the per-sample mean
     try:
         while st.step < t.max_steps:
             batch = feed.next(st.epoch, st.index)
-            scale = world / t.global_batch_size
             meter.add(_step(model, loss_fn, batch, device, t.micro_batch_size, scale))
             torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
             opt.step(), sched.step(), opt.zero_grad(set_to_none=True)

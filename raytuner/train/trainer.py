@@ -39,17 +39,16 @@ def run_name(job: JobConfig) -> str:
     return fresh
 
 
-def check_resumable(job: JobConfig, name: str, fp: str) -> None:
+def check_resumable(job: JobConfig, run_dir: str, fp: str) -> None:
     """Refuse to resume a run whose newest checkpoint was trained on another cache, model,
     adapter shape or schedule."""
-    run_dir = storage.join(storage.absolute(job.train.output), name)
+    current = run_identity(job.model, job.lora, job.train, fp)
     fs, folders = checkpoint_folders(run_dir)
     for folder in folders:
         try:
             saved = storage.read_json(fs, storage.join(folder, RUN))
         except (OSError, ValueError):
             continue  # unreadable: the workers skip it too
-        current = run_identity(job.model, job.lora, job.train, fp)
         if changes := identity_changes(saved, current):
             raise ConfigError(
                 f"run {run_dir} was trained with other settings ({', '.join(changes)} changed; "
@@ -104,7 +103,8 @@ def train(job: JobConfig) -> dict:
     except ValueError as e:
         raise ConfigError(f"{e} (samples per bucket, repeats included: {counts})") from None
     name = run_name(job)
-    check_resumable(job, name, fp)
+    run_dir = storage.join(storage.absolute(job.train.output), name)
+    check_resumable(job, run_dir, fp)
     loop = LoopConfig(
         model=job.model,
         train=job.train,
@@ -112,7 +112,7 @@ def train(job: JobConfig) -> dict:
         checkpoint=job.checkpoint,
         cache=storage.absolute(job.data.cache),
         fingerprint=fp,
-        run_dir=storage.join(storage.absolute(job.train.output), name),
+        run_dir=run_dir,
     )
     trainer = TorchTrainer(
         train_loop,
