@@ -196,6 +196,7 @@ class ScalingConfig:
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
+    elastic_resize_interval_s: float = 60.0  # how often a running elastic group may resize
 
     def __post_init__(self) -> None:
         bounds = self.workers if isinstance(self.workers, list) else [self.workers]
@@ -203,6 +204,7 @@ class ScalingConfig:
             raise ConfigError(
                 f"scaling.workers = {self.workers}: use an int >= 1 or [min, max] with min <= max"
             )
+        _positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s, zero_ok=True)
 
     @property
     def max_workers(self) -> int:

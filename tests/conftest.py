@@ -28,3 +28,67 @@ def demo_images(tmp_path: Path) -> Path:
     from raytuner.demo_data import make_demo_images
 
     return make_demo_images(tmp_path / "images", per_aspect=4)
+
+
+# The skewed job of the training tests: 9 + 3 + 1 rows. With 4 samples per global batch and
+# per-rank bucketing, two ranks would end the epoch after different numbers of steps; the global
+# schedule pads the small buckets (5 global batches an epoch).
+SKEWED_SHAPES = {"square": ((64, 64), 9), "wide": ((96, 64), 3), "tall": ((64, 112), 1)}
+
+SKEWED_JOB = """
+[model]
+family = "sdxl"
+pretrained = "tiny"
+
+[data]
+images = "{root}/images"
+cache = "{root}/cache"
+
+[preprocess]
+resolution = 64
+bucket_step = 16
+batch_size = 16
+
+[train]
+output = "{root}/runs"
+max_steps = 12
+global_batch_size = 4
+remainder = "pad"
+learning_rate = 1e-2
+log_every = 1
+sample_log = true
+
+[scaling]
+workers = 2
+cpus_per_worker = 0.5
+
+[checkpoint]
+every_steps = 4
+keep = 2
+max_failures = 2
+"""
+
+
+@pytest.fixture(scope="session")
+def job_file(ray_local, tmp_path_factory) -> Path:
+    """The skewed job, its images drawn and its cache committed once per session."""
+    import numpy as np
+    from PIL import Image
+
+    from raytuner.config import load_job
+    from raytuner.data.preprocess import preprocess
+
+    root = tmp_path_factory.mktemp("skewed")
+    rng = np.random.default_rng(0)
+    (root / "images").mkdir()
+    for kind, (size, count) in SKEWED_SHAPES.items():
+        for i in range(count):
+            pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / "images" / f"{kind}{i}.png")
+            (root / "images" / f"{kind}{i}.txt").write_text(f"a noisy {kind} picture {i}")
+    path = root / "job.toml"
+    path.write_text(SKEWED_JOB.format(root=root))
+    job = load_job(path)
+    report = preprocess(job.model, job.data, job.preprocess)
+    assert report["encoded"] == sum(n for _, n in SKEWED_SHAPES.values())
+    return path

@@ -16,74 +16,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import torch
-from PIL import Image
+from run_checks import committed, lora_changes_the_pipeline
 from safetensors.torch import load_file
 
 from raytuner.config import ConfigError, load_job
 from raytuner.data import cache
-from raytuner.data.preprocess import preprocess
 from raytuner.train import samples
 from raytuner.train.trainer import train
 
-STEPS = 12
-# 9 + 3 + 1 rows: with 4 samples per global batch and per-rank bucketing, two ranks would end
-# the epoch after different numbers of steps; the global schedule pads the small buckets.
-SHAPES = {"square": ((64, 64), 9), "wide": ((96, 64), 3), "tall": ((64, 112), 1)}
-
-JOB = """
-[model]
-family = "sdxl"
-pretrained = "tiny"
-
-[data]
-images = "{root}/images"
-cache = "{root}/cache"
-
-[preprocess]
-resolution = 64
-bucket_step = 16
-batch_size = 16
-
-[train]
-output = "{root}/runs"
-max_steps = {steps}
-global_batch_size = 4
-remainder = "pad"
-learning_rate = 1e-2
-log_every = 1
-sample_log = true
-
-[scaling]
-workers = 2
-cpus_per_worker = 0.5
-
-[checkpoint]
-every_steps = 4
-keep = 2
-max_failures = 2
-"""
-
-
-@pytest.fixture(scope="module")
-def job_file(ray_local, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("exact")
-    rng = np.random.default_rng(0)
-    (root / "images").mkdir()
-    for kind, (size, count) in SHAPES.items():
-        for i in range(count):
-            pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(root / "images" / f"{kind}{i}.png")
-            (root / "images" / f"{kind}{i}.txt").write_text(f"a noisy {kind} picture {i}")
-    path = root / "job.toml"
-    path.write_text(JOB.format(root=root, steps=STEPS))
-    job = load_job(path)
-    report = preprocess(job.model, job.data, job.preprocess)
-    assert report["encoded"] == sum(n for _, n in SHAPES.values())
-    return path
+STEPS = 12  # the skewed job of conftest.py: 5 global batches an epoch
 
 
 _RUNS: dict[str, tuple[dict, str]] = {}
@@ -159,12 +103,14 @@ def _workers_of_this_test() -> list[psutil.Process]:
 
 
 def _kill_a_worker_after(run_dir: str, step: int, killed: list) -> None:
-    """SIGKILL a worker once the first attempt logged ``step``; then time until the restarted
-    group has trained its first step."""
+    """SIGKILL a worker once the first attempt logged ``step`` and Ray registered a checkpoint;
+    then time until the restarted group has trained its first step."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         attempts = samples.read_attempts(run_dir)
-        if not killed and attempts and max(attempts[0], default=0) >= step:
+        # a checkpoint Ray has registered: a kill before it would restart from step 0
+        ready = attempts and max(attempts[0], default=0) >= step and committed(run_dir)
+        if not killed and ready:
             victim = _workers_of_this_test()[-1]
             victim.send_signal(signal.SIGKILL)
             killed.append((victim.pid, max(attempts[0]), time.monotonic()))
@@ -197,6 +143,7 @@ def test_sigkilled_worker_resumes_exactly_where_the_checkpoint_left_off(job_file
     for step in set(first) & set(second):
         assert first[step] == second[step] or len(first[step]) < 2
     assert_same_weights(summary, expected, tolerance=1e-6)
+    assert lora_changes_the_pipeline(str(Path(summary["lora"]).parent))
 
 
 @pytest.mark.slow
@@ -230,6 +177,7 @@ def test_resume_on_fewer_workers_past_a_corrupt_checkpoint_continues_exactly(job
     assert {r["world"] for ranks in second.values() for r in ranks.values()} == {1}
     assert samples.trained(run_dir) == samples.trained(reference_dir)
     assert_same_weights(final, expected, tolerance=1e-4)
+    assert lora_changes_the_pipeline(str(Path(final["lora"]).parent))
 
 
 def test_resuming_with_another_adapter_shape_or_schedule_is_refused(job_file):
@@ -239,3 +187,14 @@ def test_resuming_with_another_adapter_shape_or_schedule_is_refused(job_file):
         with pytest.raises(ConfigError, match=rf"{re.escape(key)}.*checkpoint.resume=false"):
             run(job_file, "reference", change)
     assert sorted(p.name for p in Path(run_dir).iterdir()) == before  # nothing was touched
+
+
+def test_a_finished_run_submitted_again_trains_nothing_and_exports_again(job_file):
+    expected, run_dir = reference(job_file)
+    export = Path(expected["lora"])
+    export.unlink()  # as if the driver had died between the last checkpoint and the export
+    attempts = len(samples.read_attempts(run_dir))
+    again, _ = run(job_file, "reference")
+    assert again["step"] == STEPS and export.is_file()
+    assert_same_weights(again, expected, tolerance=0.0)
+    assert len(samples.read_attempts(run_dir)) == attempts  # no step was trained again

@@ -34,6 +34,7 @@ class LoopConfig:
     cache: str
     fingerprint: str
     run_dir: str  # <train.output>/<run name>
+    job: dict  # the whole resolved job, written into every checkpoint as a record only
 
 
 class Meter:
@@ -92,16 +93,19 @@ def _step(model, loss_fn, batch: Batch, device, micro_batch_size: int, scale: fl
     return total
 
 
-def _report(cfg: LoopConfig, st, metrics: dict, model, opt, sched, family, now: bool = False):
-    """Every rank reports (it is a barrier); rank 0 attaches the checkpoint when one is due."""
-    due = now or st.step % cfg.checkpoint.every_steps == 0 or st.step == cfg.train.max_steps
-    if now and ray.train.get_context().get_world_rank() == 0:
-        log.warning("preemption announced: checkpoint at step %d before the node goes", st.step)
+def _report(cfg: LoopConfig, st, metrics: dict, model, opt, sched, family, jit: bool) -> None:
+    """A checkpoint through ``ray.train.report`` (a barrier: every rank calls it, rank 0 attaches
+    the files). Only checkpoints are reported: Ray Train 2.60 takes one report per worker each
+    health check (2 s), and a report blocks until the previous one is taken, so reporting every
+    log window would throttle fast steps."""
     checkpoint = None
-    if due and ray.train.get_context().get_world_rank() == 0:
+    if ray.train.get_context().get_world_rank() == 0:
+        if jit:
+            log.warning("preemption announced: checkpoint at step %d before the node goes", st.step)
         directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")  # Ray deletes it after upload
         identity = ckpt.run_identity(cfg.model, cfg.lora, cfg.train, cfg.fingerprint)
-        ckpt.save_checkpoint(directory, model, opt, sched, st, family.save_lora, identity)
+        records = {ckpt.RUN: identity, ckpt.JOB: cfg.job}
+        ckpt.save_checkpoint(directory, model, opt, sched, st, family.save_lora, records)
         checkpoint = ray.train.Checkpoint.from_directory(directory)
     ray.train.report(metrics, checkpoint=checkpoint)
 
@@ -175,9 +179,8 @@ def _preempted(cfg: LoopConfig, step: int) -> bool:
     return bool(every) and step % every == 0 and ray.train.get_preemption_info() is not None
 
 
-def _window_ends(cfg: LoopConfig, step: int) -> bool:
-    every = (cfg.train.log_every, cfg.checkpoint.every_steps)
-    return step == cfg.train.max_steps or any(step % n == 0 for n in every)
+def _checkpoint_due(cfg: LoopConfig, step: int) -> bool:
+    return step == cfg.train.max_steps or step % cfg.checkpoint.every_steps == 0
 
 
 def _end_window(cfg: LoopConfig, st, meter: Meter, feed: Feed, samples: SampleLog, lr) -> dict:
@@ -224,8 +227,10 @@ def train_loop(config: dict) -> None:
             # restart loses no finished step; the call is a barrier that agrees across ranks
             jit = not warned and _preempted(cfg, st.step)
             warned |= jit
-            if jit or _window_ends(cfg, st.step):
+            due = jit or _checkpoint_due(cfg, st.step)
+            if due or st.step % t.log_every == 0:
                 metrics = _end_window(cfg, st, meter, feed, samples, sched.get_last_lr()[0])
-                _report(cfg, st, metrics, denoiser, opt, sched, family, now=jit)
+                if due:
+                    _report(cfg, st, metrics, denoiser, opt, sched, family, jit)
     finally:
         feed.close()

@@ -23,6 +23,7 @@ ADAPTER = "adapter.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
 RUN = "run.json"  # cache fingerprint and the settings a resume must not change
+JOB = "job.json"  # the resolved job config that trained up to this checkpoint (a record)
 EXPORT = "lora"  # the family's loadable LoRA layout, inside every checkpoint
 
 
@@ -63,10 +64,10 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(
-    directory: str, denoiser, optimizer, lr_schedule, state: TrainState, save_export, run: dict
+    directory: str, denoiser, optimizer, lr_schedule, state: TrainState, save_export, records
 ) -> None:
-    """Weights, optimizer, export and the run's identity; ``state.json`` last, so a folder
-    without it is incomplete."""
+    """Weights, optimizer, export and the JSON ``records`` (file name -> content: the run's
+    identity, the resolved job); ``state.json`` last, so a folder without it is incomplete."""
     adapter = lora_state(denoiser)
     save_file(adapter, os.path.join(directory, ADAPTER))
     torch.save(
@@ -74,8 +75,9 @@ def save_checkpoint(
         os.path.join(directory, OPTIMIZER),
     )
     save_export(os.path.join(directory, EXPORT), adapter)
-    with open(os.path.join(directory, RUN), "w") as f:
-        json.dump(run, f, indent=2, sort_keys=True)
+    for name, record in records.items():
+        with open(os.path.join(directory, name), "w") as f:
+            json.dump(record, f, indent=2, sort_keys=True)
     with open(os.path.join(directory, STATE), "w") as f:
         json.dump(asdict(state), f)
 

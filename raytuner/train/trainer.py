@@ -65,6 +65,7 @@ def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
         num_workers=tuple(s.workers) if isinstance(s.workers, list) else s.workers,
         use_gpu=s.use_gpu,
         resources_per_worker=resources,
+        elastic_resize_monitor_interval_s=s.elastic_resize_interval_s,
     )
 
 
@@ -113,6 +114,7 @@ def train(job: JobConfig) -> dict:
         cache=storage.absolute(job.data.cache),
         fingerprint=fp,
         run_dir=run_dir,
+        job=job.to_dict(),
     )
     trainer = TorchTrainer(
         train_loop,

@@ -1,0 +1,206 @@
+"""Elastic training on a multi-node local cluster (`ray.cluster_utils.Cluster`), driven the way
+a user drives it: `raytuner train` is a separate driver process joined to the cluster.
+
+One run lives through every interruption in turn:
+1. it starts with `scaling.workers = [1, 2]` on a head node with room for one worker;
+2. a second node joins -> Ray Train's elastic policy grows the group to 2 workers;
+3. that node is drained with the preemption reason (`ray drain-node`, what a cloud autoscaler
+   does on a spot reclaim) -> every rank takes a checkpoint at the current step; the node is
+   then removed -> the group shrinks to 1 worker and continues from that checkpoint;
+4. the driver is SIGKILLed -> the same job submitted again resumes from the latest checkpoint;
+and it ends at exactly `train.max_steps`, having trained every scheduled global batch, with a
+LoRA that the diffusers pipeline loads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from ray.cluster_utils import Cluster
+from run_checks import committed, lora_changes_the_pipeline
+
+from raytuner.config import load_job
+from raytuner.data.cache import fingerprint, load_cached
+from raytuner.train import samples
+from raytuner.train.schedule import epoch_batches
+
+RAY = str(Path(sys.executable).parent / "ray")
+NODE = {"num_cpus": 1, "object_store_memory": 200 * 1024**2}
+EVERY = 10  # checkpoint.every_steps
+SETTINGS = [
+    'train.name="elastic"',
+    "train.log_every=2",
+    "scaling.workers=[1, 2]",
+    "scaling.cpus_per_worker=1",
+    "scaling.elastic_resize_interval_s=2",
+    f"checkpoint.every_steps={EVERY}",
+    "checkpoint.keep=3",
+    "checkpoint.preemption_check_every=1",
+]
+
+
+class Driver:
+    """`raytuner train` in its own process, joined to the cluster, its output in a file."""
+
+    def __init__(self, job_file: Path, address: str, log: Path, *settings: str) -> None:
+        self.log = log
+        sets = [a for s in [*SETTINGS, *settings] for a in ("--set", s)]
+        cmd = [sys.executable, "-m", "raytuner", "train", str(job_file), *sets]
+        env = os.environ | {"RAY_ADDRESS": address}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, what: str, found: Callable, timeout: float = 180):
+        """Poll ``found()`` until it returns something; fail if the driver ends first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if value := found():
+                return value
+            if self.proc.poll() is not None:
+                pytest.fail(
+                    f"driver exited ({self.proc.returncode}) before {what}:\n"
+                    + self.output()[-4000:]
+                )
+            time.sleep(0.1)
+        pytest.fail(f"no {what} after {timeout} s:\n" + self.output()[-4000:])
+
+
+def attempts(run_dir: str) -> list[tuple[int, list[int]]]:
+    """(world size, steps) of every attempt that logged a step, oldest first."""
+    out = []
+    for steps in samples.read_attempts(run_dir):
+        if steps:
+            world = next(iter(next(iter(steps.values())).values()))["world"]
+            out.append((world, sorted(steps)))
+    return out
+
+
+def scheduled(job_file: Path, steps: int) -> dict[int, list[str]]:
+    """step -> the rows of its global batch, straight from the schedule function."""
+    job = load_job(job_file)
+    t = job.train
+    data = load_cached(job.data.cache, fingerprint(job.model, job.preprocess))
+    paths = data.index.column("path").to_pylist()
+    out: dict[int, list[str]] = {}
+    epoch = 0
+    while len(out) < steps:
+        for batch in epoch_batches(data.buckets, t.seed, epoch, t.global_batch_size, t.remainder):
+            out[len(out) + 1] = [paths[i] for i in batch]
+        epoch += 1
+    return {s: out[s] for s in range(1, steps + 1)}
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """A head node with room for one training worker; nodes inherit this environment."""
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
+    # after a node loss, Ray Train's elastic policy first asks for the old group size (Ray's
+    # AutoscalingCoordinator refreshes its view of the nodes every 20 s) and waits for that
+    # group until this timeout (default 60 s) before it starts the smaller one
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
+    cluster = Cluster(
+        initialize_head=True, connect=False, head_node_args=NODE | {"include_dashboard": False}
+    )
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_grow_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tmp_path):
+    run_dir = f"{load_job(job_file).train.output}/elastic"
+    driver = Driver(job_file, cluster.address, tmp_path / "driver-1.log", "train.max_steps=2000")
+    try:
+        # 1 -> 2 workers when a node joins
+        driver.wait_for("a step on 1 worker", lambda: attempts(run_dir))
+        node = cluster.add_node(**NODE)
+        grown = driver.wait_for(
+            "a step on 2 workers", lambda: [a for a in attempts(run_dir) if a[0] == 2]
+        )
+        assert [w for w, _ in attempts(run_dir)] == [1, 2]
+
+        # the node's preemption is announced: every rank checkpoints at the step it is at
+        drained_at = max(grown[0][1])
+        drain = subprocess.run(
+            [
+                RAY,
+                "drain-node",
+                "--address",
+                cluster.address,
+                "--node-id",
+                node.node_id,
+                "--reason",
+                "DRAIN_NODE_REASON_PREEMPTION",
+                "--reason-message",
+                "spot reclaim",
+                "--deadline-remaining-seconds",
+                "30",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert drain.returncode == 0, drain.stderr
+        jit = driver.wait_for(
+            "a preemption checkpoint",
+            lambda: [
+                int(m)
+                for m in re.findall(
+                    r"preemption announced: checkpoint at step (\d+)", driver.output()
+                )
+            ],
+        )[0]
+        driver.wait_for(f"checkpoint {jit} committed", lambda: committed(run_dir) == jit)
+        assert jit >= drained_at and jit % EVERY, "not a just-in-time checkpoint"
+
+        # the node goes: the group shrinks to 1 worker and goes on from the preemption checkpoint
+        lost = time.monotonic()
+        cluster.remove_node(node)
+        shrunk = driver.wait_for("a step after the node loss", lambda: attempts(run_dir)[2:])
+        node_loss_s = time.monotonic() - lost
+        # resumed from the preemption checkpoint, or from a regular one the group committed
+        # after it while the node was still up: nothing finished before the notice is redone
+        resumed = min(shrunk[0][1]) - 1
+        assert shrunk[0][0] == 1, attempts(run_dir)
+        assert resumed == jit or (resumed > jit and resumed % EVERY == 0), (jit, resumed)
+
+        # the driver dies; the same job submitted again resumes from the latest checkpoint
+        driver.wait_for("a checkpoint on 1 worker", lambda: committed(run_dir) > jit)
+        driver.proc.send_signal(signal.SIGKILL)
+        driver.proc.wait(timeout=30)
+        killed_after = committed(run_dir)
+    finally:
+        if driver.proc.poll() is None:
+            driver.proc.kill()
+            driver.proc.wait(timeout=30)
+    # The resubmission changes two settings that may change between submissions: max_steps,
+    # so that the test ends soon, and a fixed world of 1 worker. An elastic controller reserves
+    # its workers' resources with Ray's AutoscalingCoordinator for 180 s
+    # (AUTOSCALING_REQUESTS_EXPIRE_TIME_S) and a SIGKILLed driver cannot cancel that, so an
+    # elastic resubmission would wait up to 3 minutes for the dead run's reservation to expire.
+    final = killed_after + 6
+    settings = (f"train.max_steps={final}", "scaling.workers=1")
+    again = Driver(job_file, cluster.address, tmp_path / "driver-2.log", *settings)
+    assert again.proc.wait(timeout=300) == 0, again.output()[-4000:]
+    assert f"trained {final} steps" in again.output()
+    print(f"node removed -> training again on 1 worker: {node_loss_s:.1f} s")
+
+    history = attempts(run_dir)
+    assert [w for w, _ in history] == [1, 2, 1, 1], history
+    assert min(history[3][1]) - 1 == killed_after  # resumed from the latest checkpoint
+    # no step skipped, none trained twice (the killed attempt's steps past the resumed
+    # checkpoint were redone; those past the shortened max_steps are not part of this run)
+    trained = {s: ids for s, ids in samples.trained(run_dir).items() if s <= final}
+    assert trained == scheduled(job_file, final)
+    assert lora_changes_the_pipeline(f"{load_job(job_file).train.output}/elastic/lora")
