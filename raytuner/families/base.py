@@ -137,3 +137,66 @@ def ddpm_target(scheduler, latents, noise, timesteps) -> torch.Tensor:
 def mse_per_sample(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     err = (prediction.float() - target.float()) ** 2
     return err.reshape(err.shape[0], -1).mean(dim=1)
+
+
+# --- the Stable Diffusion (UNet + KL VAE + DDPM) families -------------------------------------
+
+
+def sd_scheduler_config(prediction_type: str = "epsilon") -> dict:
+    """The DDPM schedule Stable Diffusion 1.5 and SDXL were trained with (tiny presets)."""
+    return dict(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        prediction_type=prediction_type,
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+
+
+def tiny_kl_vae(seed: int = 2):
+    """A 4-channel AutoencoderKL with the 8x downsampling of the real ones, random weights."""
+    from diffusers import AutoencoderKL
+
+    with seeded(seed):
+        return AutoencoderKL(
+            block_out_channels=(8, 16, 16, 16),
+            down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4,
+            latent_channels=4,
+            layers_per_block=1,
+            norm_num_groups=8,
+            sample_size=64,
+        )
+
+
+def kl_image_encoder(vae, device: str) -> ImageEncoder:
+    """Latent mean and std of an AutoencoderKL, in the denoiser's scale (scaling_factor)."""
+    vae = vae.to(device).eval().requires_grad_(False)
+    scale = vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dist = vae.encode(pixels.to(device, vae.dtype)).latent_dist
+        return dist.mean * scale, dist.std * scale
+
+    return encode
+
+
+def ddpm_loss(scheduler, latents: torch.Tensor, generators, predict) -> torch.Tensor:
+    """Per-sample MSE of ``predict(noisy latents, timesteps)`` against the scheduler's target,
+    with each sample's noise and timestep drawn from its own generator."""
+    noise = per_sample_noise(latents, generators)
+    steps = per_sample_timesteps(scheduler.config.num_train_timesteps, generators, latents.device)
+    noisy = scheduler.add_noise(latents, noise, steps)
+    return mse_per_sample(predict(noisy, steps), ddpm_target(scheduler, latents, noise, steps))
+
+
+def ddpm_scheduler(pretrained: str, revision: str, tiny: dict | None):
+    """The training scheduler of a diffusers folder / hub repo, or of a tiny preset's config."""
+    from diffusers import DDPMScheduler
+
+    if tiny is not None:
+        return DDPMScheduler(**tiny)
+    return DDPMScheduler.from_pretrained(pretrained, **hub_kwargs(revision, "scheduler"))

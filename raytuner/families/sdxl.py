@@ -34,21 +34,6 @@ def _tiny_unet():
         )
 
 
-def _tiny_vae():
-    from diffusers import AutoencoderKL
-
-    with base.seeded(2):
-        return AutoencoderKL(
-            block_out_channels=(8, 16, 16, 16),
-            down_block_types=["DownEncoderBlock2D"] * 4,
-            up_block_types=["UpDecoderBlock2D"] * 4,
-            latent_channels=4,
-            layers_per_block=1,
-            norm_num_groups=8,
-            sample_size=64,
-        )
-
-
 def _tiny_text():
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -59,18 +44,6 @@ def _tiny_text():
     with base.seeded(4):
         two = CLIPTextModelWithProjection(config)
     return tokenizer, tokenizer, one, two
-
-
-def _scheduler_config() -> dict:
-    return dict(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        num_train_timesteps=1000,
-        prediction_type="epsilon",
-        steps_offset=1,
-        timestep_spacing="leading",
-    )
 
 
 class _SdxlText:
@@ -104,18 +77,9 @@ class SDXL:
         from diffusers import AutoencoderKL
 
         if pretrained == TINY:
-            vae = _tiny_vae()
-        else:
-            vae = AutoencoderKL.from_pretrained(pretrained, **base.hub_kwargs(revision, "vae"))
-        vae = vae.to(device).eval().requires_grad_(False)
-        scale = vae.config.scaling_factor
-
-        @torch.no_grad()
-        def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            dist = vae.encode(pixels.to(device, vae.dtype)).latent_dist
-            return dist.mean * scale, dist.std * scale
-
-        return encode
+            return base.kl_image_encoder(base.tiny_kl_vae(), device)
+        vae = AutoencoderKL.from_pretrained(pretrained, **base.hub_kwargs(revision, "vae"))
+        return base.kl_image_encoder(vae, device)
 
     def text_encoder(self, pretrained: str, revision: str, device: str):
         from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
@@ -144,33 +108,23 @@ class SDXL:
             return _tiny_unet()
         return UNet2DConditionModel.from_pretrained(pretrained, **base.hub_kwargs(revision, "unet"))
 
-    def _scheduler(self, pretrained: str, revision: str):
-        from diffusers import DDPMScheduler
-
-        if pretrained == TINY:
-            return DDPMScheduler(**_scheduler_config())
-        return DDPMScheduler.from_pretrained(pretrained, **base.hub_kwargs(revision, "scheduler"))
-
     def loss(self, pretrained: str, revision: str):
-        scheduler = self._scheduler(pretrained, revision)
+        tiny = base.sd_scheduler_config() if pretrained == TINY else None
+        scheduler = base.ddpm_scheduler(pretrained, revision, tiny)
 
         def sdxl_loss(denoiser, batch, generators: Sequence[torch.Generator]) -> torch.Tensor:
-            latents = batch["latent"]
-            noise = base.per_sample_noise(latents, generators)
-            steps = base.per_sample_timesteps(
-                scheduler.config.num_train_timesteps, generators, latents.device
-            )
-            noisy = scheduler.add_noise(latents, noise, steps)
             time_ids = torch.cat(
                 [batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1
-            ).to(latents.dtype)
+            ).to(batch["latent"].dtype)
             cond = {"text_embeds": batch["pooled_prompt_embeds"], "time_ids": time_ids}
-            prediction = denoiser(
-                noisy, steps, encoder_hidden_states=batch["prompt_embeds"], added_cond_kwargs=cond
-            ).sample
-            return base.mse_per_sample(
-                prediction, base.ddpm_target(scheduler, latents, noise, steps)
-            )
+
+            def predict(noisy, steps):
+                hidden = batch["prompt_embeds"]
+                return denoiser(
+                    noisy, steps, encoder_hidden_states=hidden, added_cond_kwargs=cond
+                ).sample
+
+            return base.ddpm_loss(scheduler, batch["latent"], generators, predict)
 
         return sdxl_loss
 
@@ -191,11 +145,11 @@ class SDXL:
             )
         tok1, tok2, one, two = _tiny_text()
         return StableDiffusionXLPipeline(
-            vae=_tiny_vae(),
+            vae=base.tiny_kl_vae(),
             text_encoder=one,
             text_encoder_2=two,
             tokenizer=tok1,
             tokenizer_2=tok2,
             unet=_tiny_unet(),
-            scheduler=EulerDiscreteScheduler(**_scheduler_config()),
+            scheduler=EulerDiscreteScheduler(**base.sd_scheduler_config()),
         )

@@ -1,0 +1,96 @@
+"""The SD1.5 family: tiny preset, loading through from_pretrained, the prediction type taken from
+the scheduler config, and a LoRA the diffusers pipeline loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import EulerDiscreteScheduler, StableDiffusionPipeline
+
+from raytuner.config import LoraConfig
+from raytuner.families import FAMILIES
+from raytuner.families.base import sd_scheduler_config
+from raytuner.train.state import add_lora, lora_state
+
+SD15 = FAMILIES["sd15"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, str]:
+    """The tiny pipeline written with save_pretrained, once per prediction type."""
+    folders = {}
+    for kind in ("epsilon", "v_prediction"):
+        folder = tmp_path_factory.mktemp(f"tiny-sd15-{kind}")
+        pipe = SD15.pipeline("tiny", "")
+        pipe.scheduler = EulerDiscreteScheduler(**sd_scheduler_config(kind))
+        pipe.save_pretrained(folder)
+        folders[kind] = str(folder)
+    return folders
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "latent": torch.randn(2, 4, 8, 8, generator=gen),
+        "prompt_embeds": torch.randn(2, 77, 32, generator=gen),
+    }
+
+
+def _generators():
+    return [torch.Generator().manual_seed(i) for i in range(2)]
+
+
+def test_from_pretrained_folder_loads_the_same_model(saved):
+    folder = saved["epsilon"]
+    loaded, tiny = SD15.denoiser(folder, ""), SD15.denoiser("tiny", "")
+    for (name, a), b in zip(loaded.state_dict().items(), tiny.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    captions = ["a red circle", ""]
+    text = SD15.text_encoder(folder, "", "cpu")(captions)
+    assert list(text) == ["prompt_embeds"] and text["prompt_embeds"].shape == (2, 77, 32)
+    torch.testing.assert_close(text, SD15.text_encoder("tiny", "", "cpu")(captions))
+    pixels = torch.rand(1, 3, 64, 48) * 2 - 1
+    mean, std = SD15.image_encoder(folder, "", "cpu")(pixels)
+    assert mean.shape == std.shape == (1, 4, 8, 6)
+    torch.testing.assert_close((mean, std), SD15.image_encoder("tiny", "", "cpu")(pixels))
+
+
+def test_the_scheduler_config_chooses_epsilon_or_v_prediction(saved):
+    unet = SD15.denoiser("tiny", "")
+    losses = {
+        kind: SD15.loss(folder, "")(unet, _batch(), _generators()) for kind, folder in saved.items()
+    }
+    for loss in losses.values():
+        assert loss.shape == (2,) and torch.isfinite(loss).all()
+    assert torch.equal(losses["epsilon"], SD15.loss("tiny", "")(unet, _batch(), _generators()))
+    assert not torch.allclose(losses["epsilon"], losses["v_prediction"])
+
+
+def test_a_trained_lora_loads_into_the_pipeline(tmp_path):
+    unet = SD15.denoiser("tiny", "")
+    params = add_lora(unet, LoraConfig(rank=4, alpha=4.0), SD15.lora_targets)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    loss_fn = SD15.loss("tiny", "")
+    for _ in range(3):
+        loss_fn(unet, _batch(), _generators()).mean().backward()
+        opt.step(), opt.zero_grad()
+    SD15.save_lora(str(tmp_path / "lora"), lora_state(unet))
+
+    pipe = SD15.pipeline("tiny", "")
+    assert isinstance(pipe, StableDiffusionPipeline)
+
+    def image():
+        return pipe(
+            "a red circle",
+            num_inference_steps=2,
+            height=64,
+            width=64,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        ).images
+
+    before = image()
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    after = image()
+    assert after.shape == (1, 64, 64, 3) and torch.isfinite(torch.from_numpy(after)).all()
+    assert not torch.allclose(torch.from_numpy(before), torch.from_numpy(after))
