@@ -173,6 +173,36 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ObjectiveConfig:
+    """How noise levels are drawn and losses weighted; each family uses the keys of its kind
+    (DDPM families: ``weighting = "min_snr"``; flow-matching families: the timestep density,
+    the shift and ``sigma_sqrt`` / ``cosmap`` weighting)."""
+
+    timestep_sampling: str = "logit_normal"  # flow matching: uniform | logit_normal | mode
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    resolution_shift: bool = True  # flow matching: shift noise levels up for larger images
+    shift: float = 1.0  # flow matching: a fixed shift (used when resolution_shift is off)
+    weighting: str = "none"  # none | min_snr (DDPM) | sigma_sqrt | cosmap (flow matching)
+    min_snr_gamma: float = 5.0
+    noise_offset: float = 0.0  # per-channel offset added to the noise (DDPM families)
+    guidance: float = 1.0  # guidance embedding for guidance-distilled checkpoints (Flux dev)
+
+    def __post_init__(self) -> None:
+        _one_of(
+            "objective.timestep_sampling",
+            self.timestep_sampling,
+            ("uniform", "logit_normal", "mode"),
+        )
+        _one_of("objective.weighting", self.weighting, ("none", "min_snr", "sigma_sqrt", "cosmap"))
+        _positive("objective.logit_std", self.logit_std)
+        _positive("objective.shift", self.shift)
+        _positive("objective.min_snr_gamma", self.min_snr_gamma)
+        _positive("objective.noise_offset", self.noise_offset, zero_ok=True)
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoraConfig:
     """LoRA adapter on the denoiser."""
 
@@ -237,6 +267,7 @@ class JobConfig:
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     train: TrainConfig
     lora: LoraConfig = field(default_factory=LoraConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

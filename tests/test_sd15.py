@@ -7,12 +7,13 @@ import pytest
 import torch
 from diffusers import EulerDiscreteScheduler, StableDiffusionPipeline
 
-from raytuner.config import LoraConfig
+from raytuner.config import LoraConfig, ObjectiveConfig
 from raytuner.families import FAMILIES
 from raytuner.families.base import sd_scheduler_config
 from raytuner.train.state import add_lora, lora_state
 
 SD15 = FAMILIES["sd15"]
+OBJ = ObjectiveConfig()
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,12 @@ def test_from_pretrained_folder_loads_the_same_model(saved):
 def test_the_scheduler_config_chooses_epsilon_or_v_prediction(saved):
     unet = SD15.denoiser("tiny", "")
     losses = {
-        kind: SD15.loss(folder, "")(unet, _batch(), _generators()) for kind, folder in saved.items()
+        kind: SD15.loss(folder, "", OBJ)(unet, _batch(), _generators())
+        for kind, folder in saved.items()
     }
     for loss in losses.values():
         assert loss.shape == (2,) and torch.isfinite(loss).all()
-    assert torch.equal(losses["epsilon"], SD15.loss("tiny", "")(unet, _batch(), _generators()))
+    assert torch.equal(losses["epsilon"], SD15.loss("tiny", "", OBJ)(unet, _batch(), _generators()))
     assert not torch.allclose(losses["epsilon"], losses["v_prediction"])
 
 
@@ -70,7 +72,7 @@ def test_a_trained_lora_loads_into_the_pipeline(tmp_path):
     unet = SD15.denoiser("tiny", "")
     params = add_lora(unet, LoraConfig(rank=4, alpha=4.0), SD15.lora_targets)
     opt = torch.optim.AdamW(params, lr=1e-2)
-    loss_fn = SD15.loss("tiny", "")
+    loss_fn = SD15.loss("tiny", "", OBJ)
     for _ in range(3):
         loss_fn(unet, _batch(), _generators()).mean().backward()
         opt.step(), opt.zero_grad()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raytuner.config import load_job
+from raytuner.config import ObjectiveConfig, load_job
 from raytuner.data.preprocess import preprocess
 from raytuner.families import FAMILIES
 from raytuner.train.trainer import train
@@ -48,7 +48,7 @@ def test_from_pretrained_folder_loads_the_same_model(saved_tiny):
 
 
 def test_micro_conditioning_reaches_the_unet():
-    loss = SDXL.loss("tiny", "")
+    loss = SDXL.loss("tiny", "", ObjectiveConfig())
     unet = SDXL.denoiser("tiny", "")
     batch = {
         "latent": torch.randn(2, 4, 8, 8),

@@ -1,12 +1,14 @@
 """The model families raytuner can fine-tune. Adding one: its file, its job TOML, one entry here."""
 
 from raytuner.families.base import Family
+from raytuner.families.flux import Flux
 from raytuner.families.sd15 import SD15
 from raytuner.families.sdxl import SDXL
 
 FAMILIES: dict[str, Family] = {
     "sd15": SD15(),
     "sdxl": SDXL(),
+    "flux": Flux(),
 }
 
 

@@ -8,6 +8,7 @@ and never asks which family it holds.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
@@ -37,7 +38,7 @@ class Family(Protocol):
     def image_encoder(self, pretrained: str, revision: str, device: str) -> ImageEncoder: ...
     def text_encoder(self, pretrained: str, revision: str, device: str) -> TextEncoder: ...
     def denoiser(self, pretrained: str, revision: str) -> nn.Module: ...
-    def loss(self, pretrained: str, revision: str) -> Loss: ...
+    def loss(self, pretrained: str, revision: str, objective) -> Loss: ...  # ObjectiveConfig
     def save_lora(self, directory: str, lora_state: dict[str, torch.Tensor]) -> None: ...
     def pipeline(self, pretrained: str, revision: str): ...  # a diffusers DiffusionPipeline
 
@@ -184,13 +185,25 @@ def kl_image_encoder(vae, device: str) -> ImageEncoder:
     return encode
 
 
-def ddpm_loss(scheduler, latents: torch.Tensor, generators, predict) -> torch.Tensor:
+def ddpm_loss(scheduler, objective, latents: torch.Tensor, generators, predict) -> torch.Tensor:
     """Per-sample MSE of ``predict(noisy latents, timesteps)`` against the scheduler's target,
-    with each sample's noise and timestep drawn from its own generator."""
+    with each sample's noise (plus ``objective.noise_offset``) and timestep drawn from its own
+    generator, min-SNR weighted when ``objective.weighting = "min_snr"``."""
     noise = per_sample_noise(latents, generators)
+    if objective.noise_offset:
+        offsets = [torch.randn(latents.shape[1], generator=g) for g in generators]
+        noise = noise + objective.noise_offset * torch.stack(offsets).to(noise)[:, :, None, None]
     steps = per_sample_timesteps(scheduler.config.num_train_timesteps, generators, latents.device)
     noisy = scheduler.add_noise(latents, noise, steps)
-    return mse_per_sample(predict(noisy, steps), ddpm_target(scheduler, latents, noise, steps))
+    loss = mse_per_sample(predict(noisy, steps), ddpm_target(scheduler, latents, noise, steps))
+    if objective.weighting == "min_snr":
+        from diffusers.training_utils import compute_snr
+
+        snr = compute_snr(scheduler, steps)
+        clipped = snr.clamp(max=objective.min_snr_gamma)
+        v = scheduler.config.prediction_type == "v_prediction"
+        loss = loss * clipped / (snr + 1 if v else snr)
+    return loss
 
 
 def ddpm_scheduler(pretrained: str, revision: str, tiny: dict | None):
@@ -200,3 +213,47 @@ def ddpm_scheduler(pretrained: str, revision: str, tiny: dict | None):
     if tiny is not None:
         return DDPMScheduler(**tiny)
     return DDPMScheduler.from_pretrained(pretrained, **hub_kwargs(revision, "scheduler"))
+
+
+# --- flow-matching families (Flux, Sana) ------------------------------------------------------
+
+
+def flow_sigmas(objective, generators, image_tokens: int, device) -> torch.Tensor:
+    """One noise level in (0, 1) per sample from its generator: the objective's density
+    (``diffusers.training_utils``), then shifted towards noise, by the image's token count
+    (Flux's resolution-dependent shift) or by the fixed ``objective.shift``."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    u = torch.cat(
+        [
+            compute_density_for_timestep_sampling(
+                objective.timestep_sampling,
+                1,
+                logit_mean=objective.logit_mean,
+                logit_std=objective.logit_std,
+                mode_scale=objective.mode_scale,
+                generator=g,
+            )
+            for g in generators
+        ]
+    ).clamp(1e-3, 1 - 1e-3)
+    if objective.resolution_shift:
+        # the line through (256 tokens, 0.5) and (4096 tokens, 1.15), as Flux's sampler uses
+        shift = math.exp(0.5 + (image_tokens - 256) * (1.15 - 0.5) / (4096 - 256))
+    else:
+        shift = objective.shift
+    return (shift * u / (1 + (shift - 1) * u)).to(device)
+
+
+def flow_loss(objective, latents: torch.Tensor, generators, predict, image_tokens: int):
+    """Rectified-flow loss per sample: x_t = (1 - s) x_0 + s noise, target noise - x_0,
+    weighted by the objective's scheme; ``predict(noisy, sigmas)``."""
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    noise = per_sample_noise(latents, generators)
+    sigmas = flow_sigmas(objective, generators, image_tokens, latents.device)
+    s = sigmas.to(latents.dtype)[:, None, None, None]
+    noisy = (1 - s) * latents + s * noise
+    err = (predict(noisy, sigmas).float() - (noise - latents).float()) ** 2
+    weight = compute_loss_weighting_for_sd3(objective.weighting, sigmas).float()
+    return err.reshape(err.shape[0], -1).mean(dim=1) * weight

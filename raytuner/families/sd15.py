@@ -90,7 +90,7 @@ class SD15:
             return _tiny_unet()
         return UNet2DConditionModel.from_pretrained(pretrained, **base.hub_kwargs(revision, "unet"))
 
-    def loss(self, pretrained: str, revision: str):
+    def loss(self, pretrained: str, revision: str, objective):
         tiny = base.sd_scheduler_config() if pretrained == TINY else None
         scheduler = base.ddpm_scheduler(pretrained, revision, tiny)
 
@@ -98,7 +98,7 @@ class SD15:
             def predict(noisy, steps):
                 return denoiser(noisy, steps, encoder_hidden_states=batch["prompt_embeds"]).sample
 
-            return base.ddpm_loss(scheduler, batch["latent"], generators, predict)
+            return base.ddpm_loss(scheduler, objective, batch["latent"], generators, predict)
 
         return sd15_loss
 

@@ -108,7 +108,7 @@ class SDXL:
             return _tiny_unet()
         return UNet2DConditionModel.from_pretrained(pretrained, **base.hub_kwargs(revision, "unet"))
 
-    def loss(self, pretrained: str, revision: str):
+    def loss(self, pretrained: str, revision: str, objective):
         tiny = base.sd_scheduler_config() if pretrained == TINY else None
         scheduler = base.ddpm_scheduler(pretrained, revision, tiny)
 
@@ -124,7 +124,7 @@ class SDXL:
                     noisy, steps, encoder_hidden_states=hidden, added_cond_kwargs=cond
                 ).sample
 
-            return base.ddpm_loss(scheduler, batch["latent"], generators, predict)
+            return base.ddpm_loss(scheduler, objective, batch["latent"], generators, predict)
 
         return sdxl_loss
 

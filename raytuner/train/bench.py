@@ -69,7 +69,7 @@ def bare_loop(job: JobConfig, steps: int, threads: int) -> float:
     denoiser = family.denoiser(job.model.pretrained, job.model.revision)
     params = add_lora(denoiser, job.lora, family.lora_targets)
     opt = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    loss_fn = family.loss(job.model.pretrained, job.model.revision)
+    loss_fn = family.loss(job.model.pretrained, job.model.revision, job.objective)
     batches = _batches(job, 2 * steps)
     start = 0.0
     for i, (batch, seeds) in enumerate(batches):

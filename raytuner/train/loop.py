@@ -13,7 +13,13 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from raytuner.config import CheckpointConfig, LoraConfig, ModelConfig, TrainConfig
+from raytuner.config import (
+    CheckpointConfig,
+    LoraConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    TrainConfig,
+)
 from raytuner.data.cache import load_cached
 from raytuner.families import get_family
 from raytuner.train import state as ckpt
@@ -30,6 +36,7 @@ class LoopConfig:
     model: ModelConfig
     train: TrainConfig
     lora: LoraConfig
+    objective: ObjectiveConfig
     checkpoint: CheckpointConfig
     cache: str
     fingerprint: str
@@ -210,7 +217,7 @@ def train_loop(config: dict) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     st = _restore(cfg, denoiser, opt, sched, rank)
     model = ray.train.torch.prepare_model(denoiser)
-    loss_fn = family.loss(cfg.model.pretrained, cfg.model.revision)
+    loss_fn = family.loss(cfg.model.pretrained, cfg.model.revision, cfg.objective)
     feed = _feed(cfg, rank, world, device).start(st.epoch, st.index)
     samples = SampleLog(cfg.run_dir if t.sample_log else None, attempt_id(), rank, world)
     meter, warned = Meter(device), False

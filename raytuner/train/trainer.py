@@ -110,6 +110,7 @@ def train(job: JobConfig) -> dict:
         model=job.model,
         train=job.train,
         lora=job.lora,
+        objective=job.objective,
         checkpoint=job.checkpoint,
         cache=storage.absolute(job.data.cache),
         fingerprint=fp,

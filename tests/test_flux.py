@@ -1,0 +1,103 @@
+"""The Flux family: tiny preset, loading through from_pretrained, the flow-matching objective
+(noise levels, resolution shift, guidance embedding) and a LoRA FluxPipeline loads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from raytuner.config import LoraConfig, ObjectiveConfig
+from raytuner.families import FAMILIES
+from raytuner.families.base import flow_sigmas
+from raytuner.train.state import add_lora, lora_state
+
+FLUX = FAMILIES["flux"]
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-flux")
+    FLUX.pipeline("tiny", "").save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def batch() -> dict[str, torch.Tensor]:
+    pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    mean, _ = FLUX.image_encoder("tiny", "", "cpu")(pixels)
+    return {"latent": mean, **FLUX.text_encoder("tiny", "", "cpu")(["a red circle", ""])}
+
+
+def _generators():
+    return [torch.Generator().manual_seed(i) for i in range(2)]
+
+
+def test_from_pretrained_folder_loads_the_same_model(saved_tiny, batch):
+    loaded, tiny = FLUX.denoiser(saved_tiny, ""), FLUX.denoiser("tiny", "")
+    for (name, a), b in zip(loaded.state_dict().items(), tiny.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    text = FLUX.text_encoder(saved_tiny, "", "cpu")(["a red circle", ""])
+    assert text["prompt_embeds"].shape == (2, 32, 32)  # T5 sequence
+    assert text["pooled_prompt_embeds"].shape == (2, 32)  # CLIP pooled
+    torch.testing.assert_close(text, {k: batch[k] for k in text})
+    assert batch["latent"].shape == (2, 16, 8, 6)  # 16 channels, shifted and scaled
+    objective = ObjectiveConfig()
+    from_folder = FLUX.loss(saved_tiny, "", objective)(loaded, batch, _generators())
+    torch.testing.assert_close(
+        from_folder, FLUX.loss("tiny", "", objective)(tiny, batch, _generators())
+    )
+
+
+def test_loss_is_per_sample_reproducible_and_uses_the_guidance_embedding(batch):
+    model = FLUX.denoiser("tiny", "")
+    loss = FLUX.loss("tiny", "", ObjectiveConfig())
+    first = loss(model, batch, _generators())
+    assert first.shape == (2,) and torch.isfinite(first).all()
+    assert torch.equal(first, loss(model, batch, _generators()))
+    # sample 1 alone gets the same noise and level as inside the batch
+    alone = loss(model, {k: v[1:] for k, v in batch.items()}, _generators()[1:])
+    torch.testing.assert_close(alone[0], first[1])
+    guided = FLUX.loss("tiny", "", ObjectiveConfig(guidance=3.5))(model, batch, _generators())
+    assert not torch.allclose(first, guided)
+
+
+def test_noise_levels_follow_the_density_and_shift_up_with_resolution():
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(256)]  # noqa: E731
+    small = flow_sigmas(ObjectiveConfig(), gens(), image_tokens=256, device="cpu")
+    large = flow_sigmas(ObjectiveConfig(), gens(), image_tokens=4096, device="cpu")
+    assert ((small > 0) & (small < 1)).all()
+    assert (large > small).all()  # same draws, shifted towards noise for a larger image
+    fixed = ObjectiveConfig(resolution_shift=False, shift=1.0, timestep_sampling="uniform")
+    uniform = flow_sigmas(fixed, gens(), image_tokens=4096, device="cpu")
+    assert abs(uniform.mean().item() - 0.5) < 0.06  # no shift: uniform draws stay uniform
+
+
+def test_a_trained_lora_loads_into_the_flux_pipeline(batch, tmp_path):
+    model = FLUX.denoiser("tiny", "")
+    params = add_lora(model, LoraConfig(rank=4, alpha=4.0), FLUX.lora_targets)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    loss = FLUX.loss("tiny", "", ObjectiveConfig())
+    for _ in range(3):
+        loss(model, batch, _generators()).mean().backward()
+        opt.step(), opt.zero_grad()
+    FLUX.save_lora(str(tmp_path / "lora"), lora_state(model))
+
+    pipe = FLUX.pipeline("tiny", "")
+
+    def image():
+        return pipe(
+            "a red circle",
+            num_inference_steps=2,
+            height=64,
+            width=64,
+            max_sequence_length=32,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        ).images
+
+    before = image()
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    after = image()
+    assert after.shape == (1, 64, 64, 3) and np.isfinite(after).all()
+    assert not np.allclose(before, after)
