@@ -2,6 +2,7 @@
 
 from raytuner.families.base import Family
 from raytuner.families.flux import Flux
+from raytuner.families.sana import Sana
 from raytuner.families.sd15 import SD15
 from raytuner.families.sdxl import SDXL
 
@@ -9,6 +10,7 @@ FAMILIES: dict[str, Family] = {
     "sd15": SD15(),
     "sdxl": SDXL(),
     "flux": Flux(),
+    "sana": Sana(),
 }
 
 
