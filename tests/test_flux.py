@@ -81,7 +81,9 @@ def test_a_trained_lora_loads_into_the_flux_pipeline(batch, tmp_path):
     for _ in range(3):
         loss(model, batch, _generators()).mean().backward()
         opt.step(), opt.zero_grad()
-    FLUX.save_lora(str(tmp_path / "lora"), lora_state(model))
+    FLUX.save_lora(
+        str(tmp_path / "lora"), lora_state(model), model.peft_config["default"].to_dict()
+    )
 
     pipe = FLUX.pipeline("tiny", "")
 

@@ -76,7 +76,7 @@ def test_a_trained_lora_loads_into_the_pipeline(tmp_path):
     for _ in range(3):
         loss_fn(unet, _batch(), _generators()).mean().backward()
         opt.step(), opt.zero_grad()
-    SD15.save_lora(str(tmp_path / "lora"), lora_state(unet))
+    SD15.save_lora(str(tmp_path / "lora"), lora_state(unet), unet.peft_config["default"].to_dict())
 
     pipe = SD15.pipeline("tiny", "")
     assert isinstance(pipe, StableDiffusionPipeline)

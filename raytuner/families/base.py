@@ -34,13 +34,24 @@ class Family(Protocol):
     default_resolution: int  # side of the square bucket, in pixels
     pixel_multiple: int  # bucket sides are multiples of this (VAE factor x denoiser factor)
     lora_targets: tuple[str, ...]  # default peft target_modules on the denoiser
+    kohya_prefix: str  # the denoiser's name in kohya LoRA keys: lora_<prefix>_...
 
     def image_encoder(self, pretrained: str, revision: str, device: str) -> ImageEncoder: ...
     def text_encoder(self, pretrained: str, revision: str, device: str) -> TextEncoder: ...
     def denoiser(self, pretrained: str, revision: str) -> nn.Module: ...
     def loss(self, pretrained: str, revision: str, objective) -> Loss: ...  # ObjectiveConfig
-    def save_lora(self, directory: str, lora_state: dict[str, torch.Tensor]) -> None: ...
+    # the diffusers layout; adapter_config: the peft LoraConfig as a dict (rank, alpha, targets)
+    def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None: ...
     def pipeline(self, pretrained: str, revision: str): ...  # a diffusers DiffusionPipeline
+
+
+def tiny_pipeline(pipe):
+    """A pipeline built from tiny parts, in eval mode as ``from_pretrained`` leaves models
+    (a part built in code starts in train mode, with its dropout on)."""
+    for part in pipe.components.values():
+        if isinstance(part, nn.Module):
+            part.eval()
+    return pipe
 
 
 def hub_kwargs(revision: str, subfolder: str | None = None) -> dict:

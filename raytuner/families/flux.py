@@ -102,6 +102,7 @@ class Flux:
     default_resolution: int = 1024
     pixel_multiple: int = 16  # VAE factor 8 x the 2x2 packing
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    kohya_prefix: str = "transformer"
 
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderKL
@@ -187,10 +188,14 @@ class Flux:
 
         return flux_loss
 
-    def save_lora(self, directory: str, lora_state: dict[str, torch.Tensor]) -> None:
+    def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
         from diffusers import FluxPipeline
 
-        FluxPipeline.save_lora_weights(directory, transformer_lora_layers=lora_state)
+        FluxPipeline.save_lora_weights(
+            directory,
+            transformer_lora_layers=lora_state,
+            transformer_lora_adapter_metadata=adapter_config,
+        )
 
     def pipeline(self, pretrained: str, revision: str):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
@@ -205,12 +210,14 @@ class Flux:
             base_image_seq_len=256,
             max_image_seq_len=4096,
         )
-        return FluxPipeline(
-            scheduler=scheduler,
-            vae=_tiny_vae(),
-            text_encoder=clip,
-            tokenizer=clip_tok,
-            text_encoder_2=t5,
-            tokenizer_2=t5_tok,
-            transformer=_tiny_transformer(),
+        return base.tiny_pipeline(
+            FluxPipeline(
+                scheduler=scheduler,
+                vae=_tiny_vae(),
+                text_encoder=clip,
+                tokenizer=clip_tok,
+                text_encoder_2=t5,
+                tokenizer_2=t5_tok,
+                transformer=_tiny_transformer(),
+            )
         )

@@ -115,6 +115,7 @@ class Sana:
     default_resolution: int = 1024
     pixel_multiple: int = 32  # DC-AE downsamples 32x; the transformer patch is 1
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    kohya_prefix: str = "transformer"
 
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderDC
@@ -171,10 +172,14 @@ class Sana:
 
         return sana_loss
 
-    def save_lora(self, directory: str, lora_state: dict[str, torch.Tensor]) -> None:
+    def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
         from diffusers import SanaPipeline
 
-        SanaPipeline.save_lora_weights(directory, transformer_lora_layers=lora_state)
+        SanaPipeline.save_lora_weights(
+            directory,
+            transformer_lora_layers=lora_state,
+            transformer_lora_adapter_metadata=adapter_config,
+        )
 
     def pipeline(self, pretrained: str, revision: str):
         from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline
@@ -182,10 +187,12 @@ class Sana:
         if pretrained != TINY:
             return SanaPipeline.from_pretrained(pretrained, **base.hub_kwargs(revision))
         tokenizer, encoder = _tiny_text()
-        return SanaPipeline(
-            tokenizer=tokenizer,
-            text_encoder=encoder,
-            vae=_tiny_vae(),
-            transformer=_tiny_transformer(),
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        return base.tiny_pipeline(
+            SanaPipeline(
+                tokenizer=tokenizer,
+                text_encoder=encoder,
+                vae=_tiny_vae(),
+                transformer=_tiny_transformer(),
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            )
         )

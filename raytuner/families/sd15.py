@@ -61,6 +61,7 @@ class SD15:
     default_resolution: int = 512
     pixel_multiple: int = 64
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    kohya_prefix: str = "unet"
 
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderKL
@@ -102,12 +103,14 @@ class SD15:
 
         return sd15_loss
 
-    def save_lora(self, directory: str, lora_state: dict[str, torch.Tensor]) -> None:
+    def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
         from diffusers import StableDiffusionPipeline
         from diffusers.utils import convert_state_dict_to_diffusers
 
         StableDiffusionPipeline.save_lora_weights(
-            directory, unet_lora_layers=convert_state_dict_to_diffusers(lora_state)
+            directory,
+            unet_lora_layers=convert_state_dict_to_diffusers(lora_state),
+            unet_lora_adapter_metadata=adapter_config,
         )
 
     def pipeline(self, pretrained: str, revision: str):
@@ -118,13 +121,15 @@ class SD15:
                 pretrained, safety_checker=None, **base.hub_kwargs(revision)
             )
         tokenizer, encoder = _tiny_text()
-        return StableDiffusionPipeline(
-            vae=base.tiny_kl_vae(seed=12),
-            text_encoder=encoder,
-            tokenizer=tokenizer,
-            unet=_tiny_unet(),
-            scheduler=EulerDiscreteScheduler(**base.sd_scheduler_config()),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
+        return base.tiny_pipeline(
+            StableDiffusionPipeline(
+                vae=base.tiny_kl_vae(seed=12),
+                text_encoder=encoder,
+                tokenizer=tokenizer,
+                unet=_tiny_unet(),
+                scheduler=EulerDiscreteScheduler(**base.sd_scheduler_config()),
+                safety_checker=None,
+                feature_extractor=None,
+                requires_safety_checker=False,
+            )
         )

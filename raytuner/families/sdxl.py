@@ -72,6 +72,7 @@ class SDXL:
     default_resolution: int = 1024
     pixel_multiple: int = 64
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    kohya_prefix: str = "unet"
 
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderKL
@@ -128,12 +129,14 @@ class SDXL:
 
         return sdxl_loss
 
-    def save_lora(self, directory: str, lora_state: dict[str, torch.Tensor]) -> None:
+    def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
         from diffusers import StableDiffusionXLPipeline
         from diffusers.utils import convert_state_dict_to_diffusers
 
         StableDiffusionXLPipeline.save_lora_weights(
-            directory, unet_lora_layers=convert_state_dict_to_diffusers(lora_state)
+            directory,
+            unet_lora_layers=convert_state_dict_to_diffusers(lora_state),
+            unet_lora_adapter_metadata=adapter_config,
         )
 
     def pipeline(self, pretrained: str, revision: str):
@@ -144,12 +147,14 @@ class SDXL:
                 pretrained, **base.hub_kwargs(revision)
             )
         tok1, tok2, one, two = _tiny_text()
-        return StableDiffusionXLPipeline(
-            vae=base.tiny_kl_vae(),
-            text_encoder=one,
-            text_encoder_2=two,
-            tokenizer=tok1,
-            tokenizer_2=tok2,
-            unet=_tiny_unet(),
-            scheduler=EulerDiscreteScheduler(**base.sd_scheduler_config()),
+        return base.tiny_pipeline(
+            StableDiffusionXLPipeline(
+                vae=base.tiny_kl_vae(),
+                text_encoder=one,
+                text_encoder_2=two,
+                tokenizer=tok1,
+                tokenizer_2=tok2,
+                unet=_tiny_unet(),
+                scheduler=EulerDiscreteScheduler(**base.sd_scheduler_config()),
+            )
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import tempfile
 import time
@@ -22,6 +23,7 @@ from raytuner.config import (
 )
 from raytuner.data.cache import load_cached
 from raytuner.families import get_family
+from raytuner.train import export
 from raytuner.train import state as ckpt
 from raytuner.train.feed import Batch, Feed
 from raytuner.train.samples import SampleLog, attempt_id
@@ -112,7 +114,20 @@ def _report(cfg: LoopConfig, st, metrics: dict, model, opt, sched, family, jit: 
         directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")  # Ray deletes it after upload
         identity = ckpt.run_identity(cfg.model, cfg.lora, cfg.train, cfg.fingerprint)
         records = {ckpt.RUN: identity, ckpt.JOB: cfg.job}
-        ckpt.save_checkpoint(directory, model, opt, sched, st, family.save_lora, records)
+        run = cfg.run_dir.rstrip("/").rsplit("/", 1)[-1]
+        meta = export.metadata(
+            family=family.name,
+            model=cfg.model,
+            lora=cfg.lora,
+            step=st.step,
+            run=run,
+            fingerprint=cfg.fingerprint,
+        )
+        adapter = model.peft_config["default"].to_dict()
+        save = functools.partial(
+            export.write_lora, family=family, adapter_config=adapter, meta=meta
+        )
+        ckpt.save_checkpoint(directory, model, opt, sched, st, save, records)
         checkpoint = ray.train.Checkpoint.from_directory(directory)
     ray.train.report(metrics, checkpoint=checkpoint)
 

@@ -13,6 +13,7 @@ from ray.train.torch import TorchTrainer
 from raytuner import storage
 from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import fingerprint, read_manifest, version_dir
+from raytuner.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.train.loop import LoopConfig, train_loop
 from raytuner.train.schedule import epoch_batches
 from raytuner.train.state import (
@@ -25,7 +26,6 @@ from raytuner.train.state import (
 )
 
 log = logging.getLogger(__name__)
-LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 def run_name(job: JobConfig) -> str:
@@ -77,7 +77,8 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> di
             storage.copy_file(os.path.join(directory, EXPORT, name), fs, storage.join(out, name))
         with open(os.path.join(directory, STATE)) as f:
             state = json.load(f)
-    return {"lora": storage.join(out, LORA_FILE), **state}
+    lora = {"lora": storage.join(out, DIFFUSERS_FILE), "kohya": storage.join(out, KOHYA_FILE)}
+    return lora | state
 
 
 def train(job: JobConfig) -> dict:
