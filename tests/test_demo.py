@@ -36,24 +36,21 @@ def test_demo_trains_a_lora_that_diffusers_loads(tmp_path):
     assert f"LoRA           : {lora_dir}/pytorch_lora_weights.safetensors" in out
     assert (tmp_path / "demo" / "preprocess-report.json").is_file()
 
-    pipe = FAMILIES["sdxl"].pipeline("tiny", "")
-    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    before = pipe(
-        "a red circle",
-        num_inference_steps=2,
-        height=64,
-        width=48,
-        output_type="np",
-        generator=gen(),
-    ).images
-    pipe.load_lora_weights(str(lora_dir))
-    after = pipe(
-        "a red circle",
-        num_inference_steps=2,
-        height=64,
-        width=48,
-        output_type="np",
-        generator=gen(),
-    ).images
+    def image(lora_file: str | None = None):
+        pipe = FAMILIES["sdxl"].pipeline("tiny", "")
+        if lora_file:
+            pipe.load_lora_weights(str(lora_dir), weight_name=lora_file)
+        return pipe(
+            "a red circle",
+            num_inference_steps=2,
+            height=64,
+            width=48,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        ).images
+
+    before, after = image(), image("pytorch_lora_weights.safetensors")
     assert after.shape == (1, 64, 48, 3) and np.isfinite(after).all()
     assert not np.allclose(before, after)
+    # the kohya layout of the same LoRA (for ComfyUI / A1111) gives the same image
+    np.testing.assert_allclose(image("lora_kohya.safetensors"), after, atol=1e-5)

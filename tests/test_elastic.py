@@ -108,7 +108,7 @@ def cluster(monkeypatch):
     # after a node loss, Ray Train's elastic policy first asks for the old group size (Ray's
     # AutoscalingCoordinator refreshes its view of the nodes every 20 s) and waits for that
     # group until this timeout (default 60 s) before it starts the smaller one
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
     cluster = Cluster(
         initialize_head=True, connect=False, head_node_args=NODE | {"include_dashboard": False}
     )

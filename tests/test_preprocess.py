@@ -149,10 +149,10 @@ def test_incremental_reruns(ray_local, tmp_path):
     assert len(dataset) == 5 and "portrait/portrait_01.png" not in paths
     assert "a brand new caption" in dataset.index.column("caption").to_pylist()
 
+    # another resolution is another cache version (its re-encode is exercised by the cache-ops
+    # gc test, which commits a second version beside the first)
     bigger = PreprocessConfig(resolution=96, bucket_step=16)
     assert cache.fingerprint(MODEL, bigger) != cache.fingerprint(MODEL, pre)
-    assert preprocess(MODEL, data, bigger)["encoded"] == 5
-    assert cache.read_manifest(data.cache, cache.fingerprint(MODEL, pre)) is not None
 
 
 def test_random_crop_is_reproducible(ray_local, tmp_path):
