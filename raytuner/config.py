@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-KNOWN_FAMILIES = ("sd15", "sdxl", "flux", "sana")
-
 
 class ConfigError(ValueError):
     """A job file or override the user must change (CLI exit code 2)."""
@@ -36,12 +34,11 @@ def _positive(key: str, value: float, *, zero_ok: bool = False) -> None:
 class ModelConfig:
     """Which model to fine-tune."""
 
-    family: str
+    family: str  # a key of raytuner.families.FAMILIES (checked where the family is looked up)
     pretrained: str = "tiny"
     revision: str = ""
 
     def __post_init__(self) -> None:
-        _one_of("model.family", self.family, KNOWN_FAMILIES)
         if not self.pretrained:
             raise ConfigError('model.pretrained is empty: use "tiny", a local folder or a hub id')
 
@@ -174,9 +171,7 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ObjectiveConfig:
-    """How noise levels are drawn and losses weighted; each family uses the keys of its kind
-    (DDPM families: ``weighting = "min_snr"``; flow-matching families: the timestep density,
-    the shift and ``sigma_sqrt`` / ``cosmap`` weighting)."""
+    """Noise levels and loss weights; each family reads the keys of its kind (DDPM or flow)."""
 
     timestep_sampling: str = "logit_normal"  # flow matching: uniform | logit_normal | mode
     logit_mean: float = 0.0
@@ -190,11 +185,8 @@ class ObjectiveConfig:
     guidance: float = 1.0  # guidance embedding for guidance-distilled checkpoints (Flux dev)
 
     def __post_init__(self) -> None:
-        _one_of(
-            "objective.timestep_sampling",
-            self.timestep_sampling,
-            ("uniform", "logit_normal", "mode"),
-        )
+        densities = ("uniform", "logit_normal", "mode")
+        _one_of("objective.timestep_sampling", self.timestep_sampling, densities)
         _one_of("objective.weighting", self.weighting, ("none", "min_snr", "sigma_sqrt", "cosmap"))
         _positive("objective.logit_std", self.logit_std)
         _positive("objective.shift", self.shift)

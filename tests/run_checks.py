@@ -3,6 +3,7 @@ is what a user can use (the diffusers SDXL pipeline loads it)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -22,22 +23,28 @@ def committed(run_dir: str) -> int:
         return 0
 
 
-def lora_changes_the_pipeline(lora_dir: str) -> bool:
-    """Load ``lora_dir`` into the tiny SDXL pipeline: finite images that differ from the base's."""
-    pipe = FAMILIES["sdxl"].pipeline("tiny", "")
+def pipeline_image(pipe) -> np.ndarray:
+    """Two seeded denoising steps at 64x64. Tiny models need two settings where a pipeline has
+    them: their T5 / Gemma tokenizers keep 32 tokens, and Sana's resolution binning knows only
+    the real models' sizes."""
+    accepts = set(inspect.signature(pipe.__call__).parameters)
+    tiny = {"max_sequence_length": 32, "use_resolution_binning": False}
+    return pipe(
+        "a red circle",
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+        **{k: v for k, v in tiny.items() if k in accepts},
+    ).images
 
-    def image():
-        generator = torch.Generator().manual_seed(0)
-        return pipe(
-            "a red circle",
-            num_inference_steps=2,
-            height=64,
-            width=64,
-            output_type="np",
-            generator=generator,
-        ).images
 
-    before = image()
+def lora_changes_the_pipeline(lora_dir: str, family: str = "sdxl") -> bool:
+    """Load ``lora_dir`` into the family's tiny pipeline: finite images that differ from the
+    base model's."""
+    pipe = FAMILIES[family].pipeline("tiny", "")
+    before = pipeline_image(pipe)
     pipe.load_lora_weights(lora_dir)
-    after = image()
+    after = pipeline_image(pipe)
     return bool(np.isfinite(after).all() and not np.allclose(before, after))

@@ -6,12 +6,11 @@ kohya file gives the same images where diffusers can read it."""
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from run_checks import pipeline_image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -47,24 +46,6 @@ every_steps = 3
 """
 
 
-def _image(pipe) -> np.ndarray:
-    """Two denoising steps at 64x64, seeded. The tiny models need two settings where a
-    pipeline has them: their T5/Gemma tokenizers keep 32 tokens, and Sana's resolution binning
-    knows only the real models' sizes."""
-    accepts = set(inspect.signature(pipe.__call__).parameters)
-    tiny = {"max_sequence_length": 32, "use_resolution_binning": False}
-    return pipe(
-        "a red circle",
-        num_inference_steps=2,
-        height=64,
-        width=64,
-        output_type="np",
-        generator=torch.Generator().manual_seed(0),
-        **{k: v for k, v in tiny.items() if k in accepts},
-    ).images
-
-
-@pytest.mark.slow
 # SDXL runs the same path in tests/test_demo.py (the demo is an SDXL job)
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"sdxl"}))
 def test_family_trains_on_two_workers_and_its_lora_loads(name, ray_local, demo_images, tmp_path):
@@ -85,9 +66,9 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, ray_local, demo_i
 
     lora_dir = str(tmp_path / "runs" / "job" / "lora")
     pipe = family.pipeline(str(folder), "")
-    before = _image(pipe)
+    before = pipeline_image(pipe)
     pipe.load_lora_weights(lora_dir)
-    after = _image(pipe)
+    after = pipeline_image(pipe)
     assert after.shape == (1, 64, 64, 3) and np.isfinite(after).all()
     assert not np.allclose(before, after)
 
@@ -99,4 +80,4 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, ray_local, demo_i
     if name in KOHYA_READ_BY_DIFFUSERS:  # the kohya file gives the same images
         pipe = family.pipeline(str(folder), "")
         pipe.load_lora_weights(lora_dir, weight_name=Path(summary["kohya"]).name)
-        np.testing.assert_allclose(_image(pipe), after, atol=1e-5)
+        np.testing.assert_allclose(pipeline_image(pipe), after, atol=1e-5)

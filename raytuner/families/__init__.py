@@ -19,5 +19,5 @@ def get_family(name: str) -> Family:
         return FAMILIES[name]
     except KeyError:
         raise ValueError(
-            f"model.family = {name!r} is not available yet; available: {', '.join(FAMILIES)}"
+            f"model.family = {name!r} is unknown; available: {', '.join(FAMILIES)}"
         ) from None

@@ -54,6 +54,16 @@ def tiny_pipeline(pipe):
     return pipe
 
 
+def save_lora(pipeline_cls, part: str, directory: str, lora_state: dict, adapter_config: dict):
+    """The diffusers layout of a LoRA on the pipeline's ``part`` (``unet`` / ``transformer``),
+    through the pipeline class's own ``save_lora_weights``, with the peft adapter config so a
+    loader applies the trained alpha."""
+    pipeline_cls.save_lora_weights(
+        directory,
+        **{f"{part}_lora_layers": lora_state, f"{part}_lora_adapter_metadata": adapter_config},
+    )
+
+
 def hub_kwargs(revision: str, subfolder: str | None = None) -> dict:
     """``from_pretrained`` keyword arguments for a part of a diffusers folder or hub repo."""
     kwargs = {"revision": revision} if revision else {}
@@ -167,8 +177,9 @@ def sd_scheduler_config(prediction_type: str = "epsilon") -> dict:
     )
 
 
-def tiny_kl_vae(seed: int = 2):
-    """A 4-channel AutoencoderKL with the 8x downsampling of the real ones, random weights."""
+def tiny_kl_vae(seed: int = 2, latent_channels: int = 4, **config):
+    """An AutoencoderKL with the 8x downsampling of the real ones, random weights; ``config``:
+    more AutoencoderKL settings (a family's scaling and shift factors)."""
     from diffusers import AutoencoderKL
 
     with seeded(seed):
@@ -176,10 +187,11 @@ def tiny_kl_vae(seed: int = 2):
             block_out_channels=(8, 16, 16, 16),
             down_block_types=["DownEncoderBlock2D"] * 4,
             up_block_types=["UpDecoderBlock2D"] * 4,
-            latent_channels=4,
+            latent_channels=latent_channels,
             layers_per_block=1,
             norm_num_groups=8,
             sample_size=64,
+            **config,
         )
 
 

@@ -35,22 +35,14 @@ def _tiny_transformer():
 
 
 def _tiny_vae():
-    from diffusers import AutoencoderKL
-
-    with base.seeded(22):
-        return AutoencoderKL(
-            block_out_channels=(8, 16, 16, 16),
-            down_block_types=["DownEncoderBlock2D"] * 4,
-            up_block_types=["UpDecoderBlock2D"] * 4,
-            latent_channels=16,
-            layers_per_block=1,
-            norm_num_groups=8,
-            sample_size=64,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
+    return base.tiny_kl_vae(
+        seed=22,
+        latent_channels=16,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
 
 
 def _tiny_t5_tokenizer(max_length: int = 32):
@@ -191,11 +183,7 @@ class Flux:
     def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
         from diffusers import FluxPipeline
 
-        FluxPipeline.save_lora_weights(
-            directory,
-            transformer_lora_layers=lora_state,
-            transformer_lora_adapter_metadata=adapter_config,
-        )
+        base.save_lora(FluxPipeline, self.kohya_prefix, directory, lora_state, adapter_config)
 
     def pipeline(self, pretrained: str, revision: str):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline

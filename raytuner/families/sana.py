@@ -175,11 +175,7 @@ class Sana:
     def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
         from diffusers import SanaPipeline
 
-        SanaPipeline.save_lora_weights(
-            directory,
-            transformer_lora_layers=lora_state,
-            transformer_lora_adapter_metadata=adapter_config,
-        )
+        base.save_lora(SanaPipeline, self.kohya_prefix, directory, lora_state, adapter_config)
 
     def pipeline(self, pretrained: str, revision: str):
         from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline

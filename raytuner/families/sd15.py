@@ -105,12 +105,9 @@ class SD15:
 
     def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
         from diffusers import StableDiffusionPipeline
-        from diffusers.utils import convert_state_dict_to_diffusers
 
-        StableDiffusionPipeline.save_lora_weights(
-            directory,
-            unet_lora_layers=convert_state_dict_to_diffusers(lora_state),
-            unet_lora_adapter_metadata=adapter_config,
+        base.save_lora(
+            StableDiffusionPipeline, self.kohya_prefix, directory, lora_state, adapter_config
         )
 
     def pipeline(self, pretrained: str, revision: str):

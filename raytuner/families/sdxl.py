@@ -131,12 +131,9 @@ class SDXL:
 
     def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
         from diffusers import StableDiffusionXLPipeline
-        from diffusers.utils import convert_state_dict_to_diffusers
 
-        StableDiffusionXLPipeline.save_lora_weights(
-            directory,
-            unet_lora_layers=convert_state_dict_to_diffusers(lora_state),
-            unet_lora_adapter_metadata=adapter_config,
+        base.save_lora(
+            StableDiffusionXLPipeline, self.kohya_prefix, directory, lora_state, adapter_config
         )
 
     def pipeline(self, pretrained: str, revision: str):

@@ -13,6 +13,7 @@ from ray.train.torch import TorchTrainer
 from raytuner import storage
 from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import fingerprint, read_manifest, version_dir
+from raytuner.families import get_family
 from raytuner.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.train.loop import LoopConfig, train_loop
 from raytuner.train.schedule import epoch_batches
@@ -83,6 +84,10 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> di
 
 def train(job: JobConfig) -> dict:
     """Train on the committed cache of this job's model and preprocess settings."""
+    try:
+        get_family(job.model.family)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     fp = fingerprint(job.model, job.preprocess)
     manifest = read_manifest(job.data.cache, fp)
     if manifest is None:
