@@ -121,9 +121,10 @@ def do_train(job: JobConfig) -> dict:
 
     runtime.connect()
     summary = train(job)
+    exported = f"LoRA: {summary['lora']}" if "lora" in summary else f"model: {summary['model']}"
     print(
         f"trained {summary['step']} steps, loss {summary['first_loss']:.4f} -> "
-        f"{summary['loss']:.4f}; LoRA: {summary['lora']}"
+        f"{summary['loss']:.4f}; {exported}"
     )
     return summary
 

@@ -157,6 +157,10 @@ class TrainConfig:
     prefetch: int = 2  # batches a worker assembles ahead of the step
     log_every: int = 10
     sample_log: bool = False  # write the cache rows of every step under <run>/samples/
+    mode: str = "lora"  # lora: a peft adapter on the denoiser; full: the whole denoiser
+    ema_decay: float = 0.0  # > 0: keep an EMA of the trained weights; exports use it
+    gradient_checkpointing: bool = False
+    mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
 
     def __post_init__(self) -> None:
         _positive("train.max_steps", self.max_steps)
@@ -167,6 +171,10 @@ class TrainConfig:
         _positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
         _positive("train.log_every", self.log_every)
         _one_of("train.remainder", self.remainder, ("drop", "pad"))
+        _one_of("train.mode", self.mode, ("lora", "full"))
+        _one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
+        if not 0 <= self.ema_decay < 1:
+            raise ConfigError(f"train.ema_decay = {self.ema_decay}: must be in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)

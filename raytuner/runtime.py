@@ -18,5 +18,8 @@ def connect(num_cpus: int | None = None) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=env, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, runtime_env=env, logging_level=logging.WARNING)
+        # with num_cpus (tests, benches) always a new local instance: a bare ray.init() would
+        # join a cluster that `ray start` left running on this machine
+        address = "local" if num_cpus else None
+        ray.init(address=address, num_cpus=num_cpus, runtime_env=env, logging_level=logging.WARNING)
     DataContext.get_current().enable_progress_bars = False

@@ -6,10 +6,12 @@ kohya file gives the same images where diffusers can read it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from run_checks import pipeline_image
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -46,26 +48,44 @@ every_steps = 3
 """
 
 
-# SDXL runs the same path in tests/test_demo.py (the demo is an SDXL job)
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"sdxl"}))
-def test_family_trains_on_two_workers_and_its_lora_loads(name, ray_local, demo_images, tmp_path):
-    family = FAMILIES[name]
-    folder = tmp_path / "model"
-    family.pipeline("tiny", "").save_pretrained(folder)
-    job_file = tmp_path / "job.toml"
-    job_file.write_text(JOB.format(family=name, folder=folder, images=demo_images, root=tmp_path))
-    job = load_job(job_file)
+@pytest.fixture(scope="module")
+def prepared(ray_local, tmp_path_factory):
+    """family name -> its job file: the tiny model saved as a diffusers folder, 12 images
+    drawn and preprocessed into a committed cache (once per family for this module)."""
+    from raytuner.demo_data import make_demo_images
 
-    report = preprocess(job.model, job.data, job.preprocess)
-    assert report["encoded"] == 12 and not report["skipped"]
+    jobs: dict[str, Path] = {}
+
+    def prepare(name: str) -> Path:
+        if name not in jobs:
+            root = tmp_path_factory.mktemp(name)
+            FAMILIES[name].pipeline("tiny", "").save_pretrained(root / "model")
+            images = make_demo_images(root / "images", per_aspect=4)
+            text = JOB.format(family=name, folder=root / "model", images=images, root=root)
+            (root / "job.toml").write_text(text)
+            job = load_job(root / "job.toml")
+            report = preprocess(job.model, job.data, job.preprocess)
+            assert report["encoded"] == 12 and not report["skipped"]
+            jobs[name] = root / "job.toml"
+        return jobs[name]
+
+    return prepare
+
+
+# SDXL runs the same path in tests/test_demo.py (the demo is an SDXL job)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"sdxl"}))
+def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared):
+    family, job = FAMILIES[name], load_job(prepared(name))
+    folder = job.model.pretrained
     summary = train(job)
     assert summary["step"] == 3 and np.isfinite(summary["loss"])
     lora = load_file(summary["lora"])
     ups = [v for k, v in lora.items() if "lora.up" in k or "lora_B" in k]
     assert ups and all(v.abs().sum() > 0 for v in ups)  # B starts at zero: training moved it
 
-    lora_dir = str(tmp_path / "runs" / "job" / "lora")
-    pipe = family.pipeline(str(folder), "")
+    lora_dir = str(Path(summary["lora"]).parent)
+    pipe = family.pipeline(folder, "")
     before = pipeline_image(pipe)
     pipe.load_lora_weights(lora_dir)
     after = pipeline_image(pipe)
@@ -76,8 +96,42 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, ray_local, demo_i
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
         assert meta["raytuner.family"] == name and meta["raytuner.steps"] == "3", path
-        assert meta["raytuner.base_model"] == str(folder) and meta["raytuner.run"] == "job"
+        assert meta["raytuner.base_model"] == folder and meta["raytuner.run"] == "job"
     if name in KOHYA_READ_BY_DIFFUSERS:  # the kohya file gives the same images
-        pipe = family.pipeline(str(folder), "")
+        pipe = family.pipeline(folder, "")
         pipe.load_lora_weights(lora_dir, weight_name=Path(summary["kohya"]).name)
         np.testing.assert_allclose(pipeline_image(pipe), after, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sdxl", "flux"])  # a UNet family and a transformer family
+def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request):
+    """SDXL trains on the session's skewed job (tiny model, committed cache), Flux on the
+    cache the LoRA test above prepared: no extra preprocessing."""
+    family = FAMILIES[name]
+    overrides = ['train.name="full"', 'train.mode="full"', "train.ema_decay=0.5"]
+    overrides += ["train.max_steps=3", "checkpoint.every_steps=3", "train.sample_log=false"]
+    job_file = request.getfixturevalue("job_file") if name == "sdxl" else prepared(name)
+    job = load_job(job_file, overrides)
+    summary = train(job)
+    assert summary["step"] == 3 and np.isfinite(summary["loss"])
+    exported = Path(summary["model"]) / family.denoiser_part
+    base = family.denoiser(job.model.pretrained, "")
+    model = type(base).from_pretrained(exported)  # a diffusers model folder
+    meta = json.loads((exported / "raytuner.json").read_text())
+    assert meta["raytuner.family"] == name and meta["raytuner.steps"] == "3"
+
+    # the export holds the moving average, not the last trained weights
+    newest = max(p for p in Path(job.train.output, "full").glob("checkpoint_*") if p.is_dir())
+    trained, ema = load_file(newest / "weights.safetensors"), load_file(newest / "ema.safetensors")
+    exported_state = model.state_dict()
+    moved = [k for k in ema if not torch.equal(ema[k], trained[k])]
+    assert moved, "an EMA of 0.5 over 3 steps differs from the trained weights"
+    for key in moved:
+        torch.testing.assert_close(exported_state[key], ema[key])
+    assert any(not torch.equal(base.state_dict()[k], exported_state[k]) for k in moved)
+
+    pipe = family.pipeline(job.model.pretrained, "")
+    setattr(pipe, family.denoiser_part, model.eval())
+    image = pipeline_image(pipe)
+    assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()

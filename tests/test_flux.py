@@ -10,7 +10,7 @@ from run_checks import lora_changes_the_pipeline
 from raytuner.config import LoraConfig, ObjectiveConfig
 from raytuner.families import FAMILIES
 from raytuner.families.base import flow_sigmas
-from raytuner.train.state import add_lora, lora_state
+from raytuner.train.weights import Weights
 
 FLUX = FAMILIES["flux"]
 
@@ -75,14 +75,13 @@ def test_noise_levels_follow_the_density_and_shift_up_with_resolution():
 
 def test_a_trained_lora_loads_into_the_flux_pipeline(batch, tmp_path):
     model = FLUX.denoiser("tiny", "")
-    params = add_lora(model, LoraConfig(rank=4, alpha=4.0), FLUX.lora_targets)
-    opt = torch.optim.AdamW(params, lr=1e-2)
+    lora = LoraConfig(rank=4, alpha=4.0)
+    weights = Weights(model, mode="lora", lora=lora, targets=FLUX.lora_targets, ema_decay=0)
+    opt = torch.optim.AdamW(weights.params, lr=1e-2)
     loss = FLUX.loss("tiny", "", ObjectiveConfig())
     for _ in range(3):
         loss(model, batch, _generators()).mean().backward()
         opt.step(), opt.zero_grad()
-    FLUX.save_lora(
-        str(tmp_path / "lora"), lora_state(model), model.peft_config["default"].to_dict()
-    )
+    FLUX.save_lora(str(tmp_path / "lora"), weights.state(), model.peft_config["default"].to_dict())
 
     assert lora_changes_the_pipeline(str(tmp_path / "lora"), "flux")

@@ -11,7 +11,7 @@ from run_checks import lora_changes_the_pipeline
 from raytuner.config import LoraConfig, ObjectiveConfig
 from raytuner.families import FAMILIES
 from raytuner.families.base import sd_scheduler_config
-from raytuner.train.state import add_lora, lora_state
+from raytuner.train.weights import Weights
 
 SD15 = FAMILIES["sd15"]
 OBJ = ObjectiveConfig()
@@ -71,13 +71,14 @@ def test_the_scheduler_config_chooses_epsilon_or_v_prediction(saved):
 
 def test_a_trained_lora_loads_into_the_pipeline(tmp_path):
     unet = SD15.denoiser("tiny", "")
-    params = add_lora(unet, LoraConfig(rank=4, alpha=4.0), SD15.lora_targets)
-    opt = torch.optim.AdamW(params, lr=1e-2)
+    lora = LoraConfig(rank=4, alpha=4.0)
+    weights = Weights(unet, mode="lora", lora=lora, targets=SD15.lora_targets, ema_decay=0)
+    opt = torch.optim.AdamW(weights.params, lr=1e-2)
     loss_fn = SD15.loss("tiny", "", OBJ)
     for _ in range(3):
         loss_fn(unet, _batch(), _generators()).mean().backward()
         opt.step(), opt.zero_grad()
-    SD15.save_lora(str(tmp_path / "lora"), lora_state(unet), unet.peft_config["default"].to_dict())
+    SD15.save_lora(str(tmp_path / "lora"), weights.state(), unet.peft_config["default"].to_dict())
 
     assert isinstance(SD15.pipeline("tiny", ""), StableDiffusionPipeline)
     assert lora_changes_the_pipeline(str(tmp_path / "lora"), "sd15")

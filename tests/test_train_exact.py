@@ -169,7 +169,7 @@ def test_resume_on_fewer_workers_past_a_corrupt_checkpoint_continues_exactly(job
     # mid-epoch (5 global batches an epoch), and still train every later batch exactly once
     newest = sorted(p for p in Path(run_dir).glob("checkpoint_*") if p.is_dir())[-1]
     assert '"step": 6' in (newest / "state.json").read_text()
-    (newest / "adapter.safetensors").write_bytes(b"not a safetensors file")
+    (newest / "weights.safetensors").write_bytes(b"not a safetensors file")
     final, _ = run(job_file, "shrink", "scaling.workers=1")
     assert final["step"] == STEPS
     first, second = samples.read_attempts(run_dir)

@@ -94,7 +94,7 @@ class Flux:
     default_resolution: int = 1024
     pixel_multiple: int = 16  # VAE factor 8 x the 2x2 packing
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    kohya_prefix: str = "transformer"
+    denoiser_part: str = "transformer"
 
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderKL
@@ -183,7 +183,7 @@ class Flux:
     def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
         from diffusers import FluxPipeline
 
-        base.save_lora(FluxPipeline, self.kohya_prefix, directory, lora_state, adapter_config)
+        base.save_lora(FluxPipeline, self.denoiser_part, directory, lora_state, adapter_config)
 
     def pipeline(self, pretrained: str, revision: str):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline

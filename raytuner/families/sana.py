@@ -115,7 +115,7 @@ class Sana:
     default_resolution: int = 1024
     pixel_multiple: int = 32  # DC-AE downsamples 32x; the transformer patch is 1
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    kohya_prefix: str = "transformer"
+    denoiser_part: str = "transformer"
 
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderDC
@@ -175,7 +175,7 @@ class Sana:
     def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
         from diffusers import SanaPipeline
 
-        base.save_lora(SanaPipeline, self.kohya_prefix, directory, lora_state, adapter_config)
+        base.save_lora(SanaPipeline, self.denoiser_part, directory, lora_state, adapter_config)
 
     def pipeline(self, pretrained: str, revision: str):
         from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline

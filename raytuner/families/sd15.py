@@ -61,7 +61,7 @@ class SD15:
     default_resolution: int = 512
     pixel_multiple: int = 64
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    kohya_prefix: str = "unet"
+    denoiser_part: str = "unet"
 
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderKL
@@ -107,7 +107,7 @@ class SD15:
         from diffusers import StableDiffusionPipeline
 
         base.save_lora(
-            StableDiffusionPipeline, self.kohya_prefix, directory, lora_state, adapter_config
+            StableDiffusionPipeline, self.denoiser_part, directory, lora_state, adapter_config
         )
 
     def pipeline(self, pretrained: str, revision: str):

@@ -72,7 +72,7 @@ class SDXL:
     default_resolution: int = 1024
     pixel_multiple: int = 64
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    kohya_prefix: str = "unet"
+    denoiser_part: str = "unet"
 
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderKL
@@ -133,7 +133,7 @@ class SDXL:
         from diffusers import StableDiffusionXLPipeline
 
         base.save_lora(
-            StableDiffusionXLPipeline, self.kohya_prefix, directory, lora_state, adapter_config
+            StableDiffusionXLPipeline, self.denoiser_part, directory, lora_state, adapter_config
         )
 
     def pipeline(self, pretrained: str, revision: str):

@@ -23,7 +23,7 @@ from raytuner.data.cache import fingerprint, load_cached, read_manifest
 from raytuner.data.preprocess import preprocess
 from raytuner.families import get_family
 from raytuner.train.feed import Feed
-from raytuner.train.state import add_lora
+from raytuner.train.weights import Weights
 
 
 def _one_worker_job(job: JobConfig, steps: int, output: str) -> JobConfig:
@@ -67,7 +67,10 @@ def bare_loop(job: JobConfig, steps: int, threads: int) -> float:
     family, t = get_family(job.model.family), job.train
     torch.manual_seed(t.seed)
     denoiser = family.denoiser(job.model.pretrained, job.model.revision)
-    params = add_lora(denoiser, job.lora, family.lora_targets)
+    weights = Weights(
+        denoiser, mode=t.mode, lora=job.lora, targets=family.lora_targets, ema_decay=t.ema_decay
+    )
+    params = weights.params
     opt = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
     loss_fn = family.loss(job.model.pretrained, job.model.revision, job.objective)
     batches = _batches(job, 2 * steps)
@@ -80,6 +83,7 @@ def bare_loop(job: JobConfig, steps: int, threads: int) -> float:
         torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        weights.step()
     return steps * t.global_batch_size / (time.perf_counter() - start)
 
 

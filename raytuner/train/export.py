@@ -64,5 +64,5 @@ def write_lora(
     LoraConfig as a dict, so loaders apply the trained alpha / rank scale."""
     family.save_lora(directory, lora_state, adapter_config)
     _add_metadata(os.path.join(directory, DIFFUSERS_FILE), meta)
-    kohya = to_kohya(lora_state, family.kohya_prefix, adapter_config["lora_alpha"])
+    kohya = to_kohya(lora_state, family.denoiser_part, adapter_config["lora_alpha"])
     save_file(kohya, os.path.join(directory, KOHYA_FILE), metadata=meta)

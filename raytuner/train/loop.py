@@ -27,6 +27,7 @@ from raytuner.train import export
 from raytuner.train import state as ckpt
 from raytuner.train.feed import Batch, Feed
 from raytuner.train.samples import SampleLog, attempt_id
+from raytuner.train.weights import Weights
 
 log = logging.getLogger("raytuner.train")
 
@@ -79,30 +80,34 @@ class Meter:
         return out
 
 
-def _step(model, loss_fn, batch: Batch, device, micro_batch_size: int, scale: float):
+def _step(
+    model, loss_fn, batch: Batch, device, micro_batch_size: int, scale: float, precision="no"
+):
     """Forward and backward over this rank's slice, in micro-batches (gradient accumulation,
-    synchronised across ranks on the last one only); returns the slice's loss sum."""
+    synchronised across ranks on the last one only), under bf16 autocast on a GPU when
+    ``precision = "bf16"``; returns the slice's loss sum."""
     tensors = {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}
     torch.manual_seed(batch.seeds[0])  # dropout: a redone step draws the same masks
     n = len(batch.seeds)
     size = micro_batch_size or n
     total = torch.zeros((), device=device)
+    bf16 = precision == "bf16" and device.type == "cuda"
     for a in range(0, n, size):
         last = a + size >= n
         no_sync = getattr(model, "no_sync", None)
         sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
         generators = [torch.Generator().manual_seed(s) for s in batch.seeds[a : a + size]]
         with sync:
-            per_sample = loss_fn(
-                model, {k: v[a : a + size] for k, v in tensors.items()}, generators
-            )
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                micro = {k: v[a : a + size] for k, v in tensors.items()}
+                per_sample = loss_fn(model, micro, generators)
             # DDP averages gradients over ranks: scaled, the update is the global batch's mean
             (per_sample.sum() * scale).backward()
         total += per_sample.detach().sum()
     return total
 
 
-def _report(cfg: LoopConfig, st, metrics: dict, model, opt, sched, family, jit: bool) -> None:
+def _report(cfg: LoopConfig, st, metrics: dict, weights, opt, sched, family, jit: bool) -> None:
     """A checkpoint through ``ray.train.report`` (a barrier: every rank calls it, rank 0 attaches
     the files). Only checkpoints are reported: Ray Train 2.60 takes one report per worker each
     health check (2 s), and a report blocks until the previous one is taken, so reporting every
@@ -123,11 +128,8 @@ def _report(cfg: LoopConfig, st, metrics: dict, model, opt, sched, family, jit: 
             run=run,
             fingerprint=cfg.fingerprint,
         )
-        adapter = model.peft_config["default"].to_dict()
-        save = functools.partial(
-            export.write_lora, family=family, adapter_config=adapter, meta=meta
-        )
-        ckpt.save_checkpoint(directory, model, opt, sched, st, save, records)
+        save = functools.partial(weights.export, family=family, meta=meta)
+        ckpt.save_checkpoint(directory, weights, opt, sched, st, records, save)
         checkpoint = ray.train.Checkpoint.from_directory(directory)
     ray.train.report(metrics, checkpoint=checkpoint)
 
@@ -150,14 +152,14 @@ def _candidates(restored: ray.train.Checkpoint, run_dir: str):
             yield ray.train.Checkpoint(path, filesystem=fs)
 
 
-def _restore(cfg: LoopConfig, denoiser, opt, sched, rank: int) -> ckpt.TrainState:
+def _restore(cfg: LoopConfig, weights, opt, sched, rank: int) -> ckpt.TrainState:
     """The newest readable checkpoint's state, applied; a broken one is skipped with a warning."""
     if (restored := ray.train.get_checkpoint()) is None:
         return ckpt.TrainState()
     for candidate in _candidates(restored, cfg.run_dir):
         try:
             with candidate.as_directory() as directory:
-                st = ckpt.load_checkpoint(directory, denoiser, opt, sched)
+                st = ckpt.load_checkpoint(directory, weights, opt, sched)
         except ckpt.CheckpointError as e:
             log.warning("rank %d: skipping unreadable checkpoint: %s", rank, e)
             continue
@@ -226,11 +228,15 @@ def train_loop(config: dict) -> None:
     family, device, t = get_family(cfg.model.family), ray.train.torch.get_device(), cfg.train
     torch.manual_seed(t.seed)  # the same LoRA init on every rank
     denoiser = family.denoiser(cfg.model.pretrained, cfg.model.revision)
-    params = ckpt.add_lora(denoiser, cfg.lora, family.lora_targets)
-    opt = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    if t.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+    weights = Weights(
+        denoiser, mode=t.mode, lora=cfg.lora, targets=family.lora_targets, ema_decay=t.ema_decay
+    )
+    opt = torch.optim.AdamW(weights.params, lr=t.learning_rate, weight_decay=t.weight_decay)
     warmup = max(t.warmup_steps, 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    st = _restore(cfg, denoiser, opt, sched, rank)
+    st = _restore(cfg, weights, opt, sched, rank)
     model = ray.train.torch.prepare_model(denoiser)
     loss_fn = family.loss(cfg.model.pretrained, cfg.model.revision, cfg.objective)
     feed = _feed(cfg, rank, world, device).start(st.epoch, st.index)
@@ -240,9 +246,11 @@ def train_loop(config: dict) -> None:
     try:
         while st.step < t.max_steps:
             batch = feed.next(st.epoch, st.index)
-            meter.add(_step(model, loss_fn, batch, device, t.micro_batch_size, scale))
-            torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+            micro, precision = t.micro_batch_size, t.mixed_precision
+            meter.add(_step(model, loss_fn, batch, device, micro, scale, precision))
+            torch.nn.utils.clip_grad_norm_(weights.params, t.max_grad_norm)
             opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
+            weights.step()
             st.step, (st.epoch, st.index) = st.step + 1, batch.after()
             samples.add(st.step, batch.epoch, batch.index, batch.ids)
             # a spot reclaim announced to any rank: every rank checkpoints now (once), so the
@@ -253,6 +261,6 @@ def train_loop(config: dict) -> None:
             if due or st.step % t.log_every == 0:
                 metrics = _end_window(cfg, st, meter, feed, samples, sched.get_last_lr()[0])
                 if due:
-                    _report(cfg, st, metrics, denoiser, opt, sched, family, jit)
+                    _report(cfg, st, metrics, weights, opt, sched, family, jit)
     finally:
         feed.close()

@@ -1,4 +1,4 @@
-"""Adapter setup and checkpoint contents: safetensors for weights, torch tensors-only files for
+"""Checkpoint contents: safetensors for the trained weights, torch tensors-only files for
 optimizer state (loaded with ``weights_only=True``), JSON for the rest."""
 
 from __future__ import annotations
@@ -10,21 +10,18 @@ from pickle import UnpicklingError
 
 import pyarrow.fs as pafs
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from raytuner import storage
-from raytuner.config import LoraConfig
 
-ADAPTER = "adapter.safetensors"
+WEIGHTS = "weights.safetensors"  # the trained tensors: the LoRA adapter, or the whole denoiser
+EMA = "ema.safetensors"  # their moving average, when train.ema_decay > 0
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
 RUN = "run.json"  # cache fingerprint and the settings a resume must not change
 JOB = "job.json"  # the resolved job config that trained up to this checkpoint (a record)
-EXPORT = "lora"  # the family's loadable LoRA layout, inside every checkpoint
+EXPORT = "export"  # what the user takes away (lora/ or model/), inside every checkpoint
 
 
 @dataclass
@@ -38,43 +35,24 @@ class TrainState:
     loss: float | None = None
 
 
-def add_lora(denoiser: nn.Module, lora: LoraConfig, default_targets: tuple[str, ...]) -> list:
-    """Freeze the denoiser, add a peft LoRA adapter, return the trainable parameters."""
-    denoiser.requires_grad_(False)
-    denoiser.add_adapter(
-        PeftLoraConfig(
-            r=lora.rank,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            init_lora_weights="gaussian",
-            target_modules=list(lora.target_modules or default_targets),
-        )
-    )
-    return [p for p in denoiser.parameters() if p.requires_grad]
-
-
-def lora_state(denoiser: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(denoiser).items()
-    }
-
-
 class CheckpointError(ValueError):
     """A checkpoint folder that is incomplete or unreadable."""
 
 
 def save_checkpoint(
-    directory: str, denoiser, optimizer, lr_schedule, state: TrainState, save_export, records
+    directory: str, weights, optimizer, lr_schedule, state: TrainState, records, export
 ) -> None:
-    """Weights, optimizer, export and the JSON ``records`` (file name -> content: the run's
-    identity, the resolved job); ``state.json`` last, so a folder without it is incomplete."""
-    adapter = lora_state(denoiser)
-    save_file(adapter, os.path.join(directory, ADAPTER))
+    """Trained tensors (and their EMA), optimizer, the export (``export(folder)``) and the JSON
+    ``records`` (file name -> content: the run's identity, the resolved job); ``state.json``
+    last, so a folder without it is incomplete."""
+    save_file(weights.state(), os.path.join(directory, WEIGHTS))
+    if (ema := weights.ema_state()) is not None:
+        save_file(ema, os.path.join(directory, EMA))
     torch.save(
         {"optimizer": optimizer.state_dict(), "lr_schedule": lr_schedule.state_dict()},
         os.path.join(directory, OPTIMIZER),
     )
-    save_export(os.path.join(directory, EXPORT), adapter)
+    export(os.path.join(directory, EXPORT))
     for name, record in records.items():
         with open(os.path.join(directory, name), "w") as f:
             json.dump(record, f, indent=2, sort_keys=True)
@@ -82,26 +60,31 @@ def save_checkpoint(
         json.dump(asdict(state), f)
 
 
-def read_checkpoint(directory: str, expected_keys) -> tuple[dict, dict, TrainState]:
-    """(adapter, optimizer and LR state, train state), all read and checked before any is
-    applied; raises CheckpointError naming what is wrong."""
+def read_checkpoint(directory: str, weights) -> tuple[dict, dict | None, dict, TrainState]:
+    """(tensors, EMA tensors, optimizer and LR state, train state), all read and checked
+    against ``weights`` before any is applied; raises CheckpointError naming what is wrong."""
     try:
         with open(os.path.join(directory, STATE)) as f:
             state = TrainState(**json.load(f))
-        adapter = load_file(os.path.join(directory, ADAPTER))
+        tensors = load_file(os.path.join(directory, WEIGHTS))
+        ema = load_file(os.path.join(directory, EMA)) if weights.ema is not None else None
         extra = torch.load(os.path.join(directory, OPTIMIZER), weights_only=True)
         extra["optimizer"], extra["lr_schedule"]  # noqa: B018 (both must be there)
     except (OSError, ValueError, TypeError, KeyError, SafetensorError, UnpicklingError) as e:
         raise CheckpointError(f"{directory}: {type(e).__name__}: {e}") from e
-    if set(adapter) != set(expected_keys):
-        missing = sorted(set(expected_keys) - set(adapter))[:3]
-        raise CheckpointError(f"{directory}: adapter does not match the model (missing {missing})")
-    return adapter, extra, state
+    if set(tensors) != weights.keys():
+        missing = sorted(weights.keys() - set(tensors))[:3]
+        raise CheckpointError(f"{directory}: weights do not match the model (missing {missing})")
+    if ema is not None and set(ema) != set(weights.names):
+        raise CheckpointError(f"{directory}: the EMA does not match the trained weights")
+    return tensors, ema, extra, state
 
 
-def load_checkpoint(directory: str, denoiser, optimizer, lr_schedule) -> TrainState:
-    adapter, extra, state = read_checkpoint(directory, get_peft_model_state_dict(denoiser))
-    set_peft_model_state_dict(denoiser, adapter)
+def load_checkpoint(directory: str, weights, optimizer, lr_schedule) -> TrainState:
+    tensors, ema, extra, state = read_checkpoint(directory, weights)
+    weights.load(tensors)
+    if ema is not None:
+        weights.load_ema(ema, state.step)
     optimizer.load_state_dict(extra["optimizer"])
     lr_schedule.load_state_dict(extra["lr_schedule"])
     return state
@@ -109,10 +92,13 @@ def load_checkpoint(directory: str, denoiser, optimizer, lr_schedule) -> TrainSt
 
 def run_identity(model, lora, train, fingerprint: str) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint: the cache, the
-    model, the adapter's shape and the schedule (the cursor means nothing under another)."""
+    model, what is trained (mode, adapter shape, EMA) and the schedule (the cursor means nothing
+    under another)."""
     schedule = {k: getattr(train, k) for k in ("seed", "global_batch_size", "remainder")}
+    trained = {"mode": train.mode, "ema": train.ema_decay > 0}
     return {"fingerprint": fingerprint, "model": asdict(model), "lora": asdict(lora)} | {
-        "schedule": schedule
+        "schedule": schedule,
+        "weights": trained,
     }
 
 

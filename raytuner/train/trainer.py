@@ -25,6 +25,7 @@ from raytuner.train.state import (
     identity_changes,
     run_identity,
 )
+from raytuner.train.weights import LORA_DIR, MODEL_DIR
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +72,28 @@ def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
 
 
 def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> dict:
-    """Copy the checkpoint's loadable LoRA to ``<output>/<name>/lora/``; return the summary."""
-    fs, out = storage.resolve(storage.join(storage.absolute(output), name, EXPORT))
+    """Copy the checkpoint's export (``lora/`` or ``model/<part>/``) into ``<output>/<name>/``;
+    return the summary: where the files went, and the checkpoint's state."""
+    fs, run = storage.resolve(storage.join(storage.absolute(output), name))
     with checkpoint.as_directory() as directory:
-        for name in sorted(os.listdir(os.path.join(directory, EXPORT))):
-            storage.copy_file(os.path.join(directory, EXPORT, name), fs, storage.join(out, name))
+        root = os.path.join(directory, EXPORT)
+        for folder, _, files in sorted(os.walk(root)):
+            relative = os.path.relpath(folder, root)
+            for file in sorted(files):
+                target = storage.join(run, *([] if relative == "." else [relative]), file)
+                storage.copy_file(os.path.join(folder, file), fs, target)
+        exported = set(os.listdir(root))
         with open(os.path.join(directory, STATE)) as f:
             state = json.load(f)
-    lora = {"lora": storage.join(out, DIFFUSERS_FILE), "kohya": storage.join(out, KOHYA_FILE)}
-    return lora | state
+    if LORA_DIR in exported:
+        lora = storage.join(run, LORA_DIR)
+        paths = {
+            "lora": storage.join(lora, DIFFUSERS_FILE),
+            "kohya": storage.join(lora, KOHYA_FILE),
+        }
+    else:
+        paths = {"model": storage.join(run, MODEL_DIR)}
+    return paths | state
 
 
 def train(job: JobConfig) -> dict:

@@ -1,0 +1,110 @@
+"""What a run trains: a peft LoRA adapter on the denoiser (``train.mode = "lora"``) or the whole
+denoiser (``"full"``), optionally with an exponential moving average of the trained weights
+(``diffusers.training_utils.EMAModel``), and what each exports."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from torch import nn
+
+from raytuner.train import export
+
+MODEL_DIR = "model"  # a full fine-tune's export: <output>/<run>/model/<denoiser part>/
+LORA_DIR = "lora"  # a LoRA's export: <output>/<run>/lora/
+
+
+def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+
+
+class Weights:
+    """The denoiser's trainable weights: their tensors for a checkpoint, their EMA, their export."""
+
+    def __init__(self, denoiser: nn.Module, *, mode: str, lora, targets, ema_decay: float):
+        self.denoiser, self.mode = denoiser, mode
+        denoiser.requires_grad_(mode == "full")
+        if mode == "lora":
+            denoiser.add_adapter(
+                PeftLoraConfig(
+                    r=lora.rank,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    init_lora_weights="gaussian",
+                    target_modules=list(lora.target_modules or targets),
+                )
+            )
+        named = [(n, p) for n, p in denoiser.named_parameters() if p.requires_grad]
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.ema = None
+        if ema_decay:
+            from diffusers.training_utils import EMAModel
+
+            self.ema = EMAModel(self.params, decay=ema_decay)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint keeps: the adapter, or the whole denoiser."""
+        if self.mode == "lora":
+            return _cpu(get_peft_model_state_dict(self.denoiser))
+        return _cpu(self.denoiser.state_dict())
+
+    def keys(self) -> set[str]:
+        if self.mode == "lora":
+            return set(get_peft_model_state_dict(self.denoiser))
+        return set(self.denoiser.state_dict())
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        if self.mode == "lora":
+            set_peft_model_state_dict(self.denoiser, state)
+        else:
+            self.denoiser.load_state_dict(state)
+
+    def ema_state(self) -> dict[str, torch.Tensor] | None:
+        if self.ema is None:
+            return None
+        return _cpu(dict(zip(self.names, self.ema.shadow_params, strict=True)))
+
+    def load_ema(self, shadow: dict[str, torch.Tensor], step: int) -> None:
+        device = self.params[0].device
+        self.ema.shadow_params = [shadow[n].to(device) for n in self.names]
+        self.ema.optimization_step = step
+
+    def step(self) -> None:
+        """After each optimizer step: move the average."""
+        if self.ema is not None:
+            self.ema.step(self.params)
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        """The EMA weights in place of the trained ones (a no-op without EMA)."""
+        if self.ema is None:
+            yield
+            return
+        self.ema.store(self.params)
+        self.ema.copy_to(self.params)
+        try:
+            yield
+        finally:
+            self.ema.restore(self.params)
+
+    def export(self, directory: str, family, meta: dict[str, str]) -> None:
+        """What the user takes away (the EMA weights when enabled): both LoRA layouts, or the
+        denoiser as a diffusers model folder that ``from_pretrained`` loads."""
+        with self.averaged():
+            if self.mode == "lora":
+                adapter = self.denoiser.peft_config["default"].to_dict()
+                out = os.path.join(directory, LORA_DIR)
+                export.write_lora(
+                    out, self.state(), family=family, adapter_config=adapter, meta=meta
+                )
+                return
+            out = os.path.join(directory, MODEL_DIR, family.denoiser_part)
+            self.denoiser.save_pretrained(out)
+            with open(os.path.join(out, "raytuner.json"), "w") as f:
+                json.dump(meta, f, indent=2, sort_keys=True)
