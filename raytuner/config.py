@@ -158,6 +158,7 @@ class TrainConfig:
     log_every: int = 10
     sample_log: bool = False  # write the cache rows of every step under <run>/samples/
     mode: str = "lora"  # lora: a peft adapter on the denoiser; full: the whole denoiser
+    caption_dropout: float = 0.0  # share of samples trained with the empty caption
     ema_decay: float = 0.0  # > 0: keep an EMA of the trained weights; exports use it
     gradient_checkpointing: bool = False
     mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
@@ -173,8 +174,9 @@ class TrainConfig:
         _one_of("train.remainder", self.remainder, ("drop", "pad"))
         _one_of("train.mode", self.mode, ("lora", "full"))
         _one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
-        if not 0 <= self.ema_decay < 1:
-            raise ConfigError(f"train.ema_decay = {self.ema_decay}: must be in [0, 1)")
+        for key in ("ema_decay", "caption_dropout"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} = {getattr(self, key)}: must be in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)

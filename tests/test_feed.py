@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from raytuner.data.cache import CachedDataset
+from raytuner.data.sources import caption_key
 from raytuner.data.tensors import to_cells
 from raytuner.train.feed import Feed
 from raytuner.train.loop import _step
@@ -158,3 +159,42 @@ def test_gradient_accumulation_matches_one_pass(micro):
     torch.testing.assert_close(acc_loss, one_loss)
     torch.testing.assert_close(acc_grad, one_grad)
     assert one_grad.abs().sum() > 0
+
+
+def test_caption_dropout_uses_the_empty_caption_the_same_way_on_any_world_size():
+    data = dataset()
+    data.text[caption_key("")] = {"prompt_embeds": torch.full((3, 8), -1.0)}
+
+    def dropped(world: int, p: float) -> list[list[bool]]:
+        """Per global batch of the first two epochs: which samples got the empty caption."""
+        out = []
+        feeds = [
+            Feed(
+                data,
+                seed=3,
+                global_batch_size=4,
+                remainder="pad",
+                rank=r,
+                world=world,
+                prefetch=1,
+                pin=False,
+                caption_dropout=p,
+            )
+            for r in range(world)
+        ]
+        for epoch in (0, 1):
+            batches = feeds[0].epoch(epoch)
+            for index in range(len(batches)):
+                flags = []
+                for f in feeds:
+                    text = f.assemble(epoch, index, batches).tensors["prompt_embeds"]
+                    flags += [bool((t == -1).all()) for t in text]
+                out.append(flags)
+        return out
+
+    assert not any(map(any, dropped(1, 0.0)))
+    assert all(map(all, dropped(1, 1.0 - 1e-9)))
+    half = dropped(1, 0.5)
+    assert half == dropped(2, 0.5)  # the decision belongs to the sample, not to the rank
+    share = sum(map(sum, half)) / sum(map(len, half))
+    assert 0.2 < share < 0.8

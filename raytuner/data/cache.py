@@ -28,6 +28,7 @@ import torch
 
 from raytuner import storage
 from raytuner.config import ModelConfig, PreprocessConfig
+from raytuner.data.sources import caption_key
 from raytuner.data.tensors import from_cells
 
 FORMAT_VERSION = 2
@@ -149,7 +150,14 @@ class CachedDataset:
     def __len__(self) -> int:
         return self.index.num_rows
 
-    def batch(self, indices: list[int], dtype: torch.dtype = torch.float32) -> dict:
+    def batch(self, indices: list[int], dtype=torch.float32, empty_caption=None) -> dict:
+        """The rows' tensors; ``empty_caption[j]``: row j takes the empty caption's embedding
+        (caption dropout) instead of its own."""
+        empty = caption_key("")
+        captions = [
+            empty if drop else self._captions[i]
+            for i, drop in zip(indices, empty_caption or [False] * len(indices), strict=True)
+        ]
         take = pa.array([self._rows[i] for i in indices], pa.int64())
         rows = self.latents.take(take).to_pydict()
         cell_dtype = self.manifest["dtype"]
@@ -161,7 +169,7 @@ class CachedDataset:
             out[name] = torch.tensor(rows[name], dtype=torch.long)
         out["target_size"] = torch.tensor(list(zip(rows["height"], rows["width"], strict=True)))
         for name in self.manifest["text_tensors"]:
-            texts = [self.text[self._captions[i]][name] for i in indices]
+            texts = [self.text[key][name] for key in captions]
             out[name] = torch.stack(texts).to(dtype)
         return out
 

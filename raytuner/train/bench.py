@@ -50,6 +50,7 @@ def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
         world=1,
         prefetch=1,
         pin=False,
+        caption_dropout=t.caption_dropout,
     )
     out, epoch = [], 0
     while len(out) < count:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from raytuner.data.cache import CachedDataset
-from raytuner.train.schedule import epoch_batches, rank_slice, sample_seed
+from raytuner.train.schedule import caption_dropped, epoch_batches, rank_slice, sample_seed
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,10 @@ class Feed:
         world: int,
         prefetch: int,
         pin: bool,
+        caption_dropout: float = 0.0,
     ) -> None:
         self.data, self.seed, self.gbs, self.remainder = data, seed, global_batch_size, remainder
+        self.caption_dropout = caption_dropout
         self.rank, self.world, self.pin = rank, world, pin
         # a source's repeats are repeated appearances of its rows in the schedule
         self.rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
@@ -73,10 +75,11 @@ class Feed:
         global_batch = batches[index]
         start, stop = rank_slice(global_batch, self.rank, self.world)
         mine = global_batch[start:stop]
-        tensors = self.data.batch([self.rows[j] for j in mine])
+        seeds = [sample_seed(self.seed, epoch, index, p) for p in range(start, stop)]
+        dropped = [caption_dropped(s, self.caption_dropout) for s in seeds]
+        tensors = self.data.batch([self.rows[j] for j in mine], empty_caption=dropped)
         if self.pin:
             tensors = {k: v.pin_memory() for k, v in tensors.items()}
-        seeds = [sample_seed(self.seed, epoch, index, p) for p in range(start, stop)]
         return Batch(epoch, index, len(batches), tensors, seeds, [self.paths[j] for j in mine])
 
     def _produce(self, epoch: int, index: int) -> None:

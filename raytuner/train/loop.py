@@ -182,6 +182,7 @@ def _feed(cfg: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
         world=world,
         prefetch=t.prefetch,
         pin=device.type == "cuda",
+        caption_dropout=t.caption_dropout,
     )
 
 

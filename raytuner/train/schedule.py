@@ -48,6 +48,12 @@ def rank_slice(global_batch: list[int], rank: int, world_size: int) -> tuple[int
     return start, start + base + (1 if rank < extra else 0)
 
 
+def caption_dropped(seed: int, probability: float) -> bool:
+    """Whether the sample of ``seed`` (its ``sample_seed``) trains with the empty caption: a
+    draw of its own, the same on whichever rank trains the sample."""
+    return probability > 0 and np.random.default_rng([seed, 1]).random() < probability
+
+
 def sample_seed(seed: int, epoch: int, batch_index: int, position: int) -> int:
     """The noise seed of one sample of the schedule, the same whatever rank trains it."""
     digest = hashlib.sha256(f"{seed}/{epoch}/{batch_index}/{position}".encode()).digest()

@@ -113,12 +113,6 @@ def train(job: JobConfig) -> dict:
     counts = manifest["appearances"]
     rows = [bucket for bucket, n in counts.items() for _ in range(n)]
     t = job.train
-    if t.global_batch_size < job.scaling.max_workers:
-        raise ConfigError(
-            f"train.global_batch_size = {t.global_batch_size} is smaller than the "
-            f"{job.scaling.max_workers} workers of scaling.workers: every worker needs a sample "
-            "of every global batch; raise the batch or lower the workers"
-        )
     try:
         epoch_batches(rows, t.seed, 0, t.global_batch_size, t.remainder)
     except ValueError as e:
