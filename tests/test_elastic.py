@@ -7,13 +7,15 @@ One run lives through every interruption in turn:
 3. that node is drained with the preemption reason (`ray drain-node`, what a cloud autoscaler
    does on a spot reclaim) -> every rank takes a checkpoint at the current step; the node is
    then removed -> the group shrinks to 1 worker and continues from that checkpoint;
-4. the driver is SIGKILLed -> the same job submitted again resumes from the latest checkpoint;
+4. the driver is SIGKILLed and the newest checkpoint damaged -> the same job submitted again
+   skips the damaged checkpoint and resumes from the one before;
 and it ends at exactly `train.max_steps`, having trained every scheduled global batch, with a
 LoRA that the diffusers pipeline loads.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -84,6 +86,13 @@ def attempts(run_dir: str) -> list[tuple[int, list[int]]]:
             world = next(iter(next(iter(steps.values())).values()))["world"]
             out.append((world, sorted(steps)))
     return out
+
+
+def checkpoint_steps(run_dir: str) -> list[tuple[Path, int]]:
+    """(folder, step) of the run's complete checkpoint folders, oldest first (a step redone
+    after a restart can have two)."""
+    folders = sorted(p for p in Path(run_dir).glob("checkpoint_*") if (p / "state.json").is_file())
+    return [(p, json.loads((p / "state.json").read_text())["step"]) for p in folders]
 
 
 def scheduled(job_file: Path, steps: int) -> dict[int, list[str]]:
@@ -189,6 +198,12 @@ def test_grow_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tm
     # its workers' resources with Ray's AutoscalingCoordinator for 180 s
     # (AUTOSCALING_REQUESTS_EXPIRE_TIME_S) and a SIGKILLed driver cannot cancel that, so an
     # elastic resubmission would wait up to 3 minutes for the dead run's reservation to expire.
+    # The newest checkpoint is damaged as well: the resubmission skips it (with a warning) and
+    # resumes from the one before, and still trains every later batch once.
+    *older, (newest, step) = checkpoint_steps(run_dir)
+    assert step == killed_after
+    (newest / "weights.safetensors").write_bytes(b"damaged")
+    fallback = older[-1][1]
     final = killed_after + 6
     settings = (f"train.max_steps={final}", "scaling.workers=1")
     again = Driver(job_file, cluster.address, tmp_path / "driver-2.log", *settings)
@@ -198,7 +213,8 @@ def test_grow_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tm
 
     history = attempts(run_dir)
     assert [w for w, _ in history] == [1, 2, 1, 1], history
-    assert min(history[3][1]) - 1 == killed_after  # resumed from the latest checkpoint
+    assert min(history[3][1]) - 1 == fallback, (fallback, killed_after)
+    assert "skipping unreadable checkpoint" in again.output()
     # no step skipped, none trained twice (the killed attempt's steps past the resumed
     # checkpoint were redone; those past the shortened max_steps are not part of this run)
     trained = {s: ids for s, ids in samples.trained(run_dir).items() if s <= final}

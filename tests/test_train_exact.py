@@ -148,36 +148,15 @@ def test_sigkilled_worker_resumes_exactly_where_the_checkpoint_left_off(job_file
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_one_two_and_three_workers_train_the_same_weights(job_file):
+def test_three_workers_train_the_same_rows_and_weights_as_two(job_file):
+    """Slices of 2, 1 and 1 samples, and rank 0 accumulates its 2 in micro-batches of 1 (the
+    elastic test covers 1 worker against the schedule)."""
     expected, reference_dir = reference(job_file)
-    one, one_dir = run(job_file, "one", "scaling.workers=1", "train.micro_batch_size=3")
-    three, three_dir = run(job_file, "three", "scaling.workers=3")
-    for summary, run_dir in ((one, one_dir), (three, three_dir)):
-        assert samples.trained(run_dir) == samples.trained(reference_dir)
-        assert_same_weights(summary, expected, tolerance=1e-4)
+    three, three_dir = run(job_file, "three", "scaling.workers=3", "train.micro_batch_size=1")
+    assert samples.trained(three_dir) == samples.trained(reference_dir)
+    assert_same_weights(three, expected, tolerance=1e-4)
     slices = samples.read_attempts(three_dir)[0][1]
     assert [len(slices[r]["ids"]) for r in (0, 1, 2)] == [2, 1, 1]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_resume_on_fewer_workers_past_a_corrupt_checkpoint_continues_exactly(job_file):
-    expected, reference_dir = reference(job_file)
-    half, run_dir = run(job_file, "shrink", "train.max_steps=6")
-    assert half["step"] == 6
-    # the newest checkpoint (step 6) is damaged: the resume must fall back to step 4, which is
-    # mid-epoch (5 global batches an epoch), and still train every later batch exactly once
-    newest = sorted(p for p in Path(run_dir).glob("checkpoint_*") if p.is_dir())[-1]
-    assert '"step": 6' in (newest / "state.json").read_text()
-    (newest / "weights.safetensors").write_bytes(b"not a safetensors file")
-    final, _ = run(job_file, "shrink", "scaling.workers=1")
-    assert final["step"] == STEPS
-    first, second = samples.read_attempts(run_dir)
-    assert (sorted(first), min(second)) == ([1, 2, 3, 4, 5, 6], 5)
-    assert {r["world"] for ranks in second.values() for r in ranks.values()} == {1}
-    assert samples.trained(run_dir) == samples.trained(reference_dir)
-    assert_same_weights(final, expected, tolerance=1e-4)
-    assert lora_changes_the_pipeline(str(Path(final["lora"]).parent))
 
 
 def test_resuming_with_another_adapter_shape_or_schedule_is_refused(job_file):
