@@ -13,14 +13,24 @@ import torch
 from raytuner.families import FAMILIES
 
 
-def committed(run_dir: str) -> int:
-    """The step of the latest checkpoint Ray Train has registered (what a restart resumes
-    from), from its snapshot file; 0 before the first."""
+def _latest(run_dir: str) -> dict:
+    """Ray Train's record of the latest checkpoint it registered (what a restart resumes from),
+    from its snapshot file; {} before the first."""
     try:
         snapshot = json.loads(Path(run_dir, "checkpoint_manager_snapshot.json").read_text())
-        return snapshot["latest_checkpoint_result"]["metrics"]["step"]
+        return snapshot["latest_checkpoint_result"] or {}
     except (OSError, ValueError, KeyError, TypeError):  # not yet written, or being replaced
-        return 0
+        return {}
+
+
+def committed(run_dir: str) -> int:
+    """The step of the latest checkpoint Ray Train has registered; 0 before the first."""
+    return _latest(run_dir).get("metrics", {}).get("step", 0)
+
+
+def committed_folder(run_dir: str) -> Path:
+    """The folder of that checkpoint (a newer folder may exist, uploaded but not registered)."""
+    return Path(run_dir, _latest(run_dir)["checkpoint_dir_name"])
 
 
 def pipeline_image(pipe) -> np.ndarray:

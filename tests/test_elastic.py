@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from ray.cluster_utils import Cluster
-from run_checks import committed, lora_changes_the_pipeline
+from run_checks import committed, committed_folder, lora_changes_the_pipeline
 
 from raytuner.config import load_job
 from raytuner.data.cache import fingerprint, load_cached
@@ -200,10 +200,10 @@ def test_grow_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tm
     # elastic resubmission would wait up to 3 minutes for the dead run's reservation to expire.
     # The newest checkpoint is damaged as well: the resubmission skips it (with a warning) and
     # resumes from the one before, and still trains every later batch once.
-    *older, (newest, step) = checkpoint_steps(run_dir)
-    assert step == killed_after
-    (newest / "weights.safetensors").write_bytes(b"damaged")
-    fallback = older[-1][1]
+    registered = committed_folder(run_dir)  # what Ray resumes from
+    (registered / "weights.safetensors").write_bytes(b"damaged")
+    older = [step for folder, step in checkpoint_steps(run_dir) if folder.name < registered.name]
+    fallback = older[-1]
     final = killed_after + 6
     settings = (f"train.max_steps={final}", "scaling.workers=1")
     again = Driver(job_file, cluster.address, tmp_path / "driver-2.log", *settings)
