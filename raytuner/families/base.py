@@ -112,6 +112,19 @@ def tiny_clip_config(tokenizer, *, hidden: int = 32, projection: int = 32):
     )
 
 
+class FrozenTextEncoders:
+    """Tokenizers and their encoders, frozen in eval mode on ``device``; a family's subclass
+    defines ``__call__`` (captions -> its named text tensors)."""
+
+    def __init__(self, tokenizers, encoders, device: str):
+        self.tokenizers = tokenizers
+        self.encoders = [e.to(device).eval().requires_grad_(False) for e in encoders]
+        self.device = device
+
+    def truncated(self, captions: list[str]) -> list[bool]:
+        return truncated(self.tokenizers, captions)
+
+
 def truncated(tokenizers, captions: list[str]) -> list[bool]:
     """Whether any of the tokenizers cuts the caption at its model_max_length."""
     flags = [False] * len(captions)

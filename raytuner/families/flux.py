@@ -69,13 +69,8 @@ def _tiny_text():
     return clip_tokenizer, t5_tokenizer, clip, t5
 
 
-class _FluxText:
+class _FluxText(base.FrozenTextEncoders):
     """T5's last hidden state (the sequence) and CLIP-L's pooled output."""
-
-    def __init__(self, tokenizers, encoders, device: str):
-        self.tokenizers = tokenizers
-        self.encoders = [e.to(device).eval().requires_grad_(False) for e in encoders]
-        self.device = device
 
     @torch.no_grad()
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -83,9 +78,6 @@ class _FluxText:
         pooled = clip(base.tokenize(clip_tok, captions, self.device)).pooler_output
         sequence = t5(base.tokenize(t5_tok, captions, self.device)).last_hidden_state
         return {"prompt_embeds": sequence, "pooled_prompt_embeds": pooled}
-
-    def truncated(self, captions: list[str]) -> list[bool]:
-        return base.truncated(self.tokenizers, captions)
 
 
 @dataclass(frozen=True)

@@ -38,21 +38,14 @@ def _tiny_text():
         return tokenizer, CLIPTextModel(base.tiny_clip_config(tokenizer))
 
 
-class _ClipText:
+class _ClipText(base.FrozenTextEncoders):
     """The last hidden state of one CLIP text encoder."""
-
-    def __init__(self, tokenizer, encoder, device: str):
-        self.tokenizer = tokenizer
-        self.encoder = encoder.to(device).eval().requires_grad_(False)
-        self.device = device
 
     @torch.no_grad()
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
-        ids = base.tokenize(self.tokenizer, captions, self.device)
-        return {"prompt_embeds": self.encoder(ids).last_hidden_state}
-
-    def truncated(self, captions: list[str]) -> list[bool]:
-        return base.truncated([self.tokenizer], captions)
+        (tokenizer,), (encoder,) = self.tokenizers, self.encoders
+        ids = base.tokenize(tokenizer, captions, self.device)
+        return {"prompt_embeds": encoder(ids).last_hidden_state}
 
 
 @dataclass(frozen=True)
@@ -75,14 +68,15 @@ class SD15:
         from transformers import CLIPTextModel, CLIPTokenizer
 
         if pretrained == TINY:
-            return _ClipText(*_tiny_text(), device)
+            tokenizer, encoder = _tiny_text()
+            return _ClipText([tokenizer], [encoder], device)
         tokenizer = CLIPTokenizer.from_pretrained(
             pretrained, **base.hub_kwargs(revision, "tokenizer")
         )
         encoder = CLIPTextModel.from_pretrained(
             pretrained, **base.hub_kwargs(revision, "text_encoder")
         )
-        return _ClipText(tokenizer, encoder, device)
+        return _ClipText([tokenizer], [encoder], device)
 
     def denoiser(self, pretrained: str, revision: str) -> nn.Module:
         from diffusers import UNet2DConditionModel

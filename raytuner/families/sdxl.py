@@ -46,13 +46,8 @@ def _tiny_text():
     return tokenizer, tokenizer, one, two
 
 
-class _SdxlText:
+class _SdxlText(base.FrozenTextEncoders):
     """Penultimate hidden states of both encoders, concatenated, plus encoder 2's pooled output."""
-
-    def __init__(self, tokenizers, encoders, device: str):
-        self.tokenizers = tokenizers
-        self.encoders = [e.to(device).eval().requires_grad_(False) for e in encoders]
-        self.device = device
 
     @torch.no_grad()
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -61,9 +56,6 @@ class _SdxlText:
         out2 = two(base.tokenize(tok2, captions, self.device), output_hidden_states=True)
         hidden = torch.cat([out1.hidden_states[-2], out2.hidden_states[-2]], dim=-1)
         return {"prompt_embeds": hidden, "pooled_prompt_embeds": out2.text_embeds}
-
-    def truncated(self, captions: list[str]) -> list[bool]:
-        return base.truncated(self.tokenizers, captions)
 
 
 @dataclass(frozen=True)
