@@ -26,6 +26,22 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
     )
 
 
+def _sample_args(cmd: argparse.ArgumentParser) -> None:
+    _job_args(cmd)
+    cmd.add_argument(
+        "--checkpoint",
+        default="latest",
+        help="latest (the run's newest checkpoint), base (no trained weights), or a path: a "
+        "checkpoint folder, a run's lora/ or model/ folder, a LoRA .safetensors file",
+    )
+    cmd.add_argument("--prompt", action="append", required=True, help="repeat for several")
+    cmd.add_argument("--seed", type=int, action="append", help="repeat for several (default 0)")
+    cmd.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
+    cmd.add_argument("--width", type=int, help="pixels (default: the job's resolution)")
+    cmd.add_argument("--height", type=int, help="pixels (default: the job's resolution)")
+    cmd.add_argument("--out", required=True, help="folder for the PNGs, grid.png, samples.json")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytuner", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -41,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         _job_args(cmd)
         if name in ("preprocess", "run"):
             cmd.add_argument("--report", help="also write the preprocess report (JSON) here")
+    _sample_args(sub.add_parser("sample", help="render prompts with the trained weights"))
     for group, actions in [
         (
             "cache",
@@ -153,6 +170,17 @@ def do_cache(job: JobConfig, args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def do_sample(job: JobConfig, args: argparse.Namespace) -> None:
+    from raytuner.families import get_family
+    from raytuner.sample import default_size, sample
+
+    width, height = default_size(job, get_family(job.model.family))
+    size = (args.width or width, args.height or height)
+    seeds = args.seed or [0]
+    for path in sample(job, args.checkpoint, args.prompt, seeds, args.steps, size, args.out):
+        print(f"wrote {path}")
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from raytuner.demo import run_demo
@@ -170,6 +198,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(job.to_dict(), indent=2))
     if args.command == "cache":
         return do_cache(job, args)
+    if args.command == "sample":
+        do_sample(job, args)
     if args.command == "bench" and args.action == "preprocess":
         from raytuner.bench import bench_preprocess
 

@@ -12,10 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from run_checks import pipeline_image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from raytuner.cli import main
 from raytuner.config import load_job
 from raytuner.data.preprocess import preprocess
 from raytuner.families import FAMILIES
@@ -72,10 +74,37 @@ def prepared(ray_local, tmp_path_factory):
     return prepare
 
 
+def sample(job_file: Path, checkpoint: str, out: Path, *more: str) -> dict[str, np.ndarray]:
+    """`raytuner sample` of two prompts x two seeds, 2 steps: file name -> pixels."""
+    prompts = ["--prompt", "a red circle", "--prompt", "a blue square"]
+    args = ["sample", str(job_file), "--checkpoint", checkpoint, *prompts, "--seed", "0"]
+    code = main([*args, "--seed", "7", "--steps", "2", "--out", str(out), *more])
+    assert code == 0
+    record = json.loads((out / "samples.json").read_text())
+    assert len(record["files"]) == 5 and record["files"][-1] == "grid.png"
+    return {name: np.asarray(Image.open(out / name)) for name in record["files"]}
+
+
+def assert_sampling_uses_the_trained_weights(
+    job_file: Path, tmp: Path, weights: str, *more: str
+) -> None:
+    """`raytuner sample` with the latest checkpoint: four 64x64 PNGs and their 2x2 grid; the
+    images differ from the base model's and equal those of the exported folder ``weights``."""
+    latest = sample(job_file, "latest", tmp / "latest", *more)
+    base = sample(job_file, "base", tmp / "base", *more)
+    assert latest["grid.png"].shape == (128, 128, 3)
+    assert all(image.shape == (64, 64, 3) for name, image in latest.items() if name != "grid.png")
+    assert not np.array_equal(latest["grid.png"], base["grid.png"])
+    top_left = latest["grid.png"][:64, :64]  # first prompt, first seed
+    assert np.array_equal(top_left, latest["00-a-red-circle-seed0.png"])
+    exported = sample(job_file, weights, tmp / "exported", *more)
+    assert np.array_equal(exported["grid.png"], latest["grid.png"])
+
+
 # SDXL runs the same path in tests/test_demo.py (the demo is an SDXL job)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"sdxl"}))
-def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared):
+def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared, tmp_path):
     family, job = FAMILIES[name], load_job(prepared(name))
     folder = job.model.pretrained
     summary = train(job)
@@ -101,11 +130,12 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared):
         pipe = family.pipeline(folder, "")
         pipe.load_lora_weights(lora_dir, weight_name=Path(summary["kohya"]).name)
         np.testing.assert_allclose(pipeline_image(pipe), after, atol=1e-5)
+    assert_sampling_uses_the_trained_weights(prepared(name), tmp_path, lora_dir)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sdxl", "flux"])  # a UNet family and a transformer family
-def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request):
+def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request, tmp_path):
     """SDXL trains on the session's skewed job (tiny model, committed cache), Flux on the
     cache the LoRA test above prepared: no extra preprocessing."""
     family = FAMILIES[name]
@@ -135,3 +165,5 @@ def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request)
     setattr(pipe, family.denoiser_part, model.eval())
     image = pipeline_image(pipe)
     assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
+    run = ["--set", 'train.name="full"']
+    assert_sampling_uses_the_trained_weights(job_file, tmp_path, summary["model"], *run)

@@ -43,6 +43,8 @@ class Family(Protocol):
     # the diffusers layout; adapter_config: the peft LoraConfig as a dict (rank, alpha, targets)
     def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None: ...
     def pipeline(self, pretrained: str, revision: str): ...  # a diffusers DiffusionPipeline
+    # pipeline-call arguments that match how the cache was encoded (caption token count)
+    def pipeline_options(self, pipe) -> dict: ...
 
 
 def tiny_pipeline(pipe):

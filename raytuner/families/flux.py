@@ -177,6 +177,10 @@ class Flux:
 
         base.save_lora(FluxPipeline, self.denoiser_part, directory, lora_state, adapter_config)
 
+    def pipeline_options(self, pipe) -> dict:
+        """T5 tokens as the cache kept them: the tokenizer's limit, at most the pipeline's 512."""
+        return {"max_sequence_length": min(512, pipe.tokenizer_2.model_max_length)}
+
     def pipeline(self, pretrained: str, revision: str):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 

@@ -177,6 +177,13 @@ class Sana:
 
         base.save_lora(SanaPipeline, self.denoiser_part, directory, lora_state, adapter_config)
 
+    def pipeline_options(self, pipe) -> dict:
+        """Gemma tokens as the cache kept them; resolution binning only for the sample sizes
+        the pipeline has bins for (the real models'; a tiny one has none)."""
+        binned = pipe.transformer.config.sample_size in (16, 32, 64, 128)
+        tokens = min(MAX_TOKENS, pipe.tokenizer.model_max_length)
+        return {"max_sequence_length": tokens, "use_resolution_binning": binned}
+
     def pipeline(self, pretrained: str, revision: str):
         from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline
 

@@ -104,6 +104,10 @@ class SD15:
             StableDiffusionPipeline, self.denoiser_part, directory, lora_state, adapter_config
         )
 
+    def pipeline_options(self, pipe) -> dict:
+        """None: the pipeline tokenizes captions as the cache did (77 CLIP tokens)."""
+        return {}
+
     def pipeline(self, pretrained: str, revision: str):
         from diffusers import EulerDiscreteScheduler, StableDiffusionPipeline
 

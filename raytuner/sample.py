@@ -1,0 +1,185 @@
+"""Images from trained weights: the family's diffusers pipeline with a run's LoRA or fine-tuned
+denoiser, a PNG per prompt and seed, and a grid of them (prompts as rows, seeds as columns).
+
+Used by `raytuner sample` and by the validation renders during training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import torch
+from PIL import Image
+
+from raytuner import storage
+from raytuner.train.export import DIFFUSERS_FILE, KOHYA_FILE
+from raytuner.train.state import EXPORT, STATE, checkpoint_folders
+from raytuner.train.weights import LORA_DIR, MODEL_DIR
+
+LATEST = "latest"  # --checkpoint: the run's newest complete checkpoint
+BASE = "base"  # --checkpoint: the pretrained model alone, for comparison
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Trained weights on local disk: a LoRA (folder or safetensors file) or a model folder
+    holding ``<denoiser part>/``."""
+
+    kind: str  # "lora" | "model"
+    path: str
+
+
+def _local(fs: pafs.FileSystem, path: str, scratch: str) -> str:
+    """A local path for ``path`` on ``fs``: itself, or a copy of the remote file or folder."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        return path
+    target = os.path.join(scratch, os.path.basename(path.rstrip("/")))
+    pafs.copy_files(path, target, source_filesystem=fs)
+    return target
+
+
+def find_weights(path: str) -> Weights:
+    """What a user may point at: a checkpoint folder, its ``export/``, the run's ``lora/`` or
+    ``model/`` folder, a LoRA safetensors file (diffusers or kohya keys)."""
+    p = Path(path)
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise ValueError(f"{path}: a LoRA file must be .safetensors")
+        return Weights("lora", str(p))
+    if not p.is_dir():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    for folder in (p / EXPORT, p):
+        if (folder / LORA_DIR / DIFFUSERS_FILE).is_file():
+            return Weights("lora", str(folder / LORA_DIR))
+        if (folder / MODEL_DIR).is_dir():
+            return Weights("model", str(folder / MODEL_DIR))
+    if (p / DIFFUSERS_FILE).is_file() or (p / KOHYA_FILE).is_file():
+        return Weights("lora", str(p))
+    if any(p.glob("*/config.json")):  # model/: the denoiser folder inside
+        return Weights("model", str(p))
+    if (p / "config.json").is_file():  # model/<part>/
+        return Weights("model", str(p.parent))
+    raise FileNotFoundError(
+        f"{path}: no trained weights found (expected a checkpoint folder, export/, lora/, "
+        f"model/ or a .safetensors LoRA)"
+    )
+
+
+def latest_checkpoint(run_dir: str) -> tuple[pafs.FileSystem, str]:
+    """The run's newest complete checkpoint folder (``state.json`` is written last)."""
+    fs, folders = checkpoint_folders(run_dir)
+    for folder in folders:
+        if storage.exists(fs, storage.join(folder, STATE)):
+            return fs, folder
+    raise FileNotFoundError(f"no complete checkpoint under {run_dir}: train the job first")
+
+
+def load_pipeline(family, pretrained: str, revision: str, weights: Weights | None, device: str):
+    """The family's pipeline on ``device`` (bf16 on CUDA) with ``weights`` applied."""
+    pipe = family.pipeline(pretrained, revision)
+    if weights is not None and weights.kind == "lora":
+        pipe.load_lora_weights(weights.path)
+    elif weights is not None:
+        part = family.denoiser_part
+        cls = type(getattr(pipe, part))
+        pipe.register_modules(**{part: cls.from_pretrained(os.path.join(weights.path, part))})
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    pipe.to(device, dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def render(
+    pipe, options: dict, prompts: list[str], seeds: list[int], steps, size: tuple[int, int]
+) -> list[list[Image.Image]]:
+    """One image per prompt and seed (rows: prompts); the same seed gives the same noise for
+    every prompt, so rows compare. ``steps`` None: the pipeline's default."""
+    width, height = size
+    device = pipe.device
+    if steps:
+        options = options | {"num_inference_steps": steps}
+    return [
+        [
+            pipe(
+                prompt,
+                width=width,
+                height=height,
+                generator=torch.Generator(device).manual_seed(seed),
+                output_type="pil",
+                **options,
+            ).images[0]
+            for seed in seeds
+        ]
+        for prompt in prompts
+    ]
+
+
+def grid(rows: list[list[Image.Image]]) -> Image.Image:
+    """The images as a grid, a row per prompt."""
+    w, h = rows[0][0].size
+    columns = max(len(r) for r in rows)
+    sheet = Image.new("RGB", (w * columns, h * len(rows)), "white")
+    for y, row in enumerate(rows):
+        for x, image in enumerate(row):
+            sheet.paste(image, (x * w, y * h))
+    return sheet
+
+
+def save_png(image: Image.Image, path: Path) -> None:
+    """Atomically: a reader sees no half-written PNG."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    image.save(tmp, format="PNG")
+    os.replace(tmp, path)
+
+
+def _slug(text: str) -> str:
+    kept = "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+    return "-".join(part for part in kept.split("-") if part)[:40] or "prompt"
+
+
+def write_samples(rows, prompts: list[str], seeds: list[int], out: Path, record: dict) -> list:
+    """``<i>-<prompt>-seed<s>.png`` per image, ``grid.png`` when there are several, and
+    ``samples.json`` (what was rendered with which weights); returns the PNG paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
+        for seed, image in zip(seeds, row, strict=True):
+            paths.append(out / f"{i:02d}-{_slug(prompt)}-seed{seed}.png")
+            save_png(image, paths[-1])
+    if len(paths) > 1:
+        paths.append(out / "grid.png")
+        save_png(grid(rows), paths[-1])
+    record = record | {"prompts": prompts, "seeds": seeds, "files": [p.name for p in paths]}
+    (out / "samples.json").write_text(json.dumps(record, indent=2))
+    return paths
+
+
+def sample(job, checkpoint: str, prompts, seeds, steps, size, out: str) -> list:
+    """`raytuner sample`: render ``prompts`` x ``seeds`` with the job's trained weights."""
+    from raytuner.families import get_family
+
+    family = get_family(job.model.family)
+    run_dir = storage.join(storage.absolute(job.train.output), job.train.name)
+    if checkpoint == LATEST:
+        fs, source = latest_checkpoint(run_dir)
+    elif checkpoint != BASE:
+        fs, source = storage.resolve(checkpoint)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as scratch:
+        weights = None if checkpoint == BASE else find_weights(_local(fs, source, scratch))
+        pipe = load_pipeline(family, job.model.pretrained, job.model.revision, weights, device)
+        options = family.pipeline_options(pipe)
+        rows = render(pipe, options, prompts, seeds, steps, size)
+    record = {"checkpoint": BASE if checkpoint == BASE else source, "steps": steps}
+    record["size"] = list(size)
+    return write_samples(rows, prompts, seeds, Path(out), record)
+
+
+def default_size(job, family) -> tuple[int, int]:
+    side = job.preprocess.resolution or family.default_resolution
+    return side, side
