@@ -125,7 +125,7 @@ def do_preprocess(job: JobConfig, report_path: str | None) -> dict:
     from raytuner.data.preprocess import preprocess
 
     runtime.connect()
-    report = preprocess(job.model, job.data, job.preprocess)
+    report = preprocess(job.model, job.data, job.preprocess, job.train.name)
     print_report(report)
     if report_path:
         Path(report_path).write_text(json.dumps(report, indent=2))
@@ -164,7 +164,7 @@ def do_cache(job: JobConfig, args: argparse.Namespace) -> int:
         runtime.connect()
         for path in verify.quarantine(version, bad):
             print(f"quarantined {path} as {path}.corrupt")
-        print_report(preprocess(job.model, job.data, job.preprocess))
+        print_report(preprocess(job.model, job.data, job.preprocess, job.train.name))
         bad = verify.verify(version)
     print(f"{version.root}: {'ok' if not bad else f'{len(bad)} bad file(s)'}")
     return 1 if bad else 0

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raytuner.tables import ConfigError, build_section, parse_override
 
-class ConfigError(ValueError):
-    """A job file or override the user must change (CLI exit code 2)."""
+__all__ = ["ConfigError", "JobConfig", "SECTIONS", "load_job", "parse_override"]
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -162,6 +161,7 @@ class TrainConfig:
     ema_decay: float = 0.0  # > 0: keep an EMA of the trained weights; exports use it
     gradient_checkpointing: bool = False
     mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
+    tensorboard: bool = True  # event files under <run>/tensorboard (local outputs)
 
     def __post_init__(self) -> None:
         _positive("train.max_steps", self.max_steps)
@@ -244,6 +244,28 @@ class ScalingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ValidationConfig:
+    """Images rendered from checkpoints while training runs, by a Ray actor beside the workers."""
+
+    every_steps: int = 0  # 0: no validation; else a checkpoint and a render every N steps
+    prompts: list[str] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=lambda: [0])
+    steps: int = 20  # denoising steps per image
+    width: int = 0  # 0: the job's resolution
+    height: int = 0
+    cpus: float = 0.0  # resources the validation actor reserves (0: none, it shares)
+    gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("validation.every_steps", self.every_steps, zero_ok=True)
+        _positive("validation.steps", self.steps)
+        _positive("validation.cpus", self.cpus, zero_ok=True)
+        _positive("validation.gpus", self.gpus, zero_ok=True)
+        if self.every_steps and not (self.prompts and self.seeds):
+            raise ConfigError("validation.every_steps > 0 needs validation.prompts and seeds")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Checkpoints through ray.train.report."""
 
@@ -272,6 +294,7 @@ class JobConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     def __post_init__(self) -> None:
         if self.train.global_batch_size < self.scaling.max_workers:
@@ -287,89 +310,6 @@ class JobConfig:
 SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)  # section name -> its dataclass
 
 
-def _type_name(tp: Any) -> str:
-    if dataclasses.is_dataclass(tp):
-        return "table"
-    if isinstance(tp, type):
-        return {"str": "string", "int": "integer", "float": "float", "bool": "boolean"}.get(
-            tp.__name__, tp.__name__
-        )
-    if typing.get_origin(tp) is list:
-        return f"array of {_type_name(typing.get_args(tp)[0])}"
-    return " or ".join(_type_name(a) for a in typing.get_args(tp))
-
-
-def _matches(value: Any, tp: Any) -> bool:
-    if dataclasses.is_dataclass(tp):
-        return isinstance(value, dict)
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, a) for a in typing.get_args(tp))
-    if origin is list:
-        return isinstance(value, list) and all(_matches(v, typing.get_args(tp)[0]) for v in value)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, tp)
-
-
-def _convert(value: Any, tp: Any, where: str, dotted: str) -> Any:
-    """Checked TOML value -> field value (ints as floats, tables of nested dataclasses)."""
-    if tp is float:
-        return float(value)
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
-        return [_build_section(args[0], v, where, f"{dotted}[{i}]") for i, v in enumerate(value)]
-    return value
-
-
-def _build_section(cls: type, values: Any, where: str, section: str) -> Any:
-    if not isinstance(values, dict):
-        raise ConfigError(f"{where}: [{section}] must be a table, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in values.items():
-        if key not in hints:
-            raise ConfigError(
-                f"{where}: unknown key {section}.{key}; allowed keys in [{section}]: "
-                + ", ".join(allowed)
-            )
-        if not _matches(value, hints[key]):
-            raise ConfigError(
-                f"{where}: {section}.{key} = {value!r} has type {type(value).__name__}; "
-                f"expected {_type_name(hints[key])}"
-            )
-        kwargs[key] = _convert(value, hints[key], where, f"{section}.{key}")
-    missing = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-        and f.name not in kwargs
-    ]
-    if missing:
-        raise ConfigError(f"{where}: missing required key(s) {section}.{', '.join(missing)}")
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """``section.key=value`` -> (section, key, typed value). Bare words become strings."""
-    dotted, sep, raw = text.partition("=")
-    section, dot, key = dotted.strip().partition(".")
-    if not sep or not dot or not key:
-        raise ConfigError(f"--set {text!r}: use --set section.key=value")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()  # an unquoted string such as a path
-    return section, key, value
-
-
 def build_job(raw: dict[str, Any], where: str) -> JobConfig:
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
@@ -379,7 +319,7 @@ def build_job(raw: dict[str, Any], where: str) -> JobConfig:
     for required in ("model", "data", "train"):
         if required not in raw:
             raise ConfigError(f"{where}: missing section [{required}]")
-    sections = {name: _build_section(SECTIONS[name], raw[name], where, name) for name in raw}
+    sections = {name: build_section(SECTIONS[name], raw[name], where, name) for name in raw}
     try:
         return JobConfig(**sections)
     except ConfigError as e:

@@ -34,7 +34,7 @@ class Weights:
     path: str
 
 
-def _local(fs: pafs.FileSystem, path: str, scratch: str) -> str:
+def local_copy(fs: pafs.FileSystem, path: str, scratch: str) -> str:
     """A local path for ``path`` on ``fs``: itself, or a copy of the remote file or folder."""
     if isinstance(fs, pafs.LocalFileSystem):
         return path
@@ -82,16 +82,23 @@ def latest_checkpoint(run_dir: str) -> tuple[pafs.FileSystem, str]:
 def load_pipeline(family, pretrained: str, revision: str, weights: Weights | None, device: str):
     """The family's pipeline on ``device`` (bf16 on CUDA) with ``weights`` applied."""
     pipe = family.pipeline(pretrained, revision)
+    pipe.set_progress_bar_config(disable=True)
+    apply_weights(pipe, family, weights, device)
+    return pipe
+
+
+def apply_weights(pipe, family, weights: Weights | None, device: str) -> None:
+    """Put ``weights`` into ``pipe`` in place of any applied before (a LoRA is unloaded first;
+    a fine-tuned denoiser replaces the current one)."""
     if weights is not None and weights.kind == "lora":
+        pipe.unload_lora_weights()
         pipe.load_lora_weights(weights.path)
     elif weights is not None:
         part = family.denoiser_part
         cls = type(getattr(pipe, part))
         pipe.register_modules(**{part: cls.from_pretrained(os.path.join(weights.path, part))})
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    pipe.to(device, dtype)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    if device.startswith("cuda"):
+        pipe.to(device, torch.bfloat16)  # a CPU pipeline stays as loaded: float32
 
 
 def render(
@@ -169,9 +176,9 @@ def sample(job, checkpoint: str, prompts, seeds, steps, size, out: str) -> list:
         fs, source = latest_checkpoint(run_dir)
     elif checkpoint != BASE:
         fs, source = storage.resolve(checkpoint)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device()
     with tempfile.TemporaryDirectory() as scratch:
-        weights = None if checkpoint == BASE else find_weights(_local(fs, source, scratch))
+        weights = None if checkpoint == BASE else find_weights(local_copy(fs, source, scratch))
         pipe = load_pipeline(family, job.model.pretrained, job.model.revision, weights, device)
         options = family.pipeline_options(pipe)
         rows = render(pipe, options, prompts, seeds, steps, size)
@@ -183,3 +190,7 @@ def sample(job, checkpoint: str, prompts, seeds, steps, size, out: str) -> list:
 def default_size(job, family) -> tuple[int, int]:
     side = job.preprocess.resolution or family.default_resolution
     return side, side
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,8 +1,11 @@
 """End to end: `ray job submit` of `raytuner run jobs/tiny.toml` to a real local Ray head.
 
-The test starts its own head with `ray start --head --block` on free ports and a private
-temp dir, submits the tiny job with the repository as the working dir, waits for SUCCEEDED
-and checks the LoRA it wrote. Teardown kills only this cluster's processes: other Ray
+The test starts its own head with `ray start --head --block` on free ports, a private temp dir
+and a Prometheus metrics port, submits the tiny job with jobs/runtime_env.yaml, scrapes the
+metrics endpoint while it runs, waits for SUCCEEDED, then checks what a user looks at: the
+progress lines in `ray job logs` (each once), raytuner's metrics tagged with the run, the run
+on the dashboard's Train API, the validation grids (written while training went on), the
+TensorBoard events and the LoRA. Teardown kills only this cluster's processes: other Ray
 clusters on the machine (other tests, other people) are left alone, so no `ray stop` here.
 """
 
@@ -55,6 +58,7 @@ def _terminate_with_parent() -> None:
 @dataclass
 class Cluster:
     url: str  # the dashboard = job-submission address
+    metrics_url: str  # Prometheus text format
     token: str
     env: dict[str, str]  # environment for `ray` CLI clients of this cluster
     temp_dir: str
@@ -82,6 +86,13 @@ class Cluster:
     def job_logs(self, job_id: str) -> str:
         out = self.ray("job", "logs", "--address", self.url, job_id)
         return out.stdout + out.stderr
+
+    def metrics(self) -> str:
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
+                return resp.read().decode()
+        except OSError:  # not up yet, or busy
+            return ""
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -173,8 +184,10 @@ def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
         RAY_AUTH_TOKEN=token,
         # On SIGTERM the head first drains the node, waiting up to 30 s for running work.
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+        # export metrics every second (default 10 s): the tiny job's workers live seconds
+        RAY_metrics_report_interval_ms="1000",
     )
-    gcs, dashboard, client, agent = _free_ports(4)
+    gcs, dashboard, client, agent, metrics = _free_ports(5)
     cmd = [
         RAY, "start", "--head", "--block", "--disable-usage-stats",
         f"--temp-dir={temp_dir}", "--num-cpus=4", f"--port={gcs}",
@@ -182,7 +195,7 @@ def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
         # These default to fixed ports (10001, 52365, 10002-19999) that other clusters use
         # too; worker ports 0 = ports the OS picks. The other ports are random by default.
         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-        "--min-worker-port=0", "--max-worker-port=0",
+        "--min-worker-port=0", "--max-worker-port=0", f"--metrics-export-port={metrics}",
     ]  # fmt: skip
     log = tmp_path / "ray_start.log"
     with open(log, "w") as out:
@@ -195,7 +208,8 @@ def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
             start_new_session=True,
             preexec_fn=_terminate_with_parent,
         )
-    cluster = Cluster(f"http://127.0.0.1:{dashboard}", token, env, temp_dir, log)
+    urls = f"http://127.0.0.1:{dashboard}", f"http://127.0.0.1:{metrics}/metrics"
+    cluster = Cluster(*urls, token, env, temp_dir, log)
     try:
         _wait_until_ready(cluster, head)
         yield cluster
@@ -209,6 +223,63 @@ def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
         assert not left, "processes of the test's Ray cluster survived:\n" + "\n".join(left)
 
 
+# raytuner's series on the metrics endpoint (Ray adds "ray_", counters end in "_total")
+METRICS = [
+    "ray_raytuner_train_loss", "ray_raytuner_train_samples_per_s", "ray_raytuner_train_step_time_s",
+    "ray_raytuner_train_data_wait_fraction", "ray_raytuner_checkpoint_time_s",
+    "ray_raytuner_images_encoded_total", "ray_raytuner_images_encoded_per_s",
+    "ray_raytuner_cache_hits", "ray_raytuner_skipped_inputs", "ray_raytuner_validation_time_s",
+]  # fmt: skip
+
+
+def _series(text: str, run: str) -> set[str]:
+    """Names of the series in a Prometheus scrape that carry ``run="<run>"``."""
+    tag = re.compile(r'^(\w+)\{[^}]*\brun="' + re.escape(run) + '"')
+    return {m.group(1) for line in text.splitlines() if (m := tag.match(line))}
+
+
+def _wait_for_job(cluster: Cluster, job_id: str) -> tuple[str, set[str]]:
+    """Poll until the job ends, scraping the metrics endpoint as it runs (a worker's gauges
+    leave the endpoint when the worker exits); returns the status and the series seen."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    seen: set[str] = set()
+    status = cluster.job_status(job_id)
+    while status not in ("SUCCEEDED", "FAILED", "STOPPED") and time.monotonic() < deadline:
+        seen |= _series(cluster.metrics(), "tiny")
+        time.sleep(1)
+        status = cluster.job_status(job_id)
+    return status, seen | _series(cluster.metrics(), "tiny")
+
+
+def _check_logs(logs: str) -> None:
+    """One progress line per window (step/max, loss, samples/s, ETA) and per preprocess pass,
+    each exactly once; no Ray Data progress bars."""
+    steps = re.findall(r"step (\d+)/12 loss [\d.]+ lr \S+ [\d.]+ samples/s .* ETA \S+", logs)
+    assert steps == ["4", "8", "12"], f"progress lines {steps}:\n{logs}"
+    assert len(re.findall(r"preprocess: images encoded 12/12 in", logs)) == 1, logs
+    assert len(re.findall(r"validation at step 4: ", logs)) == 1, logs
+    assert "Running Dataset" not in logs and "it/s]" not in logs, logs
+
+
+def _check_validation(run: Path) -> None:
+    """A 2x2 grid PNG (2 prompts x 2 seeds at 64 px) per validation step, also in TensorBoard;
+    the render at step 4 ran while training went on: rank 0 logged a later step before the
+    render finished (a render that blocked training would come first)."""
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for step in (4, 8, 12):
+        with Image.open(run / "validation" / f"step_{step:06d}.png") as grid:
+            assert grid.size == (128, 128)
+    record = json.loads((run / "validation" / "step_000004.json").read_text())
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0}).Reload()
+    assert [e.step for e in events.Images("validation")] == [4, 8, 12]
+    assert {"train/loss", "train/lr", "train/samples_per_s"} <= set(events.Tags()["scalars"])
+    times = events.Scalars("train/step_time_s")
+    later = [e for e in times if e.step > 4 and e.wall_time < record["finished_at"]]
+    assert later, f"training waited for the render: {times}, {record}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ray_job_submit_tiny(ray_cluster: Cluster, tmp_path: Path) -> None:
@@ -219,21 +290,23 @@ def test_ray_job_submit_tiny(ray_cluster: Cluster, tmp_path: Path) -> None:
     entrypoint = [
         sys.executable, "-m", "raytuner", "run", "jobs/tiny.toml",
         "--set", f"train.output={out / 'runs'}", "--set", f"data.cache={out / 'cache'}",
+        "--set", "train.log_every=4",
     ]  # fmt: skip
     submit = ray_cluster.ray(
-        "job", "submit", "--address", ray_cluster.url, "--working-dir", str(REPO),
-        "--submission-id", job_id, "--no-wait", "--", *entrypoint,
+        "job", "submit", "--address", ray_cluster.url, "--runtime-env", "jobs/runtime_env.yaml",
+        "--entrypoint-num-cpus", "0.5", "--submission-id", job_id, "--no-wait", "--", *entrypoint,
     )  # fmt: skip
     assert submit.returncode == 0, f"ray job submit failed:\n{submit.stdout}\n{submit.stderr}"
 
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    status = ray_cluster.job_status(job_id)
-    while status not in ("SUCCEEDED", "FAILED", "STOPPED") and time.monotonic() < deadline:
-        time.sleep(3)
-        status = ray_cluster.job_status(job_id)
+    status, seen = _wait_for_job(ray_cluster, job_id)
     logs = ray_cluster.job_logs(job_id)
     assert status == "SUCCEEDED", f"job {job_id}: {status}; `ray job logs`:\n{logs}"
     assert "trained 12 steps" in logs, logs
+    _check_logs(logs)
+    assert not set(METRICS) - seen, f"missing on the metrics endpoint: {set(METRICS) - seen}"
+    runs = ray_cluster.get("/api/train/v2/runs/v1")
+    assert "tiny" in json.dumps(runs), f"the run is not on the dashboard's Train API: {runs}"
+    _check_validation(out / "runs" / "tiny")
 
     lora = out / "runs" / "tiny" / "lora" / "pytorch_lora_weights.safetensors"
     assert lora.is_file() and lora.stat().st_size > 0, f"no LoRA at {lora}; logs:\n{logs}"

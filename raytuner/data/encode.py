@@ -45,9 +45,17 @@ def _device() -> str:
 class LatentEncoder:
     """Adds ``latent`` / ``latent_shape`` to every ok row and drops the pixels."""
 
-    def __init__(self, family: str, pretrained: str, revision: str, dtype: str, store_std: bool):
+    def __init__(
+        self,
+        family: str,
+        pretrained: str,
+        revision: str,
+        dtype: str,
+        store_std: bool,
+        progress=None,
+    ):
         self.encode = get_family(family).image_encoder(pretrained, revision, _device())
-        self.dtype, self.store_std = dtype, store_std
+        self.dtype, self.store_std, self.progress = dtype, store_std, progress
         self.schema = LATENT_SCHEMA | ({"latent_std": pa.binary()} if store_std else {})
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
@@ -68,6 +76,8 @@ class LatentEncoder:
             std_cells = to_cells(std, self.dtype)[0] if self.store_std else [b""] * len(rows)
             for j, i in enumerate(rows):
                 latents[i], shapes[i], stds[i] = cells[j], cell_shapes[j], std_cells[j]
+        if self.progress is not None:  # counted, not waited for
+            self.progress.add.remote(len(ok))
         columns = {**batch, "latent": latents, "latent_shape": shapes, "latent_std": stds}
         return to_table(columns, self.schema)
 
@@ -76,9 +86,9 @@ class CaptionEncoder:
     """One cell + shape column per text tensor the family produces (e.g. prompt_embeds), and
     whether the tokenizer truncated the caption."""
 
-    def __init__(self, family: str, pretrained: str, revision: str, dtype: str):
+    def __init__(self, family: str, pretrained: str, revision: str, dtype: str, progress=None):
         self.encode = get_family(family).text_encoder(pretrained, revision, _device())
-        self.dtype = dtype
+        self.dtype, self.progress = dtype, progress
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         captions = [str(c) for c in batch["caption"]]
@@ -87,4 +97,6 @@ class CaptionEncoder:
         for name, tensor in self.encode(captions).items():
             columns[name], columns[f"{name}_shape"] = to_cells(tensor, self.dtype)
             schema |= {name: pa.binary(), f"{name}_shape": SHAPE}
+        if self.progress is not None:
+            self.progress.add.remote(len(captions))
         return to_table(columns, schema)

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from raytuner import storage
+from raytuner import metrics, storage
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
 from raytuner.data import cache
 from raytuner.data.buckets import make_buckets
@@ -24,6 +24,7 @@ from raytuner.data.decode import DecodeSpec, decode_row
 from raytuner.data.encode import CaptionEncoder, LatentEncoder
 from raytuner.data.images import ImagePolicy
 from raytuner.data.plan import plan, report
+from raytuner.data.progress import ProgressLine
 from raytuner.data.sources import caption_key, list_source, probe_row
 from raytuner.families import get_family
 
@@ -110,8 +111,8 @@ def _key_info(version: cache.Version, files: list[str], columns: list[str]) -> d
     return info
 
 
-def _encode_images(rows: list[dict], spec: DecodeSpec, model, pre, out: str, fs) -> None:
-    args = (model.family, model.pretrained, model.revision, pre.dtype, pre.store_std)
+def _encode_images(rows, spec: DecodeSpec, model, pre, out: str, fs, progress) -> None:
+    args = (model.family, model.pretrained, model.revision, pre.dtype, pre.store_std, progress)
     items = [{"source": r["source_index"], "path": r["path"], "key": r["key"]} for r in rows]
     (
         ray.data.from_items(items)
@@ -128,9 +129,9 @@ def _encode_images(rows: list[dict], spec: DecodeSpec, model, pre, out: str, fs)
     )
 
 
-def _encode_captions(captions: dict[str, str], model, pre, out: str, fs) -> None:
+def _encode_captions(captions: dict[str, str], model, pre, out: str, fs, progress) -> None:
     rows = [{"caption_key": k, "caption": c} for k, c in sorted(captions.items())]
-    args = (model.family, model.pretrained, model.revision, pre.dtype)
+    args = (model.family, model.pretrained, model.revision, pre.dtype, progress)
     (
         ray.data.from_items(rows)
         .map_batches(CaptionEncoder, fn_constructor_args=args, **_pool(pre))
@@ -181,11 +182,13 @@ def _write_index(version: cache.Version, run: str, rows: list[dict]) -> dict:
     return version.describe(rel)
 
 
-def _encode_new(p, spec, model, pre, version, run: str) -> None:
+def _encode_new(p, spec, model, pre, version, run: str, tag: str) -> None:
     """Pass 2: decode and VAE-encode the new images; their decode failures join p.skipped."""
     if not p.new:
         return
-    _encode_images(p.new, spec, model, pre, version.path(f"{run}/latents"), version.fs)
+    out = version.path(f"{run}/latents")
+    with ProgressLine("images encoded", len(p.new), tag, "raytuner_images_encoded") as progress:
+        _encode_images(p.new, spec, model, pre, out, version.fs, progress)
     bad = version.path(f"{run}/latents/status=skipped")
     if storage.exists(version.fs, bad):
         rows = pq.read_table(bad, columns=["key", "reason"], filesystem=version.fs).to_pylist()
@@ -196,8 +199,10 @@ def preprocess(
     model: ModelConfig,
     data: DataConfig,
     pre: PreprocessConfig,
+    tag: str = "preprocess",
 ) -> dict:
-    """Bring the cache version of this model and encoding up to date with the sources."""
+    """Bring the cache version of this model and encoding up to date with the sources;
+    ``tag``: the run name the dashboard's metrics carry."""
     start = time.monotonic()
     version = cache.Version(data.cache, cache.fingerprint(model, pre))
     old = version.manifest()
@@ -219,7 +224,7 @@ def preprocess(
         version.root,
         run,
     )
-    _encode_new(p, decode_spec(model, data, pre), model, pre, version, run)
+    _encode_new(p, decode_spec(model, data, pre), model, pre, version, run, tag)
 
     available = _key_info(version, version.part_files("latents"), ["key", "width", "height"])
     indexed = [
@@ -236,7 +241,9 @@ def preprocess(
     have = _key_info(version, version.part_files("text"), ["caption_key", "truncated"])
     missing = {k: c for k, c in need.items() if k not in have}
     if missing:
-        _encode_captions(missing, model, pre, version.path(f"{run}/text"), version.fs)
+        with ProgressLine("captions encoded", len(missing), tag) as progress:
+            out = version.path(f"{run}/text")
+            _encode_captions(missing, model, pre, out, version.fs, progress)
         have = _key_info(version, version.part_files("text"), ["caption_key", "truncated"])
 
     rep = report(
@@ -257,4 +264,7 @@ def preprocess(
         "report": rep,
     }
     version.commit(manifest)
+    metrics.gauge("raytuner_cache_hits", len(p.cached), tag)
+    metrics.gauge("raytuner_skipped_inputs", len(rep["skipped"]), tag)
+    metrics.gauge("raytuner_images_encoded_per_s", rep["images_per_s"], tag)
     return rep

@@ -26,6 +26,7 @@ from raytuner.families import get_family
 from raytuner.train import export
 from raytuner.train import state as ckpt
 from raytuner.train.feed import Batch, Feed
+from raytuner.train.observe import Observer
 from raytuner.train.samples import SampleLog, attempt_id
 from raytuner.train.weights import Weights
 
@@ -45,6 +46,7 @@ class LoopConfig:
     fingerprint: str
     run_dir: str  # <train.output>/<run name>
     job: dict  # the whole resolved job, written into every checkpoint as a record only
+    validation_every: int = 0  # validation renders need a checkpoint every N steps
 
 
 class Meter:
@@ -186,18 +188,6 @@ def _feed(cfg: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
     )
 
 
-def _log(cfg: LoopConfig, st: ckpt.TrainState, m: dict, lr: float) -> None:
-    log.info(
-        "step %d/%d loss %.4f lr %.2e %.1f samples/s data wait %.1f%%",
-        st.step,
-        cfg.train.max_steps,
-        m["loss"],
-        lr,
-        m["samples_per_s"],
-        100 * m["data_wait_fraction"],
-    )
-
-
 def _preempted(cfg: LoopConfig, step: int) -> bool:
     """Whether Ray announced a preemption of a node of this group (one actor round trip)."""
     every = cfg.checkpoint.preemption_check_every
@@ -205,16 +195,17 @@ def _preempted(cfg: LoopConfig, step: int) -> bool:
 
 
 def _checkpoint_due(cfg: LoopConfig, step: int) -> bool:
-    return step == cfg.train.max_steps or step % cfg.checkpoint.every_steps == 0
+    every = [cfg.checkpoint.every_steps] + [cfg.validation_every] * bool(cfg.validation_every)
+    return step == cfg.train.max_steps or any(step % n == 0 for n in every)
 
 
-def _end_window(cfg: LoopConfig, st, meter: Meter, feed: Feed, samples: SampleLog, lr) -> dict:
-    """Close the metrics window: log on rank 0, write the sample log, return the metrics."""
+def _end_window(cfg: LoopConfig, st, meter: Meter, feed: Feed, samples: SampleLog, lr, observer):
+    """Close the metrics window: report it on rank 0, write the sample log, return the metrics."""
     metrics = meter.flush(cfg.train.global_batch_size, feed.take_wait())
     st.loss = metrics["loss"]
     st.first_loss = st.loss if st.first_loss is None else st.first_loss
-    if ray.train.get_context().get_world_rank() == 0:
-        _log(cfg, st, metrics, lr)
+    if observer is not None:
+        observer.window(st.step, metrics, lr)
     samples.flush()
     position = {"step": st.step, "epoch": st.epoch, "first_loss": st.first_loss}
     return metrics | position | {"lr": lr, "threads": torch.get_num_threads()}
@@ -243,6 +234,7 @@ def train_loop(config: dict) -> None:
     feed = _feed(cfg, rank, world, device).start(st.epoch, st.index)
     samples = SampleLog(cfg.run_dir if t.sample_log else None, attempt_id(), rank, world)
     meter, warned = Meter(device), False
+    observer = Observer(cfg.run_dir, t.max_steps, t.tensorboard) if rank == 0 else None
     scale = world / t.global_batch_size  # DDP's average over ranks becomes the per-sample mean
     try:
         while st.step < t.max_steps:
@@ -260,8 +252,14 @@ def train_loop(config: dict) -> None:
             warned |= jit
             due = jit or _checkpoint_due(cfg, st.step)
             if due or st.step % t.log_every == 0:
-                metrics = _end_window(cfg, st, meter, feed, samples, sched.get_last_lr()[0])
+                lr = sched.get_last_lr()[0]
+                metrics = _end_window(cfg, st, meter, feed, samples, lr, observer)
                 if due:
+                    started = time.perf_counter()
                     _report(cfg, st, metrics, weights, opt, sched, family, jit)
+                    if observer is not None:
+                        observer.checkpoint(st.step, time.perf_counter() - started)
     finally:
         feed.close()
+        if observer is not None:
+            observer.close()

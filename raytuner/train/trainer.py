@@ -10,7 +10,7 @@ import time
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from raytuner import storage
+from raytuner import storage, validate
 from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import fingerprint, read_manifest, version_dir
 from raytuner.families import get_family
@@ -130,7 +130,11 @@ def train(job: JobConfig) -> dict:
         fingerprint=fp,
         run_dir=run_dir,
         job=job.to_dict(),
+        validation_every=job.validation.every_steps,
     )
+    # the run's state (workers, attempts, checkpoints) on the dashboard's Train page
+    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
+    validator, callbacks = validate.start(job, run_dir)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config=vars(loop),
@@ -142,9 +146,15 @@ def train(job: JobConfig) -> dict:
             failure_config=ray.train.FailureConfig(max_failures=job.checkpoint.max_failures),
             # Ray Train's own INFO lines (one per report and rank) drown the progress lines
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            callbacks=callbacks,
         ),
     )
-    result = trainer.fit()
+    completed = False
+    try:
+        result = trainer.fit()
+        completed = True
+    finally:
+        validate.finish(validator, completed)
     if result.checkpoint is None:
         raise RuntimeError(f"training run {name} ended without a checkpoint")
     return export_final(result.checkpoint, job.train.output, name) | {"metrics": result.metrics}

@@ -1,0 +1,97 @@
+"""TOML tables into frozen dataclasses: unknown keys and wrong types are rejected with the file,
+the dotted key and what is allowed; ``--set`` overrides are parsed as TOML values."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A job file or override the user must change (CLI exit code 2)."""
+
+
+def _type_name(tp: Any) -> str:
+    if dataclasses.is_dataclass(tp):
+        return "table"
+    if isinstance(tp, type):
+        return {"str": "string", "int": "integer", "float": "float", "bool": "boolean"}.get(
+            tp.__name__, tp.__name__
+        )
+    if typing.get_origin(tp) is list:
+        return f"array of {_type_name(typing.get_args(tp)[0])}"
+    return " or ".join(_type_name(a) for a in typing.get_args(tp))
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, dict)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, typing.get_args(tp)[0]) for v in value)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _convert(value: Any, tp: Any, where: str, dotted: str) -> Any:
+    """Checked TOML value -> field value (ints as floats, tables of nested dataclasses)."""
+    if tp is float:
+        return float(value)
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+        return [build_section(args[0], v, where, f"{dotted}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def build_section(cls: type, values: Any, where: str, section: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: [{section}] must be a table, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(
+                f"{where}: unknown key {section}.{key}; allowed keys in [{section}]: "
+                + ", ".join(allowed)
+            )
+        if not _matches(value, hints[key]):
+            raise ConfigError(
+                f"{where}: {section}.{key} = {value!r} has type {type(value).__name__}; "
+                f"expected {_type_name(hints[key])}"
+            )
+        kwargs[key] = _convert(value, hints[key], where, f"{section}.{key}")
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in kwargs
+    ]
+    if missing:
+        raise ConfigError(f"{where}: missing required key(s) {section}.{', '.join(missing)}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, typed value). Bare words become strings."""
+    dotted, sep, raw = text.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not sep or not dot or not key:
+        raise ConfigError(f"--set {text!r}: use --set section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # an unquoted string such as a path
+    return section, key, value

@@ -1,0 +1,164 @@
+"""Validation images while training runs.
+
+Every ``validation.every_steps`` the workers write a checkpoint; once Ray Train has persisted it,
+a callback on Ray Train's controller hands its path to a validation actor and returns (the
+actor only queues it). The actor renders the job's prompts x seeds with that checkpoint on a
+thread of its own and writes ``<run>/validation/step_<N>.png`` (a grid, a row per prompt),
+``step_<N>.json`` and a TensorBoard image. Training ranks never wait for it, and a failed
+render is logged and recorded, never raised into training.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import queue
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import ray
+from ray.train import UserCallback
+
+from raytuner import metrics, sample, storage
+from raytuner.train.observe import summary_writer
+
+log = logging.getLogger("raytuner.validate")
+VALIDATION = "validation"  # <run>/validation/step_<N>.png
+DRAIN_TIMEOUT_S = 900.0  # after training: how long the driver waits for the last renders
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenderSpec:
+    """What the validation actor renders, and where it writes."""
+
+    family: str
+    pretrained: str
+    revision: str
+    prompts: list[str]
+    seeds: list[int]
+    steps: int
+    size: tuple[int, int]
+    run_dir: str
+    tensorboard: bool
+
+
+class Validator:
+    """The validation actor: ``enqueue`` returns at once, ``drain`` waits for the queue."""
+
+    def __init__(self, spec: dict) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        self.spec = RenderSpec(**spec)
+        self.run = self.spec.run_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.pipe, self.writer = None, None
+        self.jobs: queue.Queue = queue.Queue()
+        self.results: list[dict] = []
+        threading.Thread(target=self._work, name="raytuner-validation", daemon=True).start()
+
+    def enqueue(self, step: int, path: str, filesystem) -> int:
+        self.jobs.put((step, path, filesystem))
+        return self.jobs.qsize()
+
+    def drain(self) -> list[dict]:
+        self.jobs.join()
+        return self.results
+
+    def _work(self) -> None:
+        while True:
+            step, path, filesystem = self.jobs.get()
+            try:
+                self.results.append(self._render(step, path, filesystem))
+            except Exception as e:  # a failed render is reported, never fatal to training
+                log.exception("validation at step %d failed (training goes on)", step)
+                self.results.append({"step": step, "error": f"{type(e).__name__}: {e}"})
+            finally:
+                self.jobs.task_done()
+
+    def _render(self, step: int, path: str, filesystem) -> dict:
+        from raytuner.families import get_family
+
+        started, started_at, s = time.perf_counter(), time.time(), self.spec
+        family, device = get_family(s.family), sample.default_device()
+        if self.pipe is None:
+            self.pipe = sample.load_pipeline(family, s.pretrained, s.revision, None, device)
+            self.writer = summary_writer(s.run_dir, ".validation") if s.tensorboard else None
+        with tempfile.TemporaryDirectory() as scratch:
+            weights = sample.find_weights(sample.local_copy(filesystem, path, scratch))
+            sample.apply_weights(self.pipe, family, weights, device)
+            options = family.pipeline_options(self.pipe)
+            rows = sample.render(self.pipe, options, s.prompts, s.seeds, s.steps, s.size)
+        sheet = sample.grid(rows)
+        png = io.BytesIO()
+        sheet.save(png, format="PNG")
+        fs, folder = storage.resolve(storage.join(s.run_dir, VALIDATION))
+        seconds = time.perf_counter() - started
+        record = {"step": step, "checkpoint": path, "seconds": seconds}
+        record |= {"started_at": started_at, "finished_at": time.time()}
+        record |= {"prompts": s.prompts, "seeds": s.seeds, "steps": s.steps}
+        storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", png.getvalue())
+        storage.write_json_atomic(fs, f"{folder}/step_{step:06d}.json", record)
+        if self.writer is not None:
+            self.writer.add_image("validation", np.asarray(sheet), step, dataformats="HWC")
+            self.writer.flush()
+        metrics.gauge("raytuner_validation_time_s", seconds, self.run)
+        log.info("validation at step %d: %s/step_%06d.png (%.1f s)", step, folder, step, seconds)
+        return record | {"path": f"{folder}/step_{step:06d}.png"}
+
+
+class ValidationCallback(UserCallback):
+    """On Ray Train's controller: queue each persisted validation checkpoint (a quick call)."""
+
+    def __init__(self, validator, every_steps: int, max_steps: int) -> None:
+        self.validator, self.every, self.max_steps = validator, every_steps, max_steps
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        step = metrics[0].get("step") if metrics else None
+        if checkpoint is None or step is None:
+            return
+        if step % self.every and step != self.max_steps:
+            return
+        try:
+            ray.get(self.validator.enqueue.remote(step, checkpoint.path, checkpoint.filesystem))
+        except ray.exceptions.RayError as e:  # the actor died: training goes on without it
+            log.warning("validation at step %d not queued: %s", step, e)
+
+
+def start(job, run_dir: str):
+    """The validation actor and its Ray Train callback, or (None, []) when validation is off."""
+    v = job.validation
+    if not v.every_steps:
+        return None, []
+    from raytuner.families import get_family
+
+    width, height = sample.default_size(job, get_family(job.model.family))
+    spec = RenderSpec(
+        family=job.model.family,
+        pretrained=job.model.pretrained,
+        revision=job.model.revision,
+        prompts=list(v.prompts),
+        seeds=list(v.seeds),
+        steps=v.steps,
+        size=(v.width or width, v.height or height),
+        run_dir=run_dir,
+        tensorboard=job.train.tensorboard,
+    )
+    actor = ray.remote(Validator).options(num_cpus=v.cpus, num_gpus=v.gpus or None)
+    validator = actor.remote(asdict(spec))
+    return validator, [ValidationCallback(validator, v.every_steps, job.train.max_steps)]
+
+
+def finish(validator, completed: bool) -> None:
+    """After training: wait for the queued renders (a completed run), then end the actor."""
+    if validator is None:
+        return
+    try:
+        if completed:
+            for r in ray.get(validator.drain.remote(), timeout=DRAIN_TIMEOUT_S):
+                if "error" in r:
+                    log.warning("validation at step %d failed: %s", r["step"], r["error"])
+    except ray.exceptions.RayError as e:
+        log.warning("validation did not finish: %s", e)
+    finally:
+        ray.kill(validator)
