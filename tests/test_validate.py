@@ -1,0 +1,74 @@
+"""The validation actor's work, in process: a checkpoint's LoRA rendered into a grid PNG, its
+record and a TensorBoard image; a render that fails is recorded and the next one still runs
+(in a run, training never sees the failure)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow.fs as pafs
+import torch
+from PIL import Image
+
+from raytuner.config import LoraConfig
+from raytuner.families import FAMILIES
+from raytuner.train.state import EXPORT
+from raytuner.train.weights import Weights
+from raytuner.validate import RenderSpec, Validator
+
+
+def _checkpoint(folder: Path) -> Path:
+    """A checkpoint folder holding the export of a LoRA whose up-projections are non-zero."""
+    family = FAMILIES["sd15"]
+    torch.manual_seed(0)
+    weights = Weights(
+        family.denoiser("tiny", ""),
+        mode="lora",
+        lora=LoraConfig(rank=4),
+        targets=family.lora_targets,
+        ema_decay=0,
+    )
+    with torch.no_grad():
+        for p in weights.params:
+            p.add_(torch.randn_like(p) * 0.5)
+    weights.export(str(folder / EXPORT), family, {"raytuner.family": "sd15"})
+    return folder
+
+
+def test_renders_a_grid_per_checkpoint_and_survives_a_failed_render(ray_local, tmp_path):
+    run = tmp_path / "run"
+    spec = RenderSpec(
+        family="sd15",
+        pretrained="tiny",
+        revision="",
+        prompts=["a red circle", "a blue square"],
+        seeds=[0, 1, 2],
+        steps=2,
+        size=(64, 64),
+        run_dir=str(run),
+        tensorboard=True,
+    )
+    checkpoint = _checkpoint(tmp_path / "ckpt")  # before the render thread imports diffusers
+    validator = Validator(asdict(spec))
+    local = pafs.LocalFileSystem()
+    validator.enqueue(3, str(tmp_path / "missing"), local)
+    validator.enqueue(6, str(checkpoint), local)
+    failed, done = validator.drain()
+
+    assert failed["step"] == 3 and "FileNotFoundError" in failed["error"]
+    assert not (run / "validation" / "step_000003.png").exists()
+    assert done["step"] == 6 and "error" not in done
+    grid = np.asarray(Image.open(run / "validation" / "step_000006.png"))
+    assert grid.shape == (128, 192, 3)  # 2 prompts x 3 seeds at 64 px
+    assert not np.array_equal(grid[:64, :64], grid[:64, 64:128])  # seeds differ
+    record = json.loads((run / "validation" / "step_000006.json").read_text())
+    assert record["prompts"] == spec.prompts and record["seeds"] == [0, 1, 2]
+    assert record["finished_at"] >= record["started_at"]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0}).Reload()
+    assert [e.step for e in events.Images("validation")] == [6]
