@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_demo_trains_a_lora_that_diffusers_loads(tmp_path):
+def test_demo_trains_a_lora_that_diffusers_loads(tmp_path, capsys):
     from raytuner.families import FAMILIES
 
     start = time.monotonic()
@@ -47,3 +47,16 @@ def test_demo_trains_a_lora_that_diffusers_loads(tmp_path):
     assert not np.allclose(before, after)
     # the kohya layout of the same LoRA (for ComfyUI / A1111) gives the same image
     np.testing.assert_allclose(image("lora_kohya.safetensors"), after, atol=1e-5)
+
+    # the README's next command: the run's latest checkpoint through `raytuner sample`
+    from PIL import Image
+
+    from raytuner.cli import main
+
+    job, samples = str(tmp_path / "demo" / "demo.toml"), tmp_path / "samples"
+    code = main(["sample", job, "--prompt", "a red circle", "--steps", "2", "--out", str(samples)])
+    png = samples / "00-a-red-circle-seed0.png"
+    assert code == 0 and f"wrote {png}" in capsys.readouterr().out
+    with Image.open(png) as rendered:
+        assert rendered.size == (64, 64)
+    assert not (samples / "grid.png").exists()  # one image: no grid

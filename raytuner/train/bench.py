@@ -18,7 +18,7 @@ import torch
 
 from raytuner import runtime
 from raytuner.bench import print_figures
-from raytuner.config import JobConfig
+from raytuner.config import JobConfig, ValidationConfig
 from raytuner.data.cache import fingerprint, load_cached, read_manifest
 from raytuner.data.preprocess import preprocess
 from raytuner.families import get_family
@@ -27,12 +27,19 @@ from raytuner.train.weights import Weights
 
 
 def _one_worker_job(job: JobConfig, steps: int, output: str) -> JobConfig:
-    """The job trained by one worker for two windows of ``steps``; the second is measured."""
+    """The job trained by one worker for two windows of ``steps``; the second is measured.
+    No validation renders and no TensorBoard files: nothing beside the loop."""
     return dataclasses.replace(
         job,
         train=dataclasses.replace(
-            job.train, output=output, name="bench", max_steps=2 * steps, log_every=steps
+            job.train,
+            output=output,
+            name="bench",
+            max_steps=2 * steps,
+            log_every=steps,
+            tensorboard=False,
         ),
+        validation=ValidationConfig(),
         scaling=dataclasses.replace(job.scaling, workers=1),
         checkpoint=dataclasses.replace(job.checkpoint, every_steps=2 * steps, resume=True),
     )
