@@ -21,5 +21,14 @@ def connect(num_cpus: int | None = None) -> None:
         # with num_cpus (tests, benches) always a new local instance: a bare ray.init() would
         # join a cluster that `ray start` left running on this machine
         address = "local" if num_cpus else None
-        ray.init(address=address, num_cpus=num_cpus, runtime_env=env, logging_level=logging.WARNING)
+        # a local Ray's dashboard (metrics, Train page) takes ~3 s to start;
+        # RAYTUNER_LOCAL_DASHBOARD=0 skips it (the tests do)
+        dashboard = os.environ.get("RAYTUNER_LOCAL_DASHBOARD", "1") != "0"
+        ray.init(
+            address=address,
+            num_cpus=num_cpus,
+            include_dashboard=dashboard,
+            runtime_env=env,
+            logging_level=logging.WARNING,
+        )
     DataContext.get_current().enable_progress_bars = False

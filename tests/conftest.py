@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Local Rays (in process and in `raytuner` subprocesses) start without their dashboard: ~3 s
+# and a busy process less each on the 2-core machine. The job-submission test's cluster has one.
+os.environ.setdefault("RAYTUNER_LOCAL_DASHBOARD", "0")
 
 
 @pytest.fixture(scope="session")
