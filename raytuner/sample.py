@@ -27,8 +27,8 @@ BASE = "base"  # --checkpoint: the pretrained model alone, for comparison
 
 @dataclass(frozen=True)
 class Weights:
-    """Trained weights on local disk: a LoRA (folder or safetensors file) or a model folder
-    holding ``<denoiser part>/``."""
+    """Trained weights on local disk: a LoRA safetensors file or a model folder holding
+    ``<denoiser part>/``."""
 
     kind: str  # "lora" | "model"
     path: str
@@ -55,11 +55,12 @@ def find_weights(path: str) -> Weights:
         raise FileNotFoundError(f"{path}: no such file or folder")
     for folder in (p / EXPORT, p):
         if (folder / LORA_DIR / DIFFUSERS_FILE).is_file():
-            return Weights("lora", str(folder / LORA_DIR))
+            return Weights("lora", str(folder / LORA_DIR / DIFFUSERS_FILE))
         if (folder / MODEL_DIR).is_dir():
             return Weights("model", str(folder / MODEL_DIR))
-    if (p / DIFFUSERS_FILE).is_file() or (p / KOHYA_FILE).is_file():
-        return Weights("lora", str(p))
+    for name in (DIFFUSERS_FILE, KOHYA_FILE):
+        if (p / name).is_file():
+            return Weights("lora", str(p / name))
     if any(p.glob("*/config.json")):  # model/: the denoiser folder inside
         return Weights("model", str(p))
     if (p / "config.json").is_file():  # model/<part>/
@@ -92,7 +93,8 @@ def apply_weights(pipe, family, weights: Weights | None, device: str) -> None:
     a fine-tuned denoiser replaces the current one)."""
     if weights is not None and weights.kind == "lora":
         pipe.unload_lora_weights()
-        pipe.load_lora_weights(weights.path)
+        path = Path(weights.path)  # a .safetensors file
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name)
     elif weights is not None:
         part = family.denoiser_part
         cls = type(getattr(pipe, part))

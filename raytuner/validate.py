@@ -28,6 +28,7 @@ from raytuner.train.observe import summary_writer
 log = logging.getLogger("raytuner.validate")
 VALIDATION = "validation"  # <run>/validation/step_<N>.png
 DRAIN_TIMEOUT_S = 900.0  # after training: how long the driver waits for the last renders
+QUEUE_TIMEOUT_S = 10.0  # how long the controller waits for the actor to take a checkpoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,8 +120,15 @@ class ValidationCallback(UserCallback):
             return
         if step % self.every and step != self.max_steps:
             return
+        queued = self.validator.enqueue.remote(step, checkpoint.path, checkpoint.filesystem)
         try:
-            ray.get(self.validator.enqueue.remote(step, checkpoint.path, checkpoint.filesystem))
+            ray.get(queued, timeout=QUEUE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:  # not started yet: the call stays queued
+            log.warning(
+                "validation at step %d: the validation actor has not started (are "
+                "validation.cpus/gpus free?); it renders once it runs",
+                step,
+            )
         except ray.exceptions.RayError as e:  # the actor died: training goes on without it
             log.warning("validation at step %d not queued: %s", step, e)
 
@@ -154,7 +162,10 @@ def finish(validator, completed: bool) -> None:
     if validator is None:
         return
     try:
-        if completed:
+        ready, _ = ray.wait([validator.__ray_ready__.remote()], timeout=QUEUE_TIMEOUT_S)
+        if not ready:
+            log.warning("the validation actor never started: no validation images")
+        elif completed:
             for r in ray.get(validator.drain.remote(), timeout=DRAIN_TIMEOUT_S):
                 if "error" in r:
                     log.warning("validation at step %d failed: %s", r["step"], r["error"])
