@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -78,10 +80,21 @@ def _latent_bytes(version: cache.Version, manifest: dict) -> tuple[int, int]:
     return stored, tensor
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` for a measurement, then put back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def bench_preprocess(job: JobConfig, images: int, as_json: bool) -> dict:
     runtime.connect()
-    torch.set_num_threads(1)  # like one encoder actor (Ray gives it OMP_NUM_THREADS=1)
-    with tempfile.TemporaryDirectory(prefix="raytuner-bench-") as workdir:
+    # one thread, like one encoder actor (Ray gives it OMP_NUM_THREADS=1)
+    with torch_threads(1), tempfile.TemporaryDirectory(prefix="raytuner-bench-") as workdir:
         data = _bench_data(job, images, workdir)
         report = preprocess(job.model, data, job.preprocess)
         version = cache.Version(data.cache, cache.fingerprint(job.model, job.preprocess))

@@ -1,39 +1,33 @@
-"""`raytuner bench …` prints the figures the README records (no timing assertions here)."""
+"""`raytuner bench …` prints the figures the README records (no timing assertions here). The
+commands run in this process on the session's local Ray: the same code as the CLI, without a
+Ray start and a torch import of their own."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from raytuner.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _figures(capsys, *args: str) -> dict:
+    threads = torch.get_num_threads()
+    assert main(["bench", *args, "--json"]) == 0
+    assert torch.get_num_threads() == threads  # a bench puts torch's threads back
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_bench_preprocess_prints_one_json_object():
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "raytuner",
-            "bench",
-            "preprocess",
-            "jobs/tiny.toml",
-            "--images",
-            "12",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+def test_bench_preprocess_prints_one_json_object(ray_local, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    figures = _figures(capsys, "preprocess", "jobs/tiny.toml", "--images", "12")
     for key in ("pipeline_images_per_s", "bare_images_per_s", "ratio", "bytes_per_latent_ratio"):
         assert figures[key] > 0, key
     assert figures["images"] == 12
@@ -43,17 +37,10 @@ def test_bench_preprocess_prints_one_json_object():
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_bench_train_prints_one_json_object(tmp_path):
+def test_bench_train_prints_one_json_object(ray_local, capsys, monkeypatch, tmp_path):
     shutil.copytree(REPO / "jobs", tmp_path / "jobs")  # its cache lands in tmp_path/runs
-    result = subprocess.run(
-        [sys.executable, "-m", "raytuner", "bench", "train", "jobs/tiny.toml", "--steps", "5"]
-        + ["--json"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    monkeypatch.chdir(tmp_path)
+    figures = _figures(capsys, "train", "jobs/tiny.toml", "--steps", "5")
     for key in ("samples_per_s", "bare_samples_per_s", "ratio"):
         assert figures[key] > 0, key
     assert 0 <= figures["data_wait_fraction"] < 1

@@ -404,10 +404,8 @@ def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(comm
     _kill(survivors)
     assert not _alive(ours) and not _in_session(proc.pid)
 
-    # The commit is the old one, whole.
+    # The commit is the old one, whole (the `cache verify` at the end re-hashes every file).
     assert Path(version.path(cache.MANIFEST)).read_bytes() == v1_manifest
-    verify = cli(logs, "cache", "verify", str(job))
-    assert verify.code == 0, verify.out + verify.err[-2000:]
     assert len(dataset_of(job)) == v1_rows
     assert part.is_file()
     pq.read_metadata(part)  # the killed run left complete part files

@@ -17,7 +17,7 @@ import time
 import torch
 
 from raytuner import runtime
-from raytuner.bench import print_figures
+from raytuner.bench import print_figures, torch_threads
 from raytuner.config import JobConfig, ValidationConfig
 from raytuner.data.cache import fingerprint, load_cached, read_manifest
 from raytuner.data.preprocess import preprocess
@@ -71,7 +71,12 @@ def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
 
 def bare_loop(job: JobConfig, steps: int, threads: int) -> float:
     """Samples/s of a plain single-process loop over the same batches (no Ray)."""
-    torch.set_num_threads(threads)
+    with torch_threads(threads):
+        return _bare_loop(job, steps)
+
+
+def _bare_loop(job: JobConfig, steps: int) -> float:
+    """The loop ``bare_loop`` times."""
     family, t = get_family(job.model.family), job.train
     torch.manual_seed(t.seed)
     denoiser = family.denoiser(job.model.pretrained, job.model.revision)
