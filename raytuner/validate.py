@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import pyarrow.fs as pafs
 import ray
 from ray.train import UserCallback
 
 from raytuner import metrics, sample, storage
 from raytuner.train.observe import summary_writer
+from raytuner.train.state import EXPORT
 
 log = logging.getLogger("raytuner.validate")
 VALIDATION = "validation"  # <run>/validation/step_<N>.png
@@ -56,11 +61,21 @@ class Validator:
         self.pipe, self.writer = None, None
         self.jobs: queue.Queue = queue.Queue()
         self.results: list[dict] = []
+        self.scratch = tempfile.mkdtemp(prefix="raytuner-validation-")
+        self.fetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytuner-fetch")
         threading.Thread(target=self._work, name="raytuner-validation", daemon=True).start()
 
     def enqueue(self, step: int, path: str, filesystem) -> int:
-        self.jobs.put((step, path, filesystem))
+        """Queue a render of the checkpoint at ``path``. Its export is copied at once, on a
+        thread: Ray Train deletes checkpoints beyond ``checkpoint.keep`` while renders wait."""
+        copied = self.fetch.submit(self._copy, step, path, filesystem)
+        self.jobs.put((step, path, copied))
         return self.jobs.qsize()
+
+    def _copy(self, step: int, path: str, filesystem) -> str:
+        target = os.path.join(self.scratch, f"step_{step:06d}")
+        pafs.copy_files(storage.join(path, EXPORT), target, source_filesystem=filesystem)
+        return target
 
     def drain(self) -> list[dict]:
         self.jobs.join()
@@ -68,16 +83,16 @@ class Validator:
 
     def _work(self) -> None:
         while True:
-            step, path, filesystem = self.jobs.get()
+            step, path, copied = self.jobs.get()
             try:
-                self.results.append(self._render(step, path, filesystem))
+                self.results.append(self._render(step, path, copied.result()))
             except Exception as e:  # a failed render is reported, never fatal to training
                 log.exception("validation at step %d failed (training goes on)", step)
                 self.results.append({"step": step, "error": f"{type(e).__name__}: {e}"})
             finally:
                 self.jobs.task_done()
 
-    def _render(self, step: int, path: str, filesystem) -> dict:
+    def _render(self, step: int, path: str, local: str) -> dict:
         from raytuner.families import get_family
 
         started, started_at, s = time.perf_counter(), time.time(), self.spec
@@ -85,11 +100,12 @@ class Validator:
         if self.pipe is None:
             self.pipe = sample.load_pipeline(family, s.pretrained, s.revision, None, device)
             self.writer = summary_writer(s.run_dir, ".validation") if s.tensorboard else None
-        with tempfile.TemporaryDirectory() as scratch:
-            weights = sample.find_weights(sample.local_copy(filesystem, path, scratch))
-            sample.apply_weights(self.pipe, family, weights, device)
+        try:
+            sample.apply_weights(self.pipe, family, sample.find_weights(local), device)
             options = family.pipeline_options(self.pipe)
             rows = sample.render(self.pipe, options, s.prompts, s.seeds, s.steps, s.size)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
         sheet = sample.grid(rows)
         png = io.BytesIO()
         sheet.save(png, format="PNG")

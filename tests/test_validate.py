@@ -1,10 +1,12 @@
 """The validation actor's work, in process: a checkpoint's LoRA rendered into a grid PNG, its
-record and a TensorBoard image; a render that fails is recorded and the next one still runs
-(in a run, training never sees the failure)."""
+record and a TensorBoard image, even when Ray Train deleted the checkpoint before the render
+ran; a render that fails is recorded and the next one still runs (in a run, training never
+sees the failure)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -56,6 +58,10 @@ def test_renders_a_grid_per_checkpoint_and_survives_a_failed_render(ray_local, t
     local = pafs.LocalFileSystem()
     validator.enqueue(3, str(tmp_path / "missing"), local)
     validator.enqueue(6, str(checkpoint), local)
+    # Ray Train deletes checkpoints beyond checkpoint.keep, maybe before their render runs:
+    # the render uses the copy taken when it was queued
+    validator.fetch.submit(lambda: None).result()  # one fetch thread: the copies are done
+    shutil.rmtree(checkpoint)
     failed, done = validator.drain()
 
     assert failed["step"] == 3 and "FileNotFoundError" in failed["error"]

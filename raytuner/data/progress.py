@@ -49,12 +49,19 @@ class ProgressLine:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join()
-        self._line(ray.get(self.counter.value.remote()), final=True)
+        self._report(final=True)
         ray.kill(self.counter)
 
     def _loop(self) -> None:
         while not self.stop.wait(self.every_s):
-            self._line(ray.get(self.counter.value.remote()), final=False)
+            self._report(final=False)
+
+    def _report(self, final: bool) -> None:
+        """A progress line; a lost counting actor costs the line, never the pass."""
+        try:
+            self._line(ray.get(self.counter.value.remote()), final)
+        except ray.exceptions.RayError as e:
+            log.warning("preprocess: no progress count (%s)", e)
 
     def _line(self, n: int, final: bool) -> None:
         seconds = time.monotonic() - self.started
