@@ -6,7 +6,7 @@ Used by `raytuner sample` and by the validation renders during training.
 
 from __future__ import annotations
 
-import json
+import io
 import os
 import tempfile
 from dataclasses import dataclass
@@ -139,11 +139,10 @@ def grid(rows: list[list[Image.Image]]) -> Image.Image:
     return sheet
 
 
-def save_png(image: Image.Image, path: Path) -> None:
-    """Atomically: a reader sees no half-written PNG."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    image.save(tmp, format="PNG")
-    os.replace(tmp, path)
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def _slug(text: str) -> str:
@@ -154,17 +153,17 @@ def _slug(text: str) -> str:
 def write_samples(rows, prompts: list[str], seeds: list[int], out: Path, record: dict) -> list:
     """``<i>-<prompt>-seed<s>.png`` per image, ``grid.png`` when there are several, and
     ``samples.json`` (what was rendered with which weights); returns the PNG paths."""
-    out.mkdir(parents=True, exist_ok=True)
+    local, out = pafs.LocalFileSystem(), out.resolve()
     paths = []
     for i, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
         for seed, image in zip(seeds, row, strict=True):
             paths.append(out / f"{i:02d}-{_slug(prompt)}-seed{seed}.png")
-            save_png(image, paths[-1])
+            storage.write_atomic(local, str(paths[-1]), png_bytes(image))
     if len(paths) > 1:
         paths.append(out / "grid.png")
-        save_png(grid(rows), paths[-1])
+        storage.write_atomic(local, str(paths[-1]), png_bytes(grid(rows)))
     record = record | {"prompts": prompts, "seeds": seeds, "files": [p.name for p in paths]}
-    (out / "samples.json").write_text(json.dumps(record, indent=2))
+    storage.write_json_atomic(local, str(out / "samples.json"), record)
     return paths
 
 

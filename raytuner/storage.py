@@ -27,6 +27,11 @@ def join(*parts: str) -> str:
     return "/".join(p.rstrip("/") for p in parts if p)
 
 
+def basename(uri: str) -> str:
+    """The last part of a path or URI (a run folder's name is the run's name)."""
+    return uri.rstrip("/").rsplit("/", 1)[-1]
+
+
 def exists(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 

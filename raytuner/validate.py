@@ -10,7 +10,6 @@ render is logged and recorded, never raised into training.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import queue
@@ -57,7 +56,7 @@ class Validator:
     def __init__(self, spec: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         self.spec = RenderSpec(**spec)
-        self.run = self.spec.run_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.run = storage.basename(self.spec.run_dir)
         self.pipe, self.writer = None, None
         self.jobs: queue.Queue = queue.Queue()
         self.results: list[dict] = []
@@ -107,14 +106,12 @@ class Validator:
         finally:
             shutil.rmtree(local, ignore_errors=True)
         sheet = sample.grid(rows)
-        png = io.BytesIO()
-        sheet.save(png, format="PNG")
         fs, folder = storage.resolve(storage.join(s.run_dir, VALIDATION))
         seconds = time.perf_counter() - started
         record = {"step": step, "checkpoint": path, "seconds": seconds}
         record |= {"started_at": started_at, "finished_at": time.time()}
         record |= {"prompts": s.prompts, "seeds": s.seeds, "steps": s.steps}
-        storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", png.getvalue())
+        storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", sample.png_bytes(sheet))
         storage.write_json_atomic(fs, f"{folder}/step_{step:06d}.json", record)
         if self.writer is not None:
             self.writer.add_image("validation", np.asarray(sheet), step, dataformats="HWC")

@@ -14,6 +14,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
+from raytuner import storage
 from raytuner.config import (
     CheckpointConfig,
     LoraConfig,
@@ -121,7 +122,7 @@ def _report(cfg: LoopConfig, st, metrics: dict, weights, opt, sched, family, jit
         directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")  # Ray deletes it after upload
         identity = ckpt.run_identity(cfg.model, cfg.lora, cfg.train, cfg.fingerprint)
         records = {ckpt.RUN: identity, ckpt.JOB: cfg.job}
-        run = cfg.run_dir.rstrip("/").rsplit("/", 1)[-1]
+        run = storage.basename(cfg.run_dir)
         meta = export.metadata(
             family=family.name,
             model=cfg.model,
@@ -148,9 +149,9 @@ def _candidates(restored: ray.train.Checkpoint, run_dir: str):
     """Ray's latest checkpoint first, then the run's older checkpoint folders, newest first."""
     yield restored
     fs, folders = ckpt.checkpoint_folders(run_dir)
-    newest = restored.path.rstrip("/").rsplit("/", 1)[-1]
+    newest = storage.basename(restored.path)
     for path in folders:
-        if path.rstrip("/").rsplit("/", 1)[-1] < newest:  # timestamp names sort by age
+        if storage.basename(path) < newest:  # timestamp names sort by age
             yield ray.train.Checkpoint(path, filesystem=fs)
 
 

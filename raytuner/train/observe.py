@@ -32,7 +32,7 @@ class Observer:
     """Rank 0's reporting; the other ranks hold none."""
 
     def __init__(self, run_dir: str, max_steps: int, tensorboard: bool) -> None:
-        self.run = run_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.run = storage.basename(run_dir)
         self.max_steps = max_steps
         self.writer = summary_writer(run_dir) if tensorboard else None
 
