@@ -42,6 +42,17 @@ def _sample_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--out", required=True, help="folder for the PNGs, grid.png, samples.json")
 
 
+def _feed_args(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--rows", type=int, default=2000, help="synthetic rows (distinct captions)")
+    cmd.add_argument("--workers", type=int, default=2, help="Ray Train workers")
+    cmd.add_argument("--steps", type=int, default=200, help="measured steps")
+    cmd.add_argument(
+        "--workdir",
+        help="keep the synthetic caches here and reuse them next time (default: a temporary "
+        "folder, removed)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytuner", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -71,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
             {
                 "preprocess": "images/s of the pipeline against a bare loop",
                 "train": "samples/s of one training worker against a bare loop",
+                "feed": "rows/s, read amplification and memory of the training feed at full "
+                "size, on a synthetic cache",
             },
         ),
     ]:
@@ -94,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                 cmd.add_argument("--images", type=int, default=192, help="synthetic image count")
             if action == "train":
                 cmd.add_argument("--steps", type=int, default=100, help="measured steps")
+            if action == "feed":
+                _feed_args(cmd)
     return p
 
 
@@ -208,6 +223,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from raytuner.train.bench import bench_train
 
         bench_train(job, args.steps, args.json)
+    if args.command == "bench" and args.action == "feed":
+        from raytuner.train.feed_bench import bench_feed
+
+        bench_feed(job, args.rows, args.workers, args.steps, args.json, args.workdir)
     if args.command in ("preprocess", "run"):
         do_preprocess(job, args.report)
     if args.command in ("train", "run"):

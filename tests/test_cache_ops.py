@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -32,6 +33,7 @@ import pytest
 
 from raytuner.config import load_job
 from raytuner.data import cache
+from raytuner.data.reader import CachedDataset, open_dataset
 from raytuner.demo_data import make_demo_images
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,9 +222,15 @@ def version_of(job: Path) -> cache.Version:
     return cache.Version(config.data.cache, cache.fingerprint(config.model, config.preprocess))
 
 
-def dataset_of(job: Path) -> cache.CachedDataset:
+def dataset_of(job: Path) -> CachedDataset:
     config = load_job(job)
-    return cache.load_cached(config.data.cache, cache.fingerprint(config.model, config.preprocess))
+    return open_dataset(config.data.cache, cache.fingerprint(config.model, config.preprocess))
+
+
+def indexed(job: Path) -> list[dict]:
+    """The committed index's rows."""
+    version = version_of(job)
+    return version.read(version.manifest()["index"]["path"]).to_pylist()
 
 
 def distinct_images(folder: Path) -> dict[str, str]:
@@ -244,7 +252,7 @@ def run_folders(version: cache.Version) -> set[str]:
 
 
 def referenced_runs(manifest: dict) -> set[str]:
-    files = manifest["latents"] + manifest["text"] + [manifest["index"]]
+    files = manifest["latents"] + manifest["text"] + [manifest["index"], manifest["captions"]]
     return {f["path"].split("/")[1] for f in files}
 
 
@@ -261,9 +269,12 @@ def complete_new_part(version: cache.Version, old_runs: set[str]) -> Path | None
     return None
 
 
-def latent_of(dataset: cache.CachedDataset, key: str) -> bytes:
-    keys = dataset.latents.column("key").to_pylist()
-    return dataset.latents.column("latent")[keys.index(key)].as_py()
+def latent_of(job: Path, key: str) -> bytes:
+    """The latent bytes of ``key`` where the committed index says they are."""
+    (row,) = [r for r in indexed(job) if r["key"] == key]
+    data = Path(version_of(job).path(row["latent_file"])).read_bytes()
+    size = math.prod(row["latent_shape"]) * 2  # bfloat16
+    return data[row["latent_at"] : row["latent_at"] + size]
 
 
 def corrupt_latent(version: cache.Version, rel: str) -> tuple[str, bytes]:
@@ -346,8 +357,8 @@ def test_two_preprocess_runs_at_once_both_commit_a_valid_cache(tmp_path):
 
     dataset = dataset_of(job)
     assert len(dataset) == len(wanted)
-    assert sorted(dataset.index.column("path").to_pylist()) == sorted(wanted.values())
-    assert sorted(dataset.latents.column("key").to_pylist()) == sorted(wanted)
+    assert sorted(dataset.paths) == sorted(wanted.values())
+    assert sorted(r["key"] for r in indexed(job)) == sorted(wanted)
     buckets = dataset.buckets
     for bucket in set(buckets):  # every row has its latent and its caption's embeddings
         rows = [i for i, b in enumerate(buckets) if b == bucket]
@@ -423,7 +434,7 @@ def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(comm
 
     dataset = dataset_of(job)
     assert len(dataset) == len(wanted)
-    assert sorted(dataset.latents.column("key").to_pylist()) == sorted(wanted)
+    assert sorted(r["key"] for r in indexed(job)) == sorted(wanted)
     manifest = version.manifest()
     assert killed_run in referenced_runs(manifest)
     verify = cli(logs, "cache", "verify", str(job))
@@ -495,9 +506,8 @@ def test_verify_finds_a_corrupt_part_and_repair_reencodes_only_its_rows(repairs,
 
     again = cli(tmp_path / "logs", "cache", "verify", str(job))  # reads, never writes
     assert again.code == 0, again.out + again.err[-2000:]
-    dataset = dataset_of(job)
-    assert len(dataset) == total
-    assert latent_of(dataset, repaired.key) == repaired.original  # re-encoded, not the damage
+    assert len(dataset_of(job)) == total
+    assert latent_of(job, repaired.key) == repaired.original  # re-encoded, not the damage
 
 
 @pytest.mark.slow
@@ -516,13 +526,13 @@ def test_a_preprocess_after_repair_does_not_bring_the_damaged_part_back(
     entry, key, original = repaired.entry, repaired.key, repaired.original
     fixed = repaired.fixed
     assert fixed.code == 0, fixed.out + fixed.err[-3000:]
-    assert latent_of(dataset_of(job), key) == original
+    assert latent_of(job, key) == original
 
     again = cli(logs, "preprocess", str(job))  # nothing changed: nothing to do
     assert again.code == 0, again.err[-3000:]
     verify = cli(logs, "cache", "verify", str(job))
     assert verify.code == 0, verify.out + verify.err[-2000:]
-    assert latent_of(dataset_of(job), key) == original
+    assert latent_of(job, key) == original
     assert entry["path"] not in {f["path"] for f in version.manifest()["latents"]}
 
 

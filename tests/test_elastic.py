@@ -30,7 +30,8 @@ from ray.cluster_utils import Cluster
 from run_checks import committed, committed_folder, lora_changes_the_pipeline
 
 from raytuner.config import load_job
-from raytuner.data.cache import fingerprint, load_cached
+from raytuner.data.cache import fingerprint
+from raytuner.data.reader import open_dataset
 from raytuner.train import samples
 from raytuner.train.schedule import epoch_batches
 
@@ -99,8 +100,8 @@ def scheduled(job_file: Path, steps: int) -> dict[int, list[str]]:
     """step -> the rows of its global batch, straight from the schedule function."""
     job = load_job(job_file)
     t = job.train
-    data = load_cached(job.data.cache, fingerprint(job.model, job.preprocess))
-    paths = data.index.column("path").to_pylist()
+    data = open_dataset(job.data.cache, fingerprint(job.model, job.preprocess))
+    paths = data.paths
     out: dict[int, list[str]] = {}
     epoch = 0
     while len(out) < steps:

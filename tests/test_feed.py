@@ -4,14 +4,14 @@ accumulation that matches one pass."""
 
 from __future__ import annotations
 
-import pyarrow as pa
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
-from raytuner.data.cache import CachedDataset
-from raytuner.data.sources import caption_key
-from raytuner.data.tensors import to_cells
+from raytuner.data import cache, synthetic
+from raytuner.data.reader import CachedDataset, open_dataset
 from raytuner.train.feed import Feed
 from raytuner.train.loop import _step
 from raytuner.train.schedule import epoch_batches
@@ -20,40 +20,27 @@ from raytuner.train.schedule import epoch_batches
 SIZES = {(16, 16): 7, (24, 16): 3, (16, 32): 1}
 
 
-def dataset(drop_caption: str | None = None) -> CachedDataset:
-    paths, keys, latents, widths, heights = [], [], [], [], []
-    for (w, h), n in SIZES.items():
-        for i in range(n):
-            paths.append(f"{w}x{h}/{i}.png")
-            keys.append(f"k{len(keys)}")
-            latents.append(torch.full((4, h // 8, w // 8), float(len(latents))))
-            widths.append(w)
-            heights.append(h)
-    cells = [to_cells(t[None], "float32") for t in latents]
-    table = pa.table(
-        {
-            "key": keys,
-            "latent": [c[0][0] for c in cells],
-            "latent_shape": [c[1][0].tolist() for c in cells],
-            "width": widths,
-            "height": heights,
-            "original_size": [[h, w] for w, h in zip(widths, heights, strict=True)],
-            "crop_top_left": [[0, 0]] * len(keys),
-        }
+def dataset(root: Path) -> CachedDataset:
+    """A committed cache (float32 cells) of 11 rows with two captions, c0 and c1, written in
+    the real format; row i's latent holds i, a caption's embedding its number (empty: -1)."""
+    buckets = [size for size, n in SIZES.items() for _ in range(n)]
+    version = cache.Version(str(root), "synthetic")
+    synthetic.write_cache(
+        version,
+        buckets=buckets,
+        captions=[i % 2 for i in range(len(buckets))],
+        repeats=[2] + [1] * (len(buckets) - 1),
+        shapes=lambda w, h: {"latent": (4, h // 8, w // 8), "prompt_embeds": (3, 8)},
+        family="test",
+        dtype="float32",
+        rows_per_file=4,
     )
-    captions = [f"c{i % 2}" for i in range(len(keys))]
-    index = pa.table(
-        {
-            "path": paths,
-            "key": keys,
-            "caption_key": captions,
-            "repeats": [2] + [1] * (len(keys) - 1),
-        }
-    )
-    text = {c: {"prompt_embeds": torch.full((3, 8), float(i))} for i, c in enumerate(["c0", "c1"])}
-    text.pop(drop_caption, None)
-    manifest = {"dtype": "float32", "text_tensors": ["prompt_embeds"]}
-    return CachedDataset(manifest=manifest, index=index, latents=table, text=text)
+    return open_dataset(str(root), "synthetic")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> CachedDataset:
+    return dataset(tmp_path_factory.mktemp("feed"))
 
 
 def feed(data: CachedDataset, rank: int = 0, world: int = 1, gbs: int = 4) -> Feed:
@@ -63,8 +50,7 @@ def feed(data: CachedDataset, rank: int = 0, world: int = 1, gbs: int = 4) -> Fe
     )  # fmt: skip
 
 
-def test_batches_follow_the_schedule_from_a_mid_epoch_cursor_into_the_next_epoch():
-    data = dataset()
+def test_batches_follow_the_schedule_from_a_mid_epoch_cursor_into_the_next_epoch(data):
     appearances = [p for p, n in zip(*_paths_and_repeats(data), strict=True) for _ in range(n)]
     f = feed(data)
     count = len(f.epoch(0))  # 12 appearances: 2 + 1 + 1 batches of 4 (padded)
@@ -89,11 +75,10 @@ def test_batches_follow_the_schedule_from_a_mid_epoch_cursor_into_the_next_epoch
 
 
 def _paths_and_repeats(data: CachedDataset) -> tuple[list[str], list[int]]:
-    return data.index.column("path").to_pylist(), data.repeats
+    return data.paths, data.repeats
 
 
-def test_rank_slices_add_up_to_the_global_batch_and_carry_their_own_seeds():
-    data = dataset()
+def test_rank_slices_add_up_to_the_global_batch_and_carry_their_own_seeds(data):
     whole = feed(data, gbs=5).start(0, 0)
     ranks = [feed(data, rank=r, world=3, gbs=5).start(0, 0) for r in range(3)]
     try:
@@ -110,8 +95,12 @@ def test_rank_slices_add_up_to_the_global_batch_and_carry_their_own_seeds():
             f.close()
 
 
-def test_a_row_that_cannot_be_read_fails_the_step_naming_the_cursor():
-    f = feed(dataset(drop_caption="c1")).start(0, 0)
+def test_a_row_that_cannot_be_read_fails_the_step_naming_the_cursor(tmp_path):
+    data = dataset(tmp_path)
+    version = cache.Version(str(tmp_path), "synthetic")
+    (text,) = version.manifest()["text"]  # both captions and the empty one
+    Path(version.path(text["path"])).write_bytes(b"")  # cut short, as by a full disk
+    f = feed(data).start(0, 0)
     try:
         with pytest.raises(RuntimeError, match=r"epoch 0, batch \d"):
             for index in range(4):
@@ -120,8 +109,8 @@ def test_a_row_that_cannot_be_read_fails_the_step_naming_the_cursor():
         f.close()
 
 
-def test_a_cursor_the_feed_did_not_start_from_is_refused():
-    f = feed(dataset()).start(0, 1)
+def test_a_cursor_the_feed_did_not_start_from_is_refused(data):
+    f = feed(data).start(0, 1)
     try:
         with pytest.raises(RuntimeError, match="out of step"):
             f.next(0, 0)
@@ -143,8 +132,8 @@ def tiny_loss(model, batch, generators):
 
 
 @pytest.mark.parametrize("micro", [1, 2, 3])
-def test_gradient_accumulation_matches_one_pass(micro):
-    f = feed(dataset(), gbs=5).start(0, 0)
+def test_gradient_accumulation_matches_one_pass(micro, data):
+    f = feed(data, gbs=5).start(0, 0)
     try:
         batch = f.next(0, 0)
     finally:
@@ -161,9 +150,7 @@ def test_gradient_accumulation_matches_one_pass(micro):
     assert one_grad.abs().sum() > 0
 
 
-def test_caption_dropout_uses_the_empty_caption_the_same_way_on_any_world_size():
-    data = dataset()
-    data.text[caption_key("")] = {"prompt_embeds": torch.full((3, 8), -1.0)}
+def test_caption_dropout_uses_the_empty_caption_the_same_way_on_any_world_size(data):
 
     def dropped(world: int, p: float) -> list[list[bool]]:
         """Per global batch of the first two epochs: which samples got the empty caption."""

@@ -10,20 +10,26 @@ reference the other runs are compared with, step by step.
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
+from conftest import SKEWED_JOB
+from PIL import Image
 from run_checks import committed, lora_changes_the_pipeline
 from safetensors.torch import load_file
 
 from raytuner.config import ConfigError, load_job
 from raytuner.data import cache
+from raytuner.data.preprocess import preprocess
+from raytuner.data.reader import open_dataset
 from raytuner.train import samples
 from raytuner.train.trainer import train
 
@@ -61,8 +67,8 @@ def assert_same_weights(a: dict, b: dict, tolerance: float) -> None:
 
 def buckets_of(job_file: Path) -> dict[str, str]:
     job = load_job(job_file)
-    data = cache.load_cached(job.data.cache, cache.fingerprint(job.model, job.preprocess))
-    return dict(zip(data.index.column("path").to_pylist(), data.buckets, strict=True))
+    data = open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
+    return dict(zip(data.paths, data.buckets, strict=True))
 
 
 @pytest.mark.timeout(300)  # a rank waiting in a collective for the other would hang: fail instead
@@ -157,6 +163,48 @@ def test_three_workers_train_the_same_rows_and_weights_as_two(job_file):
     assert_same_weights(three, expected, tolerance=1e-4)
     slices = samples.read_attempts(three_dir)[0][1]
     assert [len(slices[r]["ids"]) for r in (0, 1, 2)] == [2, 1, 1]
+
+
+@pytest.mark.slow  # a preprocess beside a 2-worker run on 2 cores: ~2 min
+@pytest.mark.timeout(600)
+def test_a_running_job_keeps_its_dataset_and_a_changed_one_refuses_the_resume(job_file, tmp_path):
+    """While the run trains, a preprocess commits an added image; a worker is then SIGKILLed.
+    The restarted group still reads the dataset the job started with (the reference run's rows,
+    step by step). Submitting the run again is refused before any worker starts, naming the
+    added image."""
+    for folder in ("images", "cache"):
+        shutil.copytree(job_file.parent / folder, tmp_path / folder)
+    job_path = tmp_path / "job.toml"
+    job_path.write_text(SKEWED_JOB.format(root=tmp_path))
+    _, reference_dir = reference(job_file)
+    run_dir = str(tmp_path / "runs" / "changing")
+    done: list = []
+    # a quarter CPU each leaves 1.5 of the 2 for the preprocess's tasks and encoder actors
+    quarter = "scaling.cpus_per_worker=0.25"
+    trainer = threading.Thread(target=lambda: done.append(run(job_path, "changing", quarter)[0]))
+    trainer.start()
+    deadline = time.monotonic() + 240
+    while committed(run_dir) < 4 and trainer.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = _workers_of_this_test()
+    assert committed(run_dir) >= 4 and len(workers) == 2, "the run did not reach step 4"
+    for worker in workers:  # held still while the commit happens
+        worker.suspend()
+    image = Image.fromarray(np.full((64, 64, 3), 7, np.uint8))
+    image.save(tmp_path / "images" / "added.png")
+    job = load_job(job_path)
+    started = time.monotonic()
+    assert preprocess(job.model, job.data, job.preprocess)["encoded"] == 1
+    print(f"committed the added image in {time.monotonic() - started:.1f} s")
+    workers[-1].kill()
+    workers[0].resume()
+    trainer.join(timeout=300)
+
+    (summary,) = done
+    assert summary["step"] == STEPS and len(samples.read_attempts(run_dir)) == 2
+    assert samples.trained(run_dir) == samples.trained(reference_dir)
+    with pytest.raises(ConfigError, match=r"1 added \(added\.png\).*checkpoint\.resume=false"):
+        run(job_path, "changing", f"train.max_steps={STEPS + 4}")
 
 
 def test_resuming_with_another_adapter_shape_or_schedule_is_refused(job_file):

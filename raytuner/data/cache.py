@@ -1,4 +1,6 @@
-"""The encoded dataset: versioned by fingerprint, committed by a manifest written last.
+"""The encoded dataset: its format on disk, versioned by fingerprint, committed by a manifest
+written last. This module owns the format; nothing else builds these paths or knows where a
+tensor lies in a file.
 
 Layout under ``data.cache``::
 
@@ -7,7 +9,15 @@ Layout under ``data.cache``::
     <fingerprint>/parts/<run>/latents/status=ok/*.parquet       rows keyed by image-content hash
     <fingerprint>/parts/<run>/latents/status=skipped/*.parquet  why a file could not be used
     <fingerprint>/parts/<run>/text/*.parquet                   one row per distinct caption
-    <fingerprint>/parts/<run>/index.parquet                     path -> key, caption, repeats
+    <fingerprint>/parts/<run>/index.parquet     one row per trained image: path, caption, repeats,
+                                                bucket, conditioning and where its latent lies
+    <fingerprint>/parts/<run>/captions.parquet  one row per caption: where its text tensors lie
+
+Random access: every data file holds one row per row group and is written plain (no
+dictionary, compression or statistics). A tensor cell is then the tail of its column chunk,
+right after its 4-byte length, so the Parquet footer gives each cell's byte offset. The commit
+records those offsets in the index, and a training worker reads exactly the bytes of the rows
+it trains (one ranged read per cell, neighbours coalesced), locally or on object storage.
 
 Part files are immutable and keyed by content, so a commit is idempotent: two runs at once
 each commit a complete manifest, and a run that died leaves complete files the next run reuses.
@@ -18,21 +28,33 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+import math
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
 from raytuner import storage
 from raytuner.config import ModelConfig, PreprocessConfig
-from raytuner.data.sources import caption_key
-from raytuner.data.tensors import from_cells
+from raytuner.data.tensors import DTYPES
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST, REPORT = "manifest.json", "report.json"
+INDEX, CAPTIONS = "index.parquet", "captions.parquet"
+LATENTS, TEXT = "latents", "text"
+# How every data file is written (by Ray Data in preprocess, by pyarrow in the synthetic bench
+# cache). Tensor bytes do not compress, each cell is unique, and min/max statistics of a binary
+# column would store two whole tensors per page: plain pages keep every latent within a few
+# bytes of its tensor size. One row per row group puts each cell at the tail of its chunk.
+PARQUET = {
+    "use_dictionary": False,
+    "compression": "none",
+    "write_statistics": False,
+    "row_group_size": 1,
+}
+LENGTH_PREFIX = 4  # PLAIN byte arrays: a little-endian uint32 length before the bytes
 # Preprocess keys that change the encoded bytes or which images are used; pool sizing does not.
 ENCODING_KEYS = (
     "resolution",
@@ -48,6 +70,9 @@ ENCODING_KEYS = (
     "background",
     "store_std",
 )
+# the small per-row columns a located latent row carries besides its cell offsets
+LATENT_FIELDS = ("key", "width", "height", "original_size", "crop_top_left", "latent_shape")
+TEXT_FIELDS = ("caption_key", "truncated")
 
 
 def fingerprint(model: ModelConfig, pre: PreprocessConfig) -> str:
@@ -58,6 +83,56 @@ def fingerprint(model: ModelConfig, pre: PreprocessConfig) -> str:
 
 def version_dir(cache_uri: str, fp: str) -> str:
     return storage.join(storage.absolute(cache_uri), fp)
+
+
+def shape_column(tensor: str) -> str:
+    """The column holding a tensor column's shapes (``latent_std`` shares the latent's)."""
+    return "latent_shape" if tensor.startswith("latent") else f"{tensor}_shape"
+
+
+def tensor_columns(schema: pa.Schema) -> list[str]:
+    """The tensor (cell) columns of a data file's schema."""
+    names = set(schema.names)
+    return [n for n in schema.names if shape_column(n) in names and n != shape_column(n)]
+
+
+def itemsize(dtype: str) -> int:
+    return torch.empty(0, dtype=DTYPES[dtype]).element_size()
+
+
+def write_part(fs: pafs.FileSystem, path: str, table: pa.Table) -> None:
+    """A data file in the cache's layout (the synthetic bench cache; preprocess writes the same
+    options through Ray Data)."""
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    pq.write_table(table, path, filesystem=fs, **PARQUET)
+
+
+def locate(data: bytes, dtype: str) -> tuple[pa.Table, list[str]]:
+    """The file's small columns plus ``<tensor>_at``, the byte offset of every tensor cell,
+    checked against its length prefix; and the tensor column names."""
+    source = pa.BufferReader(data)
+    meta = pq.read_metadata(source)
+    schema = meta.schema.to_arrow_schema()
+    tensors = tensor_columns(schema)
+    small = [n for n in schema.names if n not in tensors]
+    table = pq.read_table(pa.BufferReader(data), columns=small)
+    leaf = {meta.row_group(0).column(j).path_in_schema: j for j in range(meta.num_columns)}
+    size = itemsize(dtype)
+    for name in tensors:
+        shapes = table.column(shape_column(name)).to_pylist()
+        offsets = np.empty(meta.num_rows, np.int64)
+        if meta.num_row_groups != meta.num_rows:
+            raise ValueError(f"{meta.num_rows} rows in {meta.num_row_groups} row groups")
+        for g in range(meta.num_row_groups):
+            chunk = meta.row_group(g).column(leaf[name])
+            end = chunk.dictionary_page_offset or chunk.data_page_offset
+            end += chunk.total_compressed_size
+            n = math.prod(shapes[g]) * size
+            offsets[g] = at = end - n
+            if int.from_bytes(data[at - LENGTH_PREFIX : at], "little") != n:
+                raise ValueError(f"row {g}: the {name} cell is not the tail of its column chunk")
+        table = table.append_column(f"{name}_at", pa.array(offsets))
+    return table, tensors
 
 
 class Version:
@@ -74,22 +149,28 @@ class Version:
         path = self.path(MANIFEST)
         return storage.read_json(self.fs, path) if storage.exists(self.fs, path) else None
 
-    def describe(self, rel: str) -> dict:
-        """A manifest entry for a data file: rows, bytes and sha256 of its content."""
+    def describe(self, rel: str, dtype: str) -> tuple[dict, pa.Table]:
+        """A data file's manifest entry (rows, bytes, sha256 of its content) and its located
+        rows (``locate``, with ``file`` = ``rel``), from one read of the file."""
         data = storage.read_bytes(self.fs, self.path(rel))
-        rows = pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
-        return {
+        try:
+            located, _ = locate(data, dtype)
+        except (OSError, ValueError, pa.ArrowInvalid) as e:
+            raise ValueError(f"{self.path(rel)} is not in the cache's layout: {e}") from e
+        entry = {
             "path": rel,
-            "rows": rows,
+            "rows": located.num_rows,
             "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest(),
         }
+        return entry, located.append_column("file", pa.array([rel] * located.num_rows))
 
-    def part_files(self, kind: str) -> list[str]:
+    def part_files(self, kind: str, trusted: set[str] = frozenset()) -> list[str]:
         """Every complete Parquet file of ``kind`` (``latents`` or ``text``) under parts/.
 
         Files of runs that died or are still running are included once their footer is
-        written (Parquet writes it last), so no half-written file is ever returned.
+        written (Parquet writes it last), so no half-written file is ever returned; files in
+        ``trusted`` (a committed manifest lists them) are not opened to check.
         """
         selector = pafs.FileSelector(self.path("parts"), recursive=True, allow_not_found=True)
         found = []
@@ -97,20 +178,29 @@ class Version:
             rel = info.path[len(self.root) + 1 :]
             parts = rel.split("/")
             wanted = (
-                parts[2:4] == ["latents", "status=ok"]
-                if kind == "latents"
-                else parts[2:3] == ["text"]
+                parts[2:4] == [LATENTS, "status=ok"] if kind == LATENTS else parts[2:3] == [TEXT]
             )
-            if info.path.endswith(".parquet") and len(parts) > 3 and wanted:
+            if not (info.path.endswith(".parquet") and len(parts) > 3 and wanted):
+                continue
+            if rel not in trusted:
                 try:
                     pq.read_metadata(info.path, filesystem=self.fs)
                 except (OSError, pa.ArrowInvalid):
                     continue  # still being written, or cut short by a kill
-                found.append(rel)
+            found.append(rel)
         return sorted(found)
 
     def read(self, rel: str, columns: list[str] | None = None) -> pa.Table:
         return pq.read_table(self.path(rel), columns=columns, filesystem=self.fs)
+
+    def write_table(self, rel: str, table: pa.Table) -> dict:
+        """An index table, written atomically; its manifest entry."""
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        data = sink.getvalue().to_pybytes()
+        storage.write_atomic(self.fs, self.path(rel), data)
+        sha = hashlib.sha256(data).hexdigest()
+        return {"path": rel, "rows": table.num_rows, "bytes": len(data), "sha256": sha}
 
     def commit(self, manifest: dict) -> None:
         """The report beside the manifest, then the manifest itself: last and atomic."""
@@ -120,92 +210,3 @@ class Version:
 
 def read_manifest(cache_uri: str, fp: str) -> dict | None:
     return Version(cache_uri, fp).manifest()
-
-
-@dataclass
-class CachedDataset:
-    """The committed rows of one cache version, in index order, ready to batch."""
-
-    manifest: dict
-    index: pa.Table  # source, path, key, caption, caption_key, repeats
-    latents: pa.Table  # one row per key in the index
-    text: dict[str, dict[str, torch.Tensor]]  # caption_key -> name -> tensor
-
-    def __post_init__(self) -> None:
-        keys = self.latents.column("key").to_pylist()
-        row_of = {k: i for i, k in enumerate(keys)}
-        self._rows = [row_of[k] for k in self.index.column("key").to_pylist()]
-        self._captions = self.index.column("caption_key").to_pylist()
-
-    @property
-    def buckets(self) -> list[str]:
-        """The bucket of every indexed row, as "WxH"."""
-        w, h = self.latents.column("width").to_pylist(), self.latents.column("height").to_pylist()
-        return [f"{w[r]}x{h[r]}" for r in self._rows]
-
-    @property
-    def repeats(self) -> list[int]:
-        return self.index.column("repeats").to_pylist()
-
-    def __len__(self) -> int:
-        return self.index.num_rows
-
-    def batch(self, indices: list[int], dtype=torch.float32, empty_caption=None) -> dict:
-        """The rows' tensors; ``empty_caption[j]``: row j takes the empty caption's embedding
-        (caption dropout) instead of its own."""
-        empty = caption_key("")
-        captions = [
-            empty if drop else self._captions[i]
-            for i, drop in zip(indices, empty_caption or [False] * len(indices), strict=True)
-        ]
-        take = pa.array([self._rows[i] for i in indices], pa.int64())
-        rows = self.latents.take(take).to_pydict()
-        cell_dtype = self.manifest["dtype"]
-        out = {"latent": from_cells(rows["latent"], rows["latent_shape"], cell_dtype).to(dtype)}
-        if "latent_std" in rows:
-            std = from_cells(rows["latent_std"], rows["latent_shape"], cell_dtype)
-            out["latent_std"] = std.to(dtype)
-        for name in ("original_size", "crop_top_left"):
-            out[name] = torch.tensor(rows[name], dtype=torch.long)
-        out["target_size"] = torch.tensor(list(zip(rows["height"], rows["width"], strict=True)))
-        for name in self.manifest["text_tensors"]:
-            texts = [self.text[key][name] for key in captions]
-            out[name] = torch.stack(texts).to(dtype)
-        return out
-
-
-def _concat(version: Version, files: list[dict]) -> pa.Table:
-    return pa.concat_tables([version.read(f["path"]) for f in files], promote_options="default")
-
-
-def load_cached(cache_uri: str, fp: str) -> CachedDataset:
-    version = Version(cache_uri, fp)
-    manifest = version.manifest()
-    if manifest is None:
-        raise FileNotFoundError(
-            f"no committed cache at {version.root}: run `raytuner preprocess` first"
-        )
-    index = version.read(manifest["index"]["path"])
-    if index.num_rows == 0:
-        raise ValueError(
-            f"the cache at {version.root} holds no usable image: every input was "
-            f"skipped (see {version.path('report.json')})"
-        )
-    latents = _concat(version, manifest["latents"])
-    latents = latents.drop_columns([c for c in ("reason", "path") if c in latents.column_names])
-    keys = pa.array(sorted(set(index.column("key").to_pylist())))
-    latents = latents.filter(pc.is_in(latents.column("key"), keys))
-    seen: dict[str, int] = {}  # a key may be in several files (runs at once): keep the first
-    for i, k in enumerate(latents.column("key").to_pylist()):
-        seen.setdefault(k, i)
-    latents = latents.take(pa.array(sorted(seen.values()), pa.int64()))
-    text_table = _concat(version, manifest["text"]).to_pydict()
-    names, dtype = manifest["text_tensors"], manifest["dtype"]
-    text = {
-        key: {
-            n: from_cells([text_table[n][i]], [text_table[f"{n}_shape"][i]], dtype)[0]
-            for n in names
-        }
-        for i, key in enumerate(text_table["caption_key"])
-    }
-    return CachedDataset(manifest=manifest, index=index, latents=latents, text=text)

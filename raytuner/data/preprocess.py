@@ -3,7 +3,8 @@
 1. probe (tasks): content hash and caption of every listed file;
 2. encode (decode tasks -> VAE actor pool -> Parquet): only images whose key is not cached yet;
 3. text (text-encoder actor pool -> Parquet): only captions not cached yet, plus "";
-then the index of trained rows and the manifest, written last. Training ranks never write here.
+then the index of trained rows (where each one's bytes lie) and the manifest, written last
+(``index.commit``). Training ranks never write here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import ray
 
 from raytuner import metrics, storage
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
-from raytuner.data import cache
+from raytuner.data import cache, index
 from raytuner.data.buckets import make_buckets
 from raytuner.data.decode import DecodeSpec, decode_row
 from raytuner.data.encode import CaptionEncoder, LatentEncoder
@@ -29,21 +30,6 @@ from raytuner.data.sources import caption_key, list_source, probe_row
 from raytuner.families import get_family
 
 log = logging.getLogger(__name__)
-# Tensor bytes do not compress, each cell is unique, and min/max statistics of a binary column
-# would store two whole tensors per page: plain pages keep every latent within a
-# few bytes of its tensor size (the cell's length prefix and the page headers).
-PARQUET = {"use_dictionary": False, "compression": "none", "write_statistics": False}
-INDEX_COLUMNS = [
-    "source",
-    "path",
-    "key",
-    "caption",
-    "caption_key",
-    "caption_from",
-    "repeats",
-    "size",
-    "mtime_ns",
-]
 
 
 def bucket_sizes(family_name: str, pre: PreprocessConfig) -> list[tuple[int, int]]:
@@ -63,17 +49,11 @@ def _pool(pre: PreprocessConfig) -> dict:
     )
 
 
-def _listing(data: DataConfig, version: cache.Version) -> list[dict]:
+def _listing(data: DataConfig, located: index.Located) -> list[dict]:
     """Every image file of every source, with its key from the last index if unchanged."""
-    known = {}
-    if (manifest := version.manifest()) is not None:
-        try:
-            index = version.read(manifest["index"]["path"]).to_pylist()
-        except (OSError, pa.ArrowInvalid) as e:  # lost or damaged: every file is re-hashed
-            log.warning("cache index unreadable (%s): re-hashing every image", e)
-            index = []
-        for r in index:
-            known[(r["source"], r["path"])] = (r["size"], r["mtime_ns"], r["key"])
+    known = {
+        (r["source"], r["path"]): (r["size"], r["mtime_ns"], r["key"]) for r in located.indexed
+    }
     rows = []
     for i, source in enumerate(data.all_sources()):
         root = storage.absolute(source.path)
@@ -102,15 +82,6 @@ def _probe(listing: list[dict], data: DataConfig) -> list[dict]:
     return ds.take_all()
 
 
-def _key_info(version: cache.Version, files: list[str], columns: list[str]) -> dict[str, dict]:
-    """key (the first column) -> its row and the first file (in sorted order) that holds it."""
-    info = {}
-    for rel in files:
-        for row in version.read(rel, columns).to_pylist():
-            info.setdefault(row[columns[0]], {**row, "file": rel})
-    return info
-
-
 def _encode_images(rows, spec: DecodeSpec, model, pre, out: str, fs, progress) -> None:
     args = (model.family, model.pretrained, model.revision, pre.dtype, pre.store_std, progress)
     items = [{"source": r["source_index"], "path": r["path"], "key": r["key"]} for r in rows]
@@ -125,7 +96,7 @@ def _encode_images(rows, spec: DecodeSpec, model, pre, out: str, fs, progress) -
             num_cpus=0.5,
         )
         .map_batches(LatentEncoder, fn_constructor_args=args, **_pool(pre))
-        .write_parquet(out, filesystem=fs, partition_cols=["status"], **PARQUET)
+        .write_parquet(out, filesystem=fs, partition_cols=["status"], **cache.PARQUET)
     )
 
 
@@ -135,7 +106,7 @@ def _encode_captions(captions: dict[str, str], model, pre, out: str, fs, progres
     (
         ray.data.from_items(rows)
         .map_batches(CaptionEncoder, fn_constructor_args=args, **_pool(pre))
-        .write_parquet(out, filesystem=fs, **PARQUET)
+        .write_parquet(out, filesystem=fs, **cache.PARQUET)
     )
 
 
@@ -152,34 +123,6 @@ def decode_spec(model: ModelConfig, data: DataConfig, pre: PreprocessConfig) -> 
             max_pixels=pre.max_pixels, min_size=pre.min_size, background=tuple(pre.background)
         ),
     )
-
-
-def _entries(version: cache.Version, files: list[str], old: dict | None) -> list[dict]:
-    """Manifest entries, reusing the checksums of files the last manifest already holds."""
-    known = {f["path"]: f for f in (old or {}).get("latents", []) + (old or {}).get("text", [])}
-    return [known.get(rel) or version.describe(rel) for rel in files]
-
-
-def _appearances(indexed: list[dict]) -> dict[str, int]:
-    """Samples per bucket in one epoch of the schedule: every row times its source's repeats."""
-    counts: dict[str, int] = {}
-    for row in indexed:
-        counts[row["bucket"]] = counts.get(row["bucket"], 0) + row["repeats"]
-    return dict(sorted(counts.items()))
-
-
-def _text_tensors(version: cache.Version, rel: str) -> list[str]:
-    names = pq.read_schema(version.path(rel), filesystem=version.fs).names
-    return sorted(n[: -len("_shape")] for n in names if n.endswith("_shape"))
-
-
-def _write_index(version: cache.Version, run: str, rows: list[dict]) -> dict:
-    table = pa.Table.from_pylist([{k: r[k] for k in INDEX_COLUMNS} for r in rows])
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    rel = f"{run}/index.parquet"
-    storage.write_atomic(version.fs, version.path(rel), sink.getvalue().to_pybytes())
-    return version.describe(rel)
 
 
 def _encode_new(p, spec, model, pre, version, run: str, tag: str) -> None:
@@ -205,16 +148,16 @@ def preprocess(
     ``tag``: the run name the dashboard's metrics carry."""
     start = time.monotonic()
     version = cache.Version(data.cache, cache.fingerprint(model, pre))
-    old = version.manifest()
-    listing = _listing(data, version)
+    located = index.Located(version, pre.dtype, version.manifest())
+    listing = _listing(data, located)
     if not listing:
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
     sources = data.all_sources()
     roots = [storage.absolute(s.path) for s in sources]
     repeats = [s.repeats for s in sources]
     probed = [{**r, "source_index": r["source"]} for r in _probe(listing, data)]
-    available = _key_info(version, version.part_files("latents"), ["key", "width", "height"])
-    p = plan(probed, set(available), roots)
+    located.refresh()
+    p = plan(probed, set(located.latents), roots)
     run = f"parts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
     log.info(
         "preprocess: %d files, %d cached, %d to encode -> %s/%s",
@@ -225,45 +168,23 @@ def preprocess(
         run,
     )
     _encode_new(p, decode_spec(model, data, pre), model, pre, version, run, tag)
-
-    available = _key_info(version, version.part_files("latents"), ["key", "width", "height"])
-    indexed = [
-        {
-            **r,
-            "caption_key": caption_key(r["caption"]),
-            "bucket": f"{available[r['key']]['width']}x{available[r['key']]['height']}",
-            "repeats": repeats[r["source_index"]],
-        }
-        for r in p.cached + p.new
-        if r["key"] in available
-    ]
+    located.refresh()
+    indexed = []
+    for r in p.cached + p.new:
+        if (latent := located.latents.get(r["key"])) is not None:
+            bucket = f"{latent['width']}x{latent['height']}"
+            extra = {"caption_key": caption_key(r["caption"]), "bucket": bucket}
+            indexed.append({**r, **extra, "repeats": repeats[r["source_index"]]})
     need = {r["caption_key"]: r["caption"] for r in indexed} | {caption_key(""): ""}
-    have = _key_info(version, version.part_files("text"), ["caption_key", "truncated"])
-    missing = {k: c for k, c in need.items() if k not in have}
+    missing = {k: c for k, c in need.items() if k not in located.captions}
     if missing:
         with ProgressLine("captions encoded", len(missing), tag) as progress:
             out = version.path(f"{run}/text")
             _encode_captions(missing, model, pre, out, version.fs, progress)
-        have = _key_info(version, version.part_files("text"), ["caption_key", "truncated"])
-
-    rep = report(
-        len(listing), p, indexed, sum(have[k]["truncated"] for k in need), time.monotonic() - start
-    )
-    live_latents = sorted({available[r["key"]]["file"] for r in indexed})
-    live_text = sorted({have[k]["file"] for k in need})
-    manifest = {
-        "format_version": cache.FORMAT_VERSION,
-        "fingerprint": version.fp,
-        "family": model.family,
-        "dtype": pre.dtype,
-        "latents": _entries(version, live_latents, old),
-        "text": _entries(version, live_text, old),
-        "index": _write_index(version, run, indexed),
-        "appearances": _appearances(indexed),
-        "text_tensors": _text_tensors(version, live_text[0]),
-        "report": rep,
-    }
-    version.commit(manifest)
+        located.refresh()
+    truncated = sum(located.captions[k]["truncated"] for k in need)
+    rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
+    index.commit(version, run, indexed, located, family=model.family, dtype=pre.dtype, report=rep)
     metrics.gauge("raytuner_cache_hits", len(p.cached), tag)
     metrics.gauge("raytuner_skipped_inputs", len(rep["skipped"]), tag)
     metrics.gauge("raytuner_images_encoded_per_s", rep["images_per_s"], tag)

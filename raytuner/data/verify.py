@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import torch
 
 from raytuner import storage
-from raytuner.data.cache import MANIFEST, Version
+from raytuner.data.cache import MANIFEST, Version, shape_column
 from raytuner.data.tensors import DTYPES
 
 
@@ -21,8 +21,7 @@ def _tensor_problems(table: pa.Table, names: list[str], dtype: str) -> str:
     """Wrong sizes, or NaN / Inf in any tensor cell of these columns ("" if none)."""
     itemsize = torch.empty(0, dtype=DTYPES[dtype]).element_size()
     for name in names:
-        shape_column = "latent_shape" if name.startswith("latent") else f"{name}_shape"
-        cells, shapes = table.column(name).to_pylist(), table.column(shape_column).to_pylist()
+        cells, shapes = table.column(name).to_pylist(), table.column(shape_column(name)).to_pylist()
         for i, (cell, shape) in enumerate(zip(cells, shapes, strict=True)):
             if len(cell) != math.prod(shape) * itemsize:
                 return (
@@ -57,7 +56,7 @@ def verify(version: Version) -> list[dict]:
     groups = [
         (manifest["latents"], ["latent", "latent_std"]),
         (manifest["text"], manifest["text_tensors"]),
-        ([manifest["index"]], []),
+        ([manifest["index"], manifest["captions"]], []),
     ]
     for entries, tensors in groups:
         for entry in entries:
@@ -95,8 +94,9 @@ def garbage(cache_root: str, keep: Version, min_age_s: float) -> list[str]:
         and i.base_name != keep.fp
         and storage.exists(fs, storage.join(i.path, MANIFEST))
     ]
-    manifest = keep.manifest() or {"latents": [], "text": [], "index": {"path": ""}}
-    files = manifest["latents"] + manifest["text"] + [manifest["index"]]
+    empty = {"latents": [], "text": [], "index": {"path": ""}, "captions": {"path": ""}}
+    manifest = keep.manifest() or empty
+    files = manifest["latents"] + manifest["text"] + [manifest["index"], manifest["captions"]]
     live = {f["path"].split("/")[1] for f in files if f["path"]}
     runs = keep.fs.get_file_info(pafs.FileSelector(keep.path("parts"), allow_not_found=True))
     cutoff = time.time_ns() - min_age_s * 1e9

@@ -45,6 +45,9 @@ class Family(Protocol):
     def pipeline(self, pretrained: str, revision: str): ...  # a diffusers DiffusionPipeline
     # pipeline-call arguments that match how the cache was encoded (caption token count)
     def pipeline_options(self, pipe) -> dict: ...
+    # shapes of the tensors the cache stores per image of a bucket, for the released full-size
+    # model ("latent" and each text tensor): what `raytuner bench feed` writes
+    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]: ...
 
 
 def tiny_pipeline(pipe):

@@ -117,6 +117,13 @@ class Sana:
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "transformer"
 
+    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
+        """What Sana 1600M's encoders store per image of a bucket: 32-channel DC-AE latents at
+        1/32 of the pixels, Gemma-2-2B's 300 x 2304 hidden states and their attention mask."""
+        latent = (32, height // 32, width // 32)
+        tokens = (MAX_TOKENS,)
+        return {"latent": latent, "prompt_embeds": (*tokens, 2304), "prompt_attention_mask": tokens}
+
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderDC
 

@@ -56,6 +56,11 @@ class SD15:
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "unet"
 
+    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
+        """What the released model's encoders store per image of a bucket: 4-channel latents
+        at 1/8 of the pixels, CLIP-L's 77 x 768 hidden states."""
+        return {"latent": (4, height // 8, width // 8), "prompt_embeds": (77, 768)}
+
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderKL
 

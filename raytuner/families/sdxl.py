@@ -66,6 +66,13 @@ class SDXL:
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "unet"
 
+    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
+        """What the released model's encoders store per image of a bucket: 4-channel latents
+        at 1/8 of the pixels, CLIP-L + OpenCLIP-bigG hidden states (77 x 2048), bigG's pooled
+        projection (1280)."""
+        latent = (4, height // 8, width // 8)
+        return {"latent": latent, "prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)}
+
     def image_encoder(self, pretrained: str, revision: str, device: str):
         from diffusers import AutoencoderKL
 

@@ -19,8 +19,9 @@ import torch
 from raytuner import runtime
 from raytuner.bench import print_figures, torch_threads
 from raytuner.config import JobConfig, ValidationConfig
-from raytuner.data.cache import fingerprint, load_cached, read_manifest
+from raytuner.data.cache import fingerprint, read_manifest
 from raytuner.data.preprocess import preprocess
+from raytuner.data.reader import open_dataset
 from raytuner.families import get_family
 from raytuner.train.feed import Feed
 from raytuner.train.weights import Weights
@@ -48,8 +49,9 @@ def _one_worker_job(job: JobConfig, steps: int, output: str) -> JobConfig:
 def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
     """The first ``count`` global batches of the schedule as tensors, with their noise seeds."""
     t = job.train
+    data = open_dataset(job.data.cache, fingerprint(job.model, job.preprocess))
     feed = Feed(
-        load_cached(job.data.cache, fingerprint(job.model, job.preprocess)),
+        data,
         seed=t.seed,
         global_batch_size=t.global_batch_size,
         remainder=t.remainder,
@@ -66,6 +68,7 @@ def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
             batch = feed.assemble(epoch, index, batches)
             out.append((batch.tensors, batch.seeds))
         epoch += 1
+    data.close()
     return out
 
 

@@ -2,9 +2,10 @@
 
 The cursor (epoch, next global batch) is ours, not a data iterator's: Ray 2.60's iterators
 restart at the epoch start after a failure, so resuming mid-epoch exactly needs our own. The
-thread walks the same deterministic schedule from the cursor, reads the rows from the cache and
-stacks them into tensors (pinned when training on a GPU), so the step only waits when the
-reads are slower than the step itself; that wait is measured.
+thread walks the same deterministic schedule from the cursor, reads this rank's rows of each
+global batch from the cache (only those: ``CachedDataset.batch``) and stacks them into tensors
+(pinned when training on a GPU), at most ``prefetch`` batches ahead, so the step only waits
+when the reads are slower than the step itself; that wait is measured.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from raytuner.data.cache import CachedDataset
+from raytuner.config import TrainConfig
+from raytuner.data.reader import CachedDataset, open_dataset
 from raytuner.train.schedule import caption_dropped, epoch_batches, rank_slice, sample_seed
 
 
@@ -61,8 +63,7 @@ class Feed:
         self.rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
         buckets = data.buckets
         self.buckets = [buckets[i] for i in self.rows]
-        paths = data.index.column("path").to_pylist()
-        self.paths = [paths[i] for i in self.rows]
+        self.paths = [data.paths[i] for i in self.rows]
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -128,3 +129,21 @@ class Feed:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def open_feed(
+    train: TrainConfig, cache: str, fp: str, manifest: dict, rank: int, world: int, pin: bool
+) -> Feed:
+    """The feed of one rank over the committed version ``fp`` as ``manifest`` describes it (the
+    one the job started with); the caller starts it at its cursor and closes it and its data."""
+    return Feed(
+        open_dataset(cache, fp, manifest),
+        seed=train.seed,
+        global_batch_size=train.global_batch_size,
+        remainder=train.remainder,
+        rank=rank,
+        world=world,
+        prefetch=train.prefetch,
+        pin=pin,
+        caption_dropout=train.caption_dropout,
+    )

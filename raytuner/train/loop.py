@@ -22,11 +22,11 @@ from raytuner.config import (
     ObjectiveConfig,
     TrainConfig,
 )
-from raytuner.data.cache import load_cached
 from raytuner.families import get_family
 from raytuner.train import export
 from raytuner.train import state as ckpt
-from raytuner.train.feed import Batch, Feed
+from raytuner.train.feed import Batch, open_feed
+from raytuner.train.memory import PeakMemory
 from raytuner.train.observe import Observer
 from raytuner.train.samples import SampleLog, attempt_id
 from raytuner.train.weights import Weights
@@ -45,6 +45,8 @@ class LoopConfig:
     checkpoint: CheckpointConfig
     cache: str
     fingerprint: str
+    manifest: dict  # the committed manifest the job started with (without its report)
+    dataset: dict  # what a checkpoint records of it (``trainer.dataset_record``)
     run_dir: str  # <train.output>/<run name>
     job: dict  # the whole resolved job, written into every checkpoint as a record only
     validation_every: int = 0  # validation renders need a checkpoint every N steps
@@ -120,8 +122,10 @@ def _report(cfg: LoopConfig, st, metrics: dict, weights, opt, sched, family, jit
         if jit:
             log.warning("preemption announced: checkpoint at step %d before the node goes", st.step)
         directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")  # Ray deletes it after upload
-        identity = ckpt.run_identity(cfg.model, cfg.lora, cfg.train, cfg.fingerprint)
-        records = {ckpt.RUN: identity, ckpt.JOB: cfg.job}
+        identity = ckpt.run_identity(
+            cfg.model, cfg.lora, cfg.train, cfg.fingerprint, cfg.dataset["id"]
+        )
+        records = {ckpt.RUN: identity, ckpt.JOB: cfg.job, ckpt.DATASET: cfg.dataset}
         run = storage.basename(cfg.run_dir)
         meta = export.metadata(
             family=family.name,
@@ -174,21 +178,6 @@ def _restore(cfg: LoopConfig, weights, opt, sched, rank: int) -> ckpt.TrainState
     raise RuntimeError(f"no readable checkpoint in {cfg.run_dir}: start a new run instead")
 
 
-def _feed(cfg: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
-    t = cfg.train
-    return Feed(
-        load_cached(cfg.cache, cfg.fingerprint),
-        seed=t.seed,
-        global_batch_size=t.global_batch_size,
-        remainder=t.remainder,
-        rank=rank,
-        world=world,
-        prefetch=t.prefetch,
-        pin=device.type == "cuda",
-        caption_dropout=t.caption_dropout,
-    )
-
-
 def _preempted(cfg: LoopConfig, step: int) -> bool:
     """Whether Ray announced a preemption of a node of this group (one actor round trip)."""
     every = cfg.checkpoint.preemption_check_every
@@ -200,8 +189,9 @@ def _checkpoint_due(cfg: LoopConfig, step: int) -> bool:
     return step == cfg.train.max_steps or any(step % n == 0 for n in every)
 
 
-def _end_window(cfg: LoopConfig, st, meter: Meter, feed: Feed, samples: SampleLog, lr, observer):
-    """Close the metrics window: report it on rank 0, write the sample log, return the metrics."""
+def _end_window(cfg: LoopConfig, st, meter: Meter, feed, samples: SampleLog, lr, observer, memory):
+    """Close the metrics window: report it on rank 0, write the sample log, return the metrics
+    (with this worker's peak memory so far)."""
     metrics = meter.flush(cfg.train.global_batch_size, feed.take_wait())
     st.loss = metrics["loss"]
     st.first_loss = st.loss if st.first_loss is None else st.first_loss
@@ -209,11 +199,12 @@ def _end_window(cfg: LoopConfig, st, meter: Meter, feed: Feed, samples: SampleLo
         observer.window(st.step, metrics, lr)
     samples.flush()
     position = {"step": st.step, "epoch": st.epoch, "first_loss": st.first_loss}
-    return metrics | position | {"lr": lr, "threads": torch.get_num_threads()}
+    return metrics | position | memory.peaks() | {"lr": lr, "threads": torch.get_num_threads()}
 
 
 def train_loop(config: dict) -> None:
     cfg = LoopConfig(**config)
+    memory = PeakMemory().start()
     _quiet_ray_train_reports()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     ctx = ray.train.get_context()
@@ -232,7 +223,9 @@ def train_loop(config: dict) -> None:
     st = _restore(cfg, weights, opt, sched, rank)
     model = ray.train.torch.prepare_model(denoiser)
     loss_fn = family.loss(cfg.model.pretrained, cfg.model.revision, cfg.objective)
-    feed = _feed(cfg, rank, world, device).start(st.epoch, st.index)
+    pin = device.type == "cuda"
+    feed = open_feed(cfg.train, cfg.cache, cfg.fingerprint, cfg.manifest, rank, world, pin)
+    feed.start(st.epoch, st.index)
     samples = SampleLog(cfg.run_dir if t.sample_log else None, attempt_id(), rank, world)
     meter, warned = Meter(device), False
     observer = Observer(cfg.run_dir, t.max_steps, t.tensorboard) if rank == 0 else None
@@ -254,7 +247,7 @@ def train_loop(config: dict) -> None:
             due = jit or _checkpoint_due(cfg, st.step)
             if due or st.step % t.log_every == 0:
                 lr = sched.get_last_lr()[0]
-                metrics = _end_window(cfg, st, meter, feed, samples, lr, observer)
+                metrics = _end_window(cfg, st, meter, feed, samples, lr, observer, memory)
                 if due:
                     started = time.perf_counter()
                     _report(cfg, st, metrics, weights, opt, sched, family, jit)
@@ -262,5 +255,7 @@ def train_loop(config: dict) -> None:
                         observer.checkpoint(st.step, time.perf_counter() - started)
     finally:
         feed.close()
+        feed.data.close()
+        memory.stop()
         if observer is not None:
             observer.close()

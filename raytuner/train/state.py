@@ -21,6 +21,7 @@ OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
 RUN = "run.json"  # cache fingerprint and the settings a resume must not change
 JOB = "job.json"  # the resolved job config that trained up to this checkpoint (a record)
+DATASET = "dataset.json"  # the committed dataset it trained on: id, rows, index, manifest hash
 EXPORT = "export"  # what the user takes away (lora/ or model/), inside every checkpoint
 
 
@@ -90,13 +91,14 @@ def load_checkpoint(directory: str, weights, optimizer, lr_schedule) -> TrainSta
     return state
 
 
-def run_identity(model, lora, train, fingerprint: str) -> dict:
-    """What a resumed run must share with the run that wrote the checkpoint: the cache, the
-    model, what is trained (mode, adapter shape, EMA) and the schedule (the cursor means nothing
-    under another)."""
+def run_identity(model, lora, train, fingerprint: str, dataset: str) -> dict:
+    """What a resumed run must share with the run that wrote the checkpoint: the cache version,
+    the dataset (its rows, in order: ``index.dataset_id``), the model, what is trained (mode,
+    adapter shape, EMA) and the schedule (the cursor means nothing under another)."""
     schedule = {k: getattr(train, k) for k in ("seed", "global_batch_size", "remainder")}
     trained = {"mode": train.mode, "ema": train.ema_decay > 0}
     return {"fingerprint": fingerprint, "model": asdict(model), "lora": asdict(lora)} | {
+        "dataset": {"id": dataset},
         "schedule": schedule,
         "weights": trained,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -12,12 +13,14 @@ from ray.train.torch import TorchTrainer
 
 from raytuner import storage, validate
 from raytuner.config import ConfigError, JobConfig
-from raytuner.data.cache import fingerprint, read_manifest, version_dir
+from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
+from raytuner.data.index import describe_change
 from raytuner.families import get_family
 from raytuner.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.train.loop import LoopConfig, train_loop
 from raytuner.train.schedule import epoch_batches
 from raytuner.train.state import (
+    DATASET,
     EXPORT,
     RUN,
     STATE,
@@ -41,17 +44,48 @@ def run_name(job: JobConfig) -> str:
     return fresh
 
 
-def check_resumable(job: JobConfig, run_dir: str, fp: str) -> None:
-    """Refuse to resume a run whose newest checkpoint was trained on another cache, model,
-    adapter shape or schedule."""
-    current = run_identity(job.model, job.lora, job.train, fp)
+def dataset_record(cache: str, fp: str, manifest: dict) -> dict:
+    """What a checkpoint records of the committed dataset it trains on: its id (what a resume
+    is checked against), its rows, its index file and a content hash of the manifest."""
+    canonical = json.dumps(manifest, sort_keys=True).encode()
+    return manifest["dataset"] | {
+        "cache": storage.absolute(cache),
+        "fingerprint": fp,
+        "index": manifest["index"]["path"],
+        "manifest_sha256": hashlib.sha256(canonical).hexdigest(),
+    }
+
+
+def _dataset_change(fs, folder: str, current: dict) -> str:
+    """What differs between the dataset a checkpoint trained on and ``current`` (a record)."""
+    try:
+        saved = storage.read_json(fs, storage.join(folder, DATASET))
+        before = Version(saved["cache"], saved["fingerprint"]).read(saved["index"]).to_pylist()
+    except (OSError, KeyError, ValueError) as e:
+        return f"its index is no longer readable ({type(e).__name__}); {current['rows']} rows now"
+    now = Version(current["cache"], current["fingerprint"]).read(current["index"]).to_pylist()
+    return describe_change(before, now)
+
+
+def check_resumable(job: JobConfig, run_dir: str, fp: str, dataset: dict) -> None:
+    """Refuse to resume a run whose newest checkpoint was trained on another cache, dataset,
+    model, adapter shape or schedule."""
+    current = run_identity(job.model, job.lora, job.train, fp, dataset["id"])
     fs, folders = checkpoint_folders(run_dir)
     for folder in folders:
         try:
             saved = storage.read_json(fs, storage.join(folder, RUN))
         except (OSError, ValueError):
             continue  # unreadable: the workers skip it too
-        if changes := identity_changes(saved, current):
+        changes = identity_changes(saved, current)
+        if changes == ["dataset.id"]:
+            raise ConfigError(
+                f"run {run_dir} was trained on another dataset than the cache now holds "
+                f"({_dataset_change(fs, folder, dataset)}): its saved place in the schedule "
+                "would pick other rows. Start a new run with --set checkpoint.resume=false or "
+                "another train.name, or restore the images it trained on"
+            )
+        if changes:
             raise ConfigError(
                 f"run {run_dir} was trained with other settings ({', '.join(changes)} changed; "
                 f"a changed fingerprint means other model or preprocess settings): resuming it "
@@ -74,7 +108,8 @@ def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
 def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> dict:
     """Copy the checkpoint's export (``lora/`` or ``model/<part>/``) into ``<output>/<name>/``;
     return the summary: where the files went, and the checkpoint's state."""
-    fs, run = storage.resolve(storage.join(storage.absolute(output), name))
+    uri = storage.join(storage.absolute(output), name)  # what the user reads: s3:// kept
+    fs, run = storage.resolve(uri)
     with checkpoint.as_directory() as directory:
         root = os.path.join(directory, EXPORT)
         for folder, _, files in sorted(os.walk(root)):
@@ -86,13 +121,13 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> di
         with open(os.path.join(directory, STATE)) as f:
             state = json.load(f)
     if LORA_DIR in exported:
-        lora = storage.join(run, LORA_DIR)
+        lora = storage.join(uri, LORA_DIR)
         paths = {
             "lora": storage.join(lora, DIFFUSERS_FILE),
             "kohya": storage.join(lora, KOHYA_FILE),
         }
     else:
-        paths = {"model": storage.join(run, MODEL_DIR)}
+        paths = {"model": storage.join(uri, MODEL_DIR)}
     return paths | state
 
 
@@ -119,7 +154,8 @@ def train(job: JobConfig) -> dict:
         raise ConfigError(f"{e} (samples per bucket, repeats included: {counts})") from None
     name = run_name(job)
     run_dir = storage.join(storage.absolute(job.train.output), name)
-    check_resumable(job, run_dir, fp)
+    dataset = dataset_record(job.data.cache, fp, manifest)
+    check_resumable(job, run_dir, fp, dataset)
     loop = LoopConfig(
         model=job.model,
         train=job.train,
@@ -128,6 +164,9 @@ def train(job: JobConfig) -> dict:
         checkpoint=job.checkpoint,
         cache=storage.absolute(job.data.cache),
         fingerprint=fp,
+        # the manifest read now: a commit while the job runs does not change what it reads
+        manifest={k: v for k, v in manifest.items() if k != "report"},
+        dataset=dataset,
         run_dir=run_dir,
         job=job.to_dict(),
         validation_every=job.validation.every_steps,

@@ -1,0 +1,228 @@
+"""The committed index of a cache version and the dataset's identity.
+
+The index (``index.parquet``) lists the trained rows in a fixed order, (source, path), with
+everything a training worker needs to read a row without opening the data files' footers: the
+bucket, the conditioning, the file and byte offset of its latent and the row of its caption in
+``captions.parquet``, which holds the same for each distinct caption's text tensors. The
+dataset id, a hash of that list, is what a checkpoint records: resuming on other rows is
+refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import pyarrow as pa
+
+from raytuner.data.cache import CAPTIONS, FORMAT_VERSION, INDEX, LATENTS, TEXT, Version
+from raytuner.data.sources import caption_key
+
+log = logging.getLogger(__name__)
+SHAPE = pa.list_(pa.int32())
+# the index: the listing and caption of each trained image, then where its latent lies
+INDEX_SCHEMA = pa.schema(
+    [
+        ("source", pa.string()),
+        ("source_index", pa.int32()),  # its place among the job's sources
+        ("path", pa.string()),
+        ("key", pa.string()),
+        ("caption", pa.string()),
+        ("caption_key", pa.string()),
+        ("caption_from", pa.string()),
+        ("repeats", pa.int64()),
+        ("size", pa.int64()),
+        ("mtime_ns", pa.int64()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("original_size", SHAPE),
+        ("crop_top_left", SHAPE),
+        ("latent_file", pa.string()),
+        ("latent_at", pa.int64()),
+        ("latent_shape", SHAPE),
+        ("latent_std_at", pa.int64()),  # -1: no std stored
+        ("caption_row", pa.int32()),  # its row in captions.parquet
+    ]
+)
+LISTED = (
+    "source",
+    "source_index",
+    "path",
+    "key",
+    "caption",
+    "caption_key",
+    "caption_from",
+    "repeats",
+    "size",
+)
+LOCATION = ("width", "height", "original_size", "crop_top_left", "latent_shape", "latent_at")
+
+
+def captions_schema(tensors: list[str]) -> pa.Schema:
+    fields = [
+        ("caption_key", pa.string()),
+        ("caption", pa.string()),
+        ("truncated", pa.bool_()),
+        ("text_file", pa.string()),
+    ]
+    for name in tensors:
+        fields += [(f"{name}_at", pa.int64()), (f"{name}_shape", SHAPE)]
+    return pa.schema(fields)
+
+
+def _by_file(rows: list[dict], file_column: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r[file_column], []).append({**r, "file": r[file_column]})
+    return out
+
+
+class Located:
+    """Every complete part file of a version and where each cell in it lies: from the last
+    committed index for the files its manifest lists, from one read of the file otherwise.
+    A key held by several files (two runs at once) keeps the first one found."""
+
+    def __init__(self, version: Version, dtype: str, manifest: dict | None):
+        self.version, self.dtype = version, dtype
+        self.entries: dict[str, dict] = {}  # rel -> manifest entry
+        self.latents: dict[str, dict] = {}  # image key -> its located latent row
+        self.captions: dict[str, dict] = {}  # caption key -> its located text row
+        self.text_tensors: list[str] = list((manifest or {}).get("text_tensors", []))
+        self._known = {LATENTS: {}, TEXT: {}}  # kind -> rel -> located rows (last commit)
+        self._old_entries: dict[str, dict] = {}
+        self.indexed: list[dict] = []  # the rows of the last committed index
+        if manifest is not None:
+            try:
+                rows = version.read(manifest["index"]["path"]).to_pylist()
+                captions = version.read(manifest["captions"]["path"]).to_pylist()
+            except (OSError, KeyError, pa.ArrowInvalid) as e:  # lost: every file is read again
+                log.warning("cache index unreadable (%s): reading every part file", e)
+                return
+            self.indexed = rows
+            self._known = {
+                LATENTS: _by_file(rows, "latent_file"),
+                TEXT: _by_file(captions, "text_file"),
+            }
+            self._old_entries = {e["path"]: e for e in manifest["latents"] + manifest["text"]}
+
+    def refresh(self) -> None:
+        """Take in part files written since the last call (by this run or another)."""
+        for kind, found in ((LATENTS, self.latents), (TEXT, self.captions)):
+            known = self._known[kind]
+            for rel in self.version.part_files(kind, trusted=set(known)):
+                if rel in self.entries:
+                    continue
+                if rel in known:
+                    self.entries[rel], rows = self._old_entries[rel], known[rel]
+                else:
+                    try:
+                        self.entries[rel], table = self.version.describe(rel, self.dtype)
+                    except ValueError as e:  # its rows are encoded again, into a new file
+                        log.warning("ignoring a damaged part file: %s", e)
+                        continue
+                    rows = table.to_pylist()
+                    if kind == TEXT and not self.text_tensors:
+                        self.text_tensors = sorted(
+                            c[: -len("_at")] for c in table.column_names if c.endswith("_at")
+                        )
+                for row in rows:
+                    found.setdefault(row["key" if kind == LATENTS else "caption_key"], row)
+
+
+def dataset_id(fingerprint: str, rows: list[dict]) -> str:
+    """The identity of the trained rows in their order: what each row is (image and caption
+    content) and how often it appears. Moving the source folders keeps it; adding, removing,
+    renaming or editing an image, editing a caption or changing repeats does not."""
+    digest = hashlib.sha256(fingerprint.encode())
+    for r in rows:
+        fields = (r["source_index"], r["path"], r["key"], r["caption_key"], r["repeats"])
+        digest.update(("\0".join(map(str, fields)) + "\n").encode())
+    return digest.hexdigest()[:16]
+
+
+def _index_row(row: dict, latent: dict, caption_row: int) -> dict:
+    return (
+        {k: row[k] for k in LISTED}
+        | {k: latent[k] for k in LOCATION}
+        | {
+            "mtime_ns": row["mtime_ns"],
+            "latent_file": latent["file"],
+            "latent_std_at": latent.get("latent_std_at", -1),
+            "caption_row": caption_row,
+        }
+    )
+
+
+def _caption_row(caption: dict, tensors: list[str]) -> dict:
+    out = {k: caption[k] for k in ("caption_key", "caption", "truncated")}
+    out["text_file"] = caption["file"]
+    for name in tensors:
+        out |= {f"{name}_at": caption[f"{name}_at"], f"{name}_shape": caption[f"{name}_shape"]}
+    return out
+
+
+def appearances(rows: list[dict]) -> dict[str, int]:
+    """Samples per bucket in one epoch of the schedule: every row times its source's repeats."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        bucket = f"{row['width']}x{row['height']}"
+        counts[bucket] = counts.get(bucket, 0) + row["repeats"]
+    return dict(sorted(counts.items()))
+
+
+def commit(version: Version, run: str, rows: list[dict], located: Located, **extra) -> dict:
+    """Write the index of ``rows`` (the trained images, each with ``source_index``) and the
+    captions they use (plus the empty one, for caption dropout), then the manifest: last.
+    ``extra``: more manifest keys (family, dtype, report)."""
+    rows = sorted(rows, key=lambda r: (r["source_index"], r["path"]))
+    needed = sorted({r["caption_key"] for r in rows} | {caption_key("")})
+    position = {k: i for i, k in enumerate(needed)}
+    tensors = located.text_tensors
+    index = [_index_row(r, located.latents[r["key"]], position[r["caption_key"]]) for r in rows]
+    captions = [_caption_row(located.captions[k], tensors) for k in needed]
+    live_latents = sorted({r["latent_file"] for r in index})
+    live_text = sorted({c["text_file"] for c in captions})
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": version.fp,
+        "latents": [located.entries[rel] for rel in live_latents],
+        "text": [located.entries[rel] for rel in live_text],
+        "index": version.write_table(
+            f"{run}/{INDEX}", pa.Table.from_pylist(index, schema=INDEX_SCHEMA)
+        ),
+        "captions": version.write_table(
+            f"{run}/{CAPTIONS}", pa.Table.from_pylist(captions, schema=captions_schema(tensors))
+        ),
+        "appearances": appearances(index),
+        "text_tensors": tensors,
+        "dataset": {"id": dataset_id(version.fp, rows), "rows": len(rows)},
+    } | extra
+    version.commit(manifest)
+    return manifest
+
+
+def describe_change(old: list[dict], new: list[dict], limit: int = 5) -> str:
+    """What differs between two indexes' rows (by source and path; a source is its place in
+    the job, so a moved folder is the same source), for a user: images added, removed or
+    edited, captions and repeats changed."""
+
+    def keyed(rows):
+        return {(r["source_index"], r["path"]): r for r in rows}
+
+    a, b = keyed(old), keyed(new)
+    groups = {
+        "added": [p for p in b if p not in a],
+        "removed": [p for p in a if p not in b],
+        "edited": [p for p in a.keys() & b.keys() if a[p]["key"] != b[p]["key"]],
+        "caption changed": [
+            p for p in a.keys() & b.keys() if a[p]["caption_key"] != b[p]["caption_key"]
+        ],
+        "repeats changed": [p for p in a.keys() & b.keys() if a[p]["repeats"] != b[p]["repeats"]],
+    }
+    parts = []
+    for what, paths in groups.items():
+        if paths:
+            shown = ", ".join(p for _, p in sorted(paths)[:limit])
+            more = f", … {len(paths) - limit} more" if len(paths) > limit else ""
+            parts.append(f"{len(paths)} {what} ({shown}{more})")
+    return "; ".join(parts) or "the same images in another order"

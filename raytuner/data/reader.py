@@ -1,0 +1,234 @@
+"""A committed cache version as a training worker reads it.
+
+In memory: the index, a few numbers per row (bucket, conditioning, where the latent lies, the
+caption's row) and the same per caption. Nothing else: each batch's tensors are fetched when
+it is assembled, with one ranged read per cell (exactly its bytes and its 4-byte length prefix),
+ranges of one file that lie close together merged into one request, and the requests issued in
+parallel. On object storage a batch costs at most one request per row and per caption.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from raytuner import storage
+from raytuner.data.cache import LENGTH_PREFIX, Version, itemsize
+from raytuner.data.sources import caption_key
+from raytuner.data.tensors import DTYPES
+
+HOLE = 8 * 1024  # ranges of one file at most this far apart are read as one request
+THREADS = 8  # parallel requests per worker (object storage answers each in tens of ms)
+HANDLES = 256  # open files kept per worker
+ROW_COLUMNS = [
+    "path",
+    "repeats",
+    "width",
+    "height",
+    "original_size",
+    "crop_top_left",
+    "latent_file",
+    "latent_at",
+    "latent_shape",
+    "latent_std_at",
+    "caption_row",
+]
+# the cells are copied out at once; torch only notes that the bytes it viewed are read-only
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class RangeReader:
+    """Byte ranges of the files under one folder of a pyarrow filesystem; counts what it read."""
+
+    def __init__(self, fs, root: str, threads: int = THREADS):
+        self.fs, self.root = fs, root
+        self._files: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="raytuner-read")
+        self.bytes_read = self.requests = 0
+
+    def _file(self, rel: str):
+        with self._lock:
+            if rel in self._files:
+                self._files.move_to_end(rel)
+                return self._files[rel]
+        handle = self.fs.open_input_file(storage.join(self.root, rel))
+        with self._lock:
+            self._files[rel] = handle
+            while len(self._files) > HANDLES:  # dropped, not closed: a read may still use it
+                self._files.popitem(last=False)
+        return handle
+
+    def _fetch(self, group: list) -> memoryview:
+        rel, start, stop, _ = group
+        data = self._file(rel).read_at(stop - start, start)
+        if len(data) != stop - start:
+            raise OSError(f"{rel}: {len(data)} bytes at {start}, expected {stop - start}")
+        return memoryview(data)
+
+    def read(self, ranges: list[tuple[str, int, int]]) -> list[memoryview]:
+        """The bytes of each (file, offset, length)."""
+        groups: list[list] = []  # [file, start, stop, indices]
+        for i in sorted(range(len(ranges)), key=lambda i: ranges[i]):
+            rel, at, n = ranges[i]
+            if groups and groups[-1][0] == rel and at - groups[-1][2] <= HOLE:
+                groups[-1][2] = max(groups[-1][2], at + n)
+                groups[-1][3].append(i)
+            else:
+                groups.append([rel, at, at + n, [i]])
+        out: list = [None] * len(ranges)
+        for group, data in zip(groups, self._pool.map(self._fetch, groups), strict=True):
+            for i in group[3]:
+                start = ranges[i][1] - group[1]
+                out[i] = data[start : start + ranges[i][2]]
+        with self._lock:
+            self.bytes_read += sum(g[2] - g[1] for g in groups)
+            self.requests += len(groups)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._files.clear()
+
+
+def _stacked(cells: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The cells as one [B, ...] tensor of ``dtype``: one copy, converting as it goes."""
+    out = torch.empty((len(cells), *cells[0].shape), dtype=dtype)
+    for row, cell in zip(out, cells, strict=True):
+        row.copy_(cell)
+    return out
+
+
+def _matrix(column: pa.ChunkedArray) -> np.ndarray:
+    """A list column whose lists share one length, as a [rows, length] array."""
+    flat = pc.list_flatten(column).to_numpy()
+    return flat.reshape(len(column), -1) if len(column) else flat.reshape(0, 0)
+
+
+def _codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
+    """A string column as (int codes, the distinct strings)."""
+    encoded = column.combine_chunks().dictionary_encode()
+    return encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
+
+
+class CachedDataset:
+    """The committed rows of one cache version, in index order; ``batch`` reads rows."""
+
+    def __init__(self, version: Version, manifest: dict, rows: pa.Table, captions: pa.Table):
+        self.manifest, self.store = manifest, DTYPES[manifest["dtype"]]
+        self.size = itemsize(manifest["dtype"])
+        self.reader = RangeReader(version.fs, version.root)
+        self.paths: list[str] = rows.column("path").to_pylist()
+        self.repeats: list[int] = rows.column("repeats").to_pylist()
+        self._width = rows.column("width").to_numpy()
+        self._height = rows.column("height").to_numpy()
+        self._original = _matrix(rows.column("original_size"))
+        self._crop = _matrix(rows.column("crop_top_left"))
+        self._file, self._files = _codes(rows.column("latent_file"))
+        self._at = rows.column("latent_at").to_numpy()
+        self._std_at = rows.column("latent_std_at").to_numpy()
+        self._has_std = bool(len(self._std_at)) and self._std_at[0] >= 0
+        self._shape = _matrix(rows.column("latent_shape"))
+        self._caption = rows.column("caption_row").to_numpy()
+        self.tensors: list[str] = manifest["text_tensors"]
+        self._text_file, self._text_files = _codes(captions.column("text_file"))
+        self._text = {
+            name: (captions.column(f"{name}_at").to_numpy(), _matrix(captions[f"{name}_shape"]))
+            for name in self.tensors
+        }
+        empty = pc.index(captions.column("caption_key"), caption_key("")).as_py()
+        self._empty = empty if empty >= 0 else None
+        self.bytes_used = 0
+
+    @property
+    def buckets(self) -> list[str]:
+        """The bucket of every indexed row, as "WxH"."""
+        return [
+            f"{w}x{h}" for w, h in zip(self._width.tolist(), self._height.tolist(), strict=True)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def _cells(self, wanted: list[tuple[str, int, tuple]]) -> list[torch.Tensor]:
+        """Each (file, offset, shape) cell as a tensor, checked against its length prefix."""
+        sizes = [int(np.prod(shape)) * self.size for _, _, shape in wanted]
+        ranges = [
+            (f, at - LENGTH_PREFIX, n + LENGTH_PREFIX)
+            for (f, at, _), n in zip(wanted, sizes, strict=True)
+        ]
+        out = []
+        for (rel, at, shape), n, data in zip(wanted, sizes, self.reader.read(ranges), strict=True):
+            if int.from_bytes(data[:LENGTH_PREFIX], "little") != n:
+                raise ValueError(f"{rel}: no {n}-byte cell at offset {at}: the file changed")
+            cell = torch.frombuffer(
+                data, dtype=self.store, offset=LENGTH_PREFIX, count=n // self.size
+            )
+            out.append(cell.view(tuple(shape)))
+        self.bytes_used += sum(sizes)
+        return out
+
+    def batch(self, indices: list[int], dtype=torch.float32, empty_caption=None) -> dict:
+        """The rows' tensors; ``empty_caption[j]``: row j takes the empty caption's embedding
+        (caption dropout) instead of its own."""
+        drops = empty_caption or [False] * len(indices)
+        if any(drops) and self._empty is None:
+            raise ValueError("the cache holds no empty-caption embedding for caption dropout")
+        own = [int(self._caption[i]) for i in indices]
+        captions = [self._empty if d else c for c, d in zip(own, drops, strict=True)]
+        distinct = sorted(set(captions))
+        latents = [(self._files[self._file[i]], self._at[i], self._shape[i]) for i in indices]
+        if self._has_std:
+            latents += [
+                (f, self._std_at[i], s) for i, (f, _, s) in zip(indices, latents, strict=True)
+            ]
+        text = [
+            (self._text_files[self._text_file[c]], self._text[name][0][c], self._text[name][1][c])
+            for name in self.tensors
+            for c in distinct
+        ]
+        cells = self._cells(latents + text)
+        n, m = len(indices), len(distinct)
+        out = {"latent": _stacked(cells[:n], dtype)}
+        if self._has_std:
+            out["latent_std"] = _stacked(cells[n : 2 * n], dtype)
+        text_cells = cells[len(latents) :]
+        row_of = {c: j for j, c in enumerate(distinct)}
+        for k, name in enumerate(self.tensors):
+            mine = text_cells[k * m : (k + 1) * m]
+            out[name] = _stacked([mine[row_of[c]] for c in captions], dtype)
+        out["original_size"] = torch.from_numpy(self._original[indices].astype(np.int64))
+        out["crop_top_left"] = torch.from_numpy(self._crop[indices].astype(np.int64))
+        sizes = np.stack([self._height[indices], self._width[indices]], axis=1)
+        out["target_size"] = torch.from_numpy(sizes.astype(np.int64))
+        return out
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_dataset(cache_uri: str, fp: str, manifest: dict | None = None) -> CachedDataset:
+    """The committed version ``fp`` of the cache; ``manifest``: the one a job started with
+    (a later commit does not change what a running job reads), else the current one."""
+    version = Version(cache_uri, fp)
+    manifest = manifest or version.manifest()
+    if manifest is None:
+        raise FileNotFoundError(
+            f"no committed cache at {version.root}: run `raytuner preprocess` first"
+        )
+    rows = version.read(manifest["index"]["path"], ROW_COLUMNS)
+    if rows.num_rows == 0:
+        raise ValueError(
+            f"the cache at {version.root} holds no usable image: every input was "
+            f"skipped (see {version.path('report.json')})"
+        )
+    text = ["caption_key", "text_file"]
+    text += [f"{n}{s}" for n in manifest["text_tensors"] for s in ("_at", "_shape")]
+    return CachedDataset(version, manifest, rows, version.read(manifest["captions"]["path"], text))

@@ -1,0 +1,196 @@
+"""A whole job on object storage: images, cache and runs on ``s3://`` against a real S3 API on
+127.0.0.1 (moto's standalone server, started and stopped here). Preprocess and train with 2
+workers in one `raytuner run`, a worker SIGKILLed and the run resumed from its S3 checkpoint,
+the final export, `raytuner sample` and `raytuner cache verify`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pyarrow.fs as pafs
+import pytest
+
+from raytuner import storage
+from raytuner.demo_data import make_demo_images
+from raytuner.train import samples
+
+BUCKET = "raytuner-test"
+STEPS = 16
+JOB = f"""
+[model]
+family = "sdxl"
+pretrained = "tiny"
+
+[data]
+images = "s3://{BUCKET}/images"
+cache = "s3://{BUCKET}/cache"
+
+[preprocess]
+resolution = 64
+bucket_step = 16
+batch_size = 4
+
+[train]
+output = "s3://{BUCKET}/runs"
+name = "on-s3"
+max_steps = {STEPS}
+global_batch_size = 4
+remainder = "pad"
+log_every = 4
+sample_log = true
+tensorboard = false
+
+[scaling]
+workers = 2
+cpus_per_worker = 0.5
+
+[checkpoint]
+every_steps = 4
+max_failures = 1
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on 127.0.0.1 with one bucket; yields the environment a client needs
+    (endpoint and credentials, as a user would export them). The server is stopped after."""
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")  # noqa: SIM115
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"moto did not start on {endpoint}") from None
+                time.sleep(0.2)
+        os.environ.update(env)  # this process's pyarrow reads the bucket too
+        request = urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT")
+        urllib.request.urlopen(request, timeout=10)
+        yield env
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+def _cli(tmp: Path, env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["raytuner", *args],
+        cwd=tmp,
+        env=os.environ | env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _registered_step(run_dir: str) -> int:
+    """The step of the latest checkpoint Ray Train registered on S3 (its snapshot file)."""
+    fs, path = storage.resolve(storage.join(run_dir, "checkpoint_manager_snapshot.json"))
+    try:
+        latest = storage.read_json(fs, path)["latest_checkpoint_result"] or {}
+    except (OSError, ValueError, KeyError):
+        return 0
+    return latest.get("metrics", {}).get("step", 0)
+
+
+def _kill_a_worker(proc: subprocess.Popen, run_dir: str, killed: list) -> None:
+    """SIGKILL one Ray Train worker of ``proc`` once Ray has a checkpoint of step 4 on S3."""
+    deadline = time.monotonic() + 500
+    while proc.poll() is None and time.monotonic() < deadline:
+        if _registered_step(run_dir) >= 4:
+            workers = [
+                p
+                for p in psutil.Process(proc.pid).children(recursive=True)
+                if "RayTrainWorker" in " ".join(p.cmdline())
+            ]
+            if workers:
+                workers[-1].send_signal(signal.SIGKILL)
+                killed.append(workers[-1].pid)
+                return
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_whole_job_on_s3_survives_a_killed_worker(s3, tmp_path):
+    images = make_demo_images(tmp_path / "images", per_aspect=3)
+    fs, _ = storage.resolve(f"s3://{BUCKET}/images")
+    pafs.copy_files(str(images), f"{BUCKET}/images", destination_filesystem=fs)
+    (tmp_path / "job.toml").write_text(JOB)
+    run_dir = f"s3://{BUCKET}/runs/on-s3"
+
+    proc = subprocess.Popen(
+        ["raytuner", "run", "job.toml"],
+        cwd=tmp_path,
+        env=os.environ | s3,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    killed: list = []
+    killer = threading.Thread(target=_kill_a_worker, args=(proc, run_dir, killed))
+    killer.start()
+    out, err = proc.communicate(timeout=900)
+    killer.join()
+    assert proc.returncode == 0, err[-4000:]
+    assert killed, "the run ended before a worker could be killed"
+    assert f"trained {STEPS} steps" in out, out
+    assert f"LoRA: {run_dir}/lora/pytorch_lora_weights.safetensors" in out
+
+    attempts = samples.read_attempts(run_dir)
+    assert len(attempts) == 2  # the first start, and the restart after the kill
+    trained = samples.trained(run_dir)
+    assert sorted(trained) == list(range(1, STEPS + 1))
+    assert all(len(ids) == 4 for ids in trained.values())
+    assert not (tmp_path / "runs").exists()  # nothing went to local disk instead
+
+    sampled = _cli(tmp_path, s3, "sample", "job.toml", "--prompt", "a red circle", "--steps", "2",
+                   "--out", "samples")  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert (tmp_path / "samples" / "00-a-red-circle-seed0.png").is_file()
+
+    verified = _cli(tmp_path, s3, "cache", "verify", "job.toml")
+    assert verified.returncode == 0, verified.stdout + verified.stderr[-3000:]
+    assert verified.stdout.rstrip().endswith(": ok") and "bad " not in verified.stdout
