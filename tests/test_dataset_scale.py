@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from raytuner.config import load_job
@@ -75,6 +76,8 @@ def trained_on(root: Path, rows: int, shapes: dict) -> tuple[int, int]:
     return summary["metrics"]["peak_rss_bytes"], sum(f["bytes"] for f in files)
 
 
+@pytest.mark.slow  # two training runs: ~70 s
+@pytest.mark.timeout(600)
 def test_a_workers_memory_does_not_grow_with_the_cache(ray_local, tmp_path):
     shapes = tiny_shapes(512, 512)
     small_rss, small_bytes = trained_on(tmp_path / "small", 160, shapes)
