@@ -172,7 +172,9 @@ class CachedDataset:
                 data, dtype=self.store, offset=LENGTH_PREFIX, count=n // self.size
             )
             out.append(cell.view(tuple(shape)))
-        self.bytes_used += sum(sizes)
+        # a row twice in one batch (a padded bucket) is read once: counted once
+        distinct = {(f, at): n for (f, at, _), n in zip(wanted, sizes, strict=True)}
+        self.bytes_used += sum(distinct.values())
         return out
 
     def batch(self, indices: list[int], dtype=torch.float32, empty_caption=None) -> dict:
@@ -212,6 +214,13 @@ class CachedDataset:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def for_readers(manifest: dict) -> dict:
+    """The part of a manifest a reader needs (not the file lists and the report, which grow
+    with the dataset): what a job hands its workers."""
+    needed = ("format_version", "fingerprint", "dtype", "index", "captions", "text_tensors")
+    return {k: manifest[k] for k in needed} | {"dataset": manifest["dataset"]}
 
 
 def open_dataset(cache_uri: str, fp: str, manifest: dict | None = None) -> CachedDataset:

@@ -4,7 +4,8 @@ It writes a synthetic committed cache in the real format with the tensor shapes 
 family at the job's resolution (``Family.cache_shapes``; N rows with N distinct captions over
 three buckets), then runs W Ray Train workers through the feed training uses (``open_feed``:
 this rank's slice of every global batch, read from the cache and stacked, ``train.prefetch``
-ahead) for S steps, and does the same on 1% of the rows: the baseline of a worker's memory.
+ahead) for S steps, first on 1% of the rows and then on all: the worker's peak memory after the
+first is the baseline of the second.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from raytuner.bench import print_figures
 from raytuner.config import JobConfig
 from raytuner.data import cache, synthetic
 from raytuner.data.preprocess import bucket_sizes
+from raytuner.data.reader import for_readers
 from raytuner.families import get_family
 from raytuner.train.feed import open_feed
 from raytuner.train.memory import PeakMemory
@@ -57,17 +59,11 @@ def write_synthetic(job: JobConfig, rows: int, root: str) -> dict:
     )
 
 
-def _feed_loop(config: dict) -> None:
-    """One worker: ``steps`` batches of its slice, moved to its device; the figures of every
-    rank gathered on rank 0 and reported."""
-    memory = PeakMemory(interval_s=0.01).start()
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
-    train = config["train"]
-    feed = open_feed(
-        train, config["cache"], config["fp"], config["manifest"], rank, world, device.type == "cuda"
-    )
+def _phase(config: dict, cache_root: str, manifest: dict, rank: int, world: int, device):
+    """``steps`` batches of this rank's slice from one cache, moved to ``device``: rows/s,
+    bytes read and used, requests."""
+    pin = device.type == "cuda"
+    feed = open_feed(config["train"], cache_root, config["fp"], manifest, rank, world, pin)
     feed.start(0, 0)
     reader, rows = feed.data.reader, 0
     try:
@@ -83,9 +79,23 @@ def _feed_loop(config: dict) -> None:
     finally:
         feed.close()
         feed.data.close()
-    read, used, requests = (a - b for a, b in zip(after, before, strict=True))
-    mine = {"rows_per_s": rows / seconds, "bytes_read": int(read), "bytes_used": int(used)}
-    mine |= {"requests": requests} | memory.stop()
+    read, used, requests = (int(a - b) for a, b in zip(after, before, strict=True))
+    return {"rows_per_s": rows / seconds, "bytes_read": read, "bytes_used": used} | {
+        "requests": requests
+    }
+
+
+def _feed_loop(config: dict) -> None:
+    """One worker: the baseline cache, then the full one, each followed by this worker's peak
+    memory so far; the figures of every rank gathered on rank 0 and reported."""
+    memory = PeakMemory(interval_s=0.01).start()
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    mine = []
+    for cache_root, manifest in config["phases"]:
+        mine.append(_phase(config, cache_root, manifest, rank, world, device) | memory.peaks())
+    memory.stop()
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     checkpoint = None
@@ -94,15 +104,13 @@ def _feed_loop(config: dict) -> None:
     ray.train.report({"ranks": everyone}, checkpoint=checkpoint)
 
 
-def _run(job: JobConfig, root: str, manifest: dict, workers: int, steps: int) -> list[dict]:
-    """Each rank's figures from one run of the feed workers."""
+def _run(job: JobConfig, phases: list, workers: int, steps: int) -> list[list[dict]]:
+    """Per phase (cache root, manifest), each rank's figures, from one run of the workers."""
     gpus = ray.cluster_resources().get("GPU", 0) >= workers and job.scaling.use_gpu
-    train = dataclasses.replace(job.train, remainder="pad")  # a 1% cache may not fill batches
     config = {
-        "train": train,
-        "cache": root,
+        "train": dataclasses.replace(job.train, remainder="pad"),  # 1 % may not fill batches
         "fp": cache.fingerprint(job.model, job.preprocess),
-        "manifest": manifest,
+        "phases": [(root, for_readers(manifest)) for root, manifest in phases],
         "steps": steps,
     }
     with tempfile.TemporaryDirectory(prefix="raytuner-bench-feed-") as output:
@@ -116,7 +124,8 @@ def _run(job: JobConfig, root: str, manifest: dict, workers: int, steps: int) ->
                 logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             ),
         )
-        return trainer.fit().metrics["ranks"]
+        ranks = trainer.fit().metrics["ranks"]
+    return [[r[i] for r in ranks] for i in range(len(phases))]
 
 
 def _load() -> str:
@@ -136,8 +145,7 @@ def bench_feed(job: JobConfig, rows: int, workers: int, steps: int, as_json: boo
         written = time.perf_counter() - tick
         base = write_synthetic(job, max(1, rows // 100), base_root)
         load_before = _load()
-        baseline = _run(job, base_root, base, workers, steps)
-        measured = _run(job, full_root, full, workers, steps)
+        baseline, measured = _run(job, [(base_root, base), (full_root, full)], workers, steps)
         load_after = _load()
     files = full["latents"] + full["text"] + [full["index"], full["captions"]]
     used = sum(r["bytes_used"] for r in measured)

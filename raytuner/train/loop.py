@@ -45,7 +45,7 @@ class LoopConfig:
     checkpoint: CheckpointConfig
     cache: str
     fingerprint: str
-    manifest: dict  # the committed manifest the job started with (without its report)
+    manifest: dict  # the committed manifest the job started with (``reader.for_readers``)
     dataset: dict  # what a checkpoint records of it (``trainer.dataset_record``)
     run_dir: str  # <train.output>/<run name>
     job: dict  # the whole resolved job, written into every checkpoint as a record only

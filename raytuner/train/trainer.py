@@ -15,6 +15,7 @@ from raytuner import storage, validate
 from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.index import describe_change
+from raytuner.data.reader import for_readers
 from raytuner.families import get_family
 from raytuner.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.train.loop import LoopConfig, train_loop
@@ -165,7 +166,7 @@ def train(job: JobConfig) -> dict:
         cache=storage.absolute(job.data.cache),
         fingerprint=fp,
         # the manifest read now: a commit while the job runs does not change what it reads
-        manifest={k: v for k, v in manifest.items() if k != "report"},
+        manifest=for_readers(manifest),
         dataset=dataset,
         run_dir=run_dir,
         job=job.to_dict(),
