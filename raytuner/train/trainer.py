@@ -95,6 +95,21 @@ def check_resumable(job: JobConfig, run_dir: str, fp: str, dataset: dict) -> Non
         return
 
 
+def finished_checkpoint(run_dir: str, max_steps: int) -> ray.train.Checkpoint | None:
+    """The run's newest complete checkpoint when it has reached ``max_steps`` (with its
+    export): a finished run submitted again exports from it without starting any worker."""
+    fs, folders = checkpoint_folders(run_dir)
+    for folder in folders:
+        try:
+            step = storage.read_json(fs, storage.join(folder, STATE))["step"]
+        except (OSError, ValueError, KeyError):
+            continue  # incomplete or unreadable: the workers would skip it too
+        if step >= max_steps and storage.exists(fs, storage.join(folder, EXPORT)):
+            return ray.train.Checkpoint(folder, filesystem=fs)
+        return None
+    return None
+
+
 def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
     s = job.scaling
     resources = {"CPU": s.cpus_per_worker} | ({"GPU": s.gpus_per_worker} if s.use_gpu else {})
@@ -157,6 +172,9 @@ def train(job: JobConfig) -> dict:
     run_dir = storage.join(storage.absolute(job.train.output), name)
     dataset = dataset_record(job.data.cache, fp, manifest)
     check_resumable(job, run_dir, fp, dataset)
+    if (done := finished_checkpoint(run_dir, t.max_steps)) is not None:
+        log.info("run %s trained its %d steps before: exporting again", name, t.max_steps)
+        return export_final(done, job.train.output, name) | {"metrics": {}}
     loop = LoopConfig(
         model=job.model,
         train=job.train,
@@ -172,9 +190,17 @@ def train(job: JobConfig) -> dict:
         job=job.to_dict(),
         validation_every=job.validation.every_steps,
     )
+    result = _fit(job, name, loop)
+    if result.checkpoint is None:
+        raise RuntimeError(f"training run {name} ended without a checkpoint")
+    return export_final(result.checkpoint, job.train.output, name) | {"metrics": result.metrics}
+
+
+def _fit(job: JobConfig, name: str, loop: LoopConfig) -> ray.train.Result:
+    """Ray Train's run of the loop, with the validation actor beside it."""
     # the run's state (workers, attempts, checkpoints) on the dashboard's Train page
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
-    validator, callbacks = validate.start(job, run_dir)
+    validator, callbacks = validate.start(job, loop.run_dir)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config=vars(loop),
@@ -195,6 +221,4 @@ def train(job: JobConfig) -> dict:
         completed = True
     finally:
         validate.finish(validator, completed)
-    if result.checkpoint is None:
-        raise RuntimeError(f"training run {name} ended without a checkpoint")
-    return export_final(result.checkpoint, job.train.output, name) | {"metrics": result.metrics}
+    return result
