@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SKEWED_JOB
 
 from raytuner.config import load_job
 from raytuner.data import cache, synthetic
@@ -14,33 +15,19 @@ from raytuner.data.index import describe_change
 from raytuner.families import FAMILIES
 from raytuner.train.trainer import train
 
-JOB = """
-[model]
-family = "sdxl"
-pretrained = "tiny"
-
-[data]
-images = "{root}/images"
-cache = "{root}/cache"
-
-[preprocess]
-resolution = 512
-dtype = "float32"
-
-[train]
-output = "{root}/runs"
-max_steps = 3
-global_batch_size = 2
-log_every = 3
-tensorboard = false
-
-[scaling]
-workers = 1
-cpus_per_worker = 1.0
-
-[checkpoint]
-every_steps = 3
-"""
+# the session's skewed job, as one worker training 3 steps on 64x64 float32 latents
+OVERRIDES = [
+    "preprocess.resolution=512",
+    'preprocess.dtype="float32"',
+    "train.max_steps=3",
+    "train.global_batch_size=2",
+    "train.log_every=3",
+    "train.sample_log=false",
+    "train.tensorboard=false",
+    "scaling.workers=1",
+    "scaling.cpus_per_worker=1.0",
+    "checkpoint.every_steps=3",
+]
 
 
 def tiny_shapes(width: int, height: int) -> dict[str, tuple[int, ...]]:
@@ -58,8 +45,8 @@ def trained_on(root: Path, rows: int, shapes: dict) -> tuple[int, int]:
     """Train the job on a synthetic cache of ``rows`` 64x64 float32 latents (64 KiB each):
     (the worker's peak RSS, the cache's bytes)."""
     (root / "images").mkdir(parents=True)
-    (root / "job.toml").write_text(JOB.format(root=root))
-    job = load_job(root / "job.toml")
+    (root / "job.toml").write_text(SKEWED_JOB.format(root=root))
+    job = load_job(root / "job.toml", OVERRIDES)
     version = cache.Version(job.data.cache, cache.fingerprint(job.model, job.preprocess))
     manifest = synthetic.write_cache(
         version,

@@ -4,8 +4,8 @@ The cursor (epoch, next global batch) is ours, not a data iterator's: Ray 2.60's
 restart at the epoch start after a failure, so resuming mid-epoch exactly needs our own. The
 thread walks the same deterministic schedule from the cursor, reads this rank's rows of each
 global batch from the cache (only those: ``CachedDataset.batch``) and stacks them into tensors
-(pinned when training on a GPU), at most ``prefetch`` batches ahead, so the step only waits
-when the reads are slower than the step itself; that wait is measured.
+(pinned when training on a GPU), at most ``prefetch`` batches ahead and as many at once, so the
+step only waits when the reads are slower than the step itself; that wait is measured.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,8 @@ class Feed:
         buckets = data.buckets
         self.buckets = [buckets[i] for i in self.rows]
         self.paths = [data.paths[i] for i in self.rows]
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)  # futures of batches
+        self._assemblers = ThreadPoolExecutor(prefetch, thread_name_prefix="raytuner-assemble")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.wait_s = 0.0  # time ``next`` spent waiting for the thread, since the last reset
@@ -83,21 +85,27 @@ class Feed:
             tensors = {k: v.pin_memory() for k, v in tensors.items()}
         return Batch(epoch, index, len(batches), tensors, seeds, [self.paths[j] for j in mine])
 
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
     def _produce(self, epoch: int, index: int) -> None:
+        """Hands out the batches in schedule order, assembled up to ``prefetch`` at once (their
+        reads overlap: more requests in flight, on a disk or an object store)."""
         try:
             while not self._stop.is_set():
                 batches = self.epoch(epoch)
                 for i in range(index, len(batches)):
-                    item = self.assemble(epoch, i, batches)
-                    while not self._stop.is_set():
-                        try:
-                            self._queue.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                    if self._stop.is_set():
+                        return
+                    self._put(self._assemblers.submit(self.assemble, epoch, i, batches))
                 epoch, index = epoch + 1, 0
         except BaseException as e:  # handed to the training thread, which raises it
-            self._queue.put(e)
+            self._put(e)
 
     def start(self, epoch: int, index: int) -> Feed:
         self._thread = threading.Thread(
@@ -110,15 +118,20 @@ class Feed:
         """The batch at cursor (epoch, index); the caller moves its cursor past it."""
         tick = time.perf_counter()
         item = self._queue.get()
-        self.wait_s += time.perf_counter() - tick
-        if isinstance(item, BaseException):
-            raise RuntimeError(f"reading the batch at epoch {epoch}, batch {index}") from item
-        if (item.epoch, item.index) != (epoch, index):
+        try:
+            if isinstance(item, BaseException):
+                raise item
+            batch = item.result()
+        except BaseException as e:
+            raise RuntimeError(f"reading the batch at epoch {epoch}, batch {index}") from e
+        finally:
+            self.wait_s += time.perf_counter() - tick
+        if (batch.epoch, batch.index) != (epoch, index):
             raise RuntimeError(
-                f"feed out of step: batch ({item.epoch}, {item.index}) for cursor "
+                f"feed out of step: batch ({batch.epoch}, {batch.index}) for cursor "
                 f"({epoch}, {index})"
             )
-        return item
+        return batch
 
     def take_wait(self) -> float:
         """Seconds ``next`` waited since the last call."""
@@ -129,6 +142,7 @@ class Feed:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._assemblers.shutdown(wait=True, cancel_futures=True)
 
 
 def open_feed(
