@@ -39,8 +39,8 @@ def _bare(job: JobConfig, data: DataConfig) -> tuple[int, float]:
     """Probe, decode and encode every image in this process, with the pipeline's own encoder
     classes called directly (no Ray): (images encoded, seconds)."""
     m, pre = job.model, job.preprocess
-    encode_images = LatentEncoder(m.family, m.pretrained, m.revision, pre.dtype, pre.store_std)
-    encode_text = CaptionEncoder(m.family, m.pretrained, m.revision, pre.dtype)
+    encode_images = LatentEncoder(m, pre.dtype, pre.store_std)
+    encode_text = CaptionEncoder(m, pre.dtype)
     sources = data.all_sources()
     listing = [{**r, "known_key": ""} for i, s in enumerate(sources) for r in list_source(i, s)]
     spec = decode_spec(job.model, data, pre)

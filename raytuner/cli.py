@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("preprocess", "run"):
             cmd.add_argument("--report", help="also write the preprocess report (JSON) here")
     _sample_args(sub.add_parser("sample", help="render prompts with the trained weights"))
+    plan = sub.add_parser(
+        "plan", help="the GPU memory of a training worker, encoder and validation actor"
+    )
+    _job_args(plan)
+    plan.add_argument("--gpu-memory", default="80GiB", help="the GPU to fit (default: 80GiB)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
     for group, actions in [
         (
             "cache",
@@ -84,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
                 "train": "samples/s of one training worker against a bare loop",
                 "feed": "rows/s, read amplification and memory of the training feed at full "
                 "size, on a synthetic cache",
+                "step": "samples/s and peak memory of the bare training step on this machine's "
+                "GPU (or CPU), against raytuner plan",
             },
         ),
     ]:
@@ -107,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                 cmd.add_argument("--images", type=int, default=192, help="synthetic image count")
             if action == "train":
                 cmd.add_argument("--steps", type=int, default=100, help="measured steps")
+            if action == "step":
+                cmd.add_argument("--steps", type=int, default=10, help="measured steps")
             if action == "feed":
                 _feed_args(cmd)
     return p
@@ -196,6 +206,17 @@ def do_sample(job: JobConfig, args: argparse.Namespace) -> None:
         print(f"wrote {path}")
 
 
+def do_plan(job: JobConfig, args: argparse.Namespace) -> int:
+    from raytuner.plan import parse_size, plan, print_plan
+
+    result = plan(job, parse_size(args.gpu_memory))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_plan(result)
+    return 0
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from raytuner.demo import run_demo
@@ -215,6 +236,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return do_cache(job, args)
     if args.command == "sample":
         do_sample(job, args)
+    if args.command == "plan":
+        return do_plan(job, args)
     if args.command == "bench" and args.action == "preprocess":
         from raytuner.bench import bench_preprocess
 
@@ -227,6 +250,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from raytuner.train.feed_bench import bench_feed
 
         bench_feed(job, args.rows, args.workers, args.steps, args.json, args.workdir)
+    if args.command == "bench" and args.action == "step":
+        from raytuner.train.step_bench import bench_step
+
+        bench_step(job, args.steps, args.json)
     if args.command in ("preprocess", "run"):
         do_preprocess(job, args.report)
     if args.command in ("train", "run"):

@@ -34,12 +34,20 @@ class ModelConfig:
     """Which model to fine-tune."""
 
     family: str  # a key of raytuner.families.FAMILIES (checked where the family is looked up)
-    pretrained: str = "tiny"
+    pretrained: str = "tiny"  # "tiny", "random" (full size, random weights), a folder, a hub id
     revision: str = ""
+    # frozen weights (the denoiser in LoRA mode, VAE, text encoders, validation and sample
+    # pipelines); "auto": bfloat16 on GPUs, float32 on CPUs
+    dtype: str = "auto"
+    trainable_dtype: str = "float32"  # LoRA weights, or the denoiser in full mode
 
     def __post_init__(self) -> None:
         if not self.pretrained:
-            raise ConfigError('model.pretrained is empty: use "tiny", a local folder or a hub id')
+            raise ConfigError(
+                'model.pretrained is empty: use "tiny", "random", a local folder or a hub id'
+            )
+        _one_of("model.dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
+        _one_of("model.trainable_dtype", self.trainable_dtype, ("float32", "bfloat16"))
 
 
 @dataclass(frozen=True, kw_only=True)

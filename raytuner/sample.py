@@ -80,17 +80,18 @@ def latest_checkpoint(run_dir: str) -> tuple[pafs.FileSystem, str]:
     raise FileNotFoundError(f"no complete checkpoint under {run_dir}: train the job first")
 
 
-def load_pipeline(family, pretrained: str, revision: str, weights: Weights | None, device: str):
-    """The family's pipeline on ``device`` (bf16 on CUDA) with ``weights`` applied."""
-    pipe = family.pipeline(pretrained, revision)
+def load_pipeline(family, source, weights: Weights | None, device: str):
+    """The family's pipeline on ``device``, its weights in ``source.dtype`` (``model.dtype``:
+    bfloat16 on CUDA, float32 on a CPU by default), with ``weights`` applied."""
+    pipe = family.pipeline(source)
     pipe.set_progress_bar_config(disable=True)
-    apply_weights(pipe, family, weights, device)
+    apply_weights(pipe, family, weights, device, source.dtype)
     return pipe
 
 
-def apply_weights(pipe, family, weights: Weights | None, device: str) -> None:
+def apply_weights(pipe, family, weights: Weights | None, device: str, dtype=None) -> None:
     """Put ``weights`` into ``pipe`` in place of any applied before (a LoRA is unloaded first;
-    a fine-tuned denoiser replaces the current one)."""
+    a fine-tuned denoiser replaces the current one, loaded in ``dtype``)."""
     if weights is not None and weights.kind == "lora":
         pipe.unload_lora_weights()
         path = Path(weights.path)  # a .safetensors file
@@ -98,9 +99,10 @@ def apply_weights(pipe, family, weights: Weights | None, device: str) -> None:
     elif weights is not None:
         part = family.denoiser_part
         cls = type(getattr(pipe, part))
-        pipe.register_modules(**{part: cls.from_pretrained(os.path.join(weights.path, part))})
-    if device.startswith("cuda"):
-        pipe.to(device, torch.bfloat16)  # a CPU pipeline stays as loaded: float32
+        dtype = dtype or getattr(pipe, part).dtype
+        denoiser = cls.from_pretrained(os.path.join(weights.path, part), torch_dtype=dtype)
+        pipe.register_modules(**{part: denoiser})
+    pipe.to(device)
 
 
 def render(
@@ -169,7 +171,7 @@ def write_samples(rows, prompts: list[str], seeds: list[int], out: Path, record:
 
 def sample(job, checkpoint: str, prompts, seeds, steps, size, out: str) -> list:
     """`raytuner sample`: render ``prompts`` x ``seeds`` with the job's trained weights."""
-    from raytuner.families import get_family
+    from raytuner.families import get_family, parts
 
     family = get_family(job.model.family)
     run_dir = storage.join(storage.absolute(job.train.output), job.train.name)
@@ -180,7 +182,9 @@ def sample(job, checkpoint: str, prompts, seeds, steps, size, out: str) -> list:
     device = default_device()
     with tempfile.TemporaryDirectory() as scratch:
         weights = None if checkpoint == BASE else find_weights(local_copy(fs, source, scratch))
-        pipe = load_pipeline(family, job.model.pretrained, job.model.revision, weights, device)
+        m = job.model
+        model = parts.source(m.pretrained, m.revision, m.dtype, device)
+        pipe = load_pipeline(family, model, weights, device)
         options = family.pipeline_options(pipe)
         rows = render(pipe, options, prompts, seeds, steps, size)
     record = {"checkpoint": BASE if checkpoint == BASE else source, "steps": steps}

@@ -42,6 +42,7 @@ class RenderSpec:
     family: str
     pretrained: str
     revision: str
+    dtype: str  # model.dtype
     prompts: list[str]
     seeds: list[int]
     steps: int
@@ -92,12 +93,13 @@ class Validator:
                 self.jobs.task_done()
 
     def _render(self, step: int, path: str, local: str) -> dict:
-        from raytuner.families import get_family
+        from raytuner.families import get_family, parts
 
         started, started_at, s = time.perf_counter(), time.time(), self.spec
         family, device = get_family(s.family), sample.default_device()
         if self.pipe is None:
-            self.pipe = sample.load_pipeline(family, s.pretrained, s.revision, None, device)
+            source = parts.source(s.pretrained, s.revision, s.dtype, device)
+            self.pipe = sample.load_pipeline(family, source, None, device)
             self.writer = summary_writer(s.run_dir, ".validation") if s.tensorboard else None
         try:
             sample.apply_weights(self.pipe, family, sample.find_weights(local), device)
@@ -158,6 +160,7 @@ def start(job, run_dir: str):
         family=job.model.family,
         pretrained=job.model.pretrained,
         revision=job.model.revision,
+        dtype=job.model.dtype,
         prompts=list(v.prompts),
         seeds=list(v.seeds),
         steps=v.steps,

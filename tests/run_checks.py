@@ -11,6 +11,9 @@ import numpy as np
 import torch
 
 from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
+
+TINY = Source("tiny")
 
 
 def _latest(run_dir: str) -> dict:
@@ -53,7 +56,7 @@ def pipeline_image(pipe) -> np.ndarray:
 def lora_changes_the_pipeline(lora_dir: str, family: str = "sdxl") -> bool:
     """Load ``lora_dir`` into the family's tiny pipeline: finite images that differ from the
     base model's."""
-    pipe = FAMILIES[family].pipeline("tiny", "")
+    pipe = FAMILIES[family].pipeline(TINY)
     before = pipeline_image(pipe)
     pipe.load_lora_weights(lora_dir)
     after = pipeline_image(pipe)

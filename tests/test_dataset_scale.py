@@ -13,7 +13,10 @@ from raytuner.config import load_job
 from raytuner.data import cache, synthetic
 from raytuner.data.index import describe_change
 from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
 from raytuner.train.trainer import train
+
+TINY = Source("tiny")
 
 # the session's skewed job, as one worker training 3 steps on 64x64 float32 latents
 OVERRIDES = [
@@ -33,9 +36,9 @@ OVERRIDES = [
 def tiny_shapes(width: int, height: int) -> dict[str, tuple[int, ...]]:
     """What the tiny SDXL's encoders store for an image of this bucket."""
     family = FAMILIES["sdxl"]
-    latent = family.image_encoder("tiny", "", "cpu")(torch.zeros(1, 3, 64, 64))[0]
+    latent = family.image_encoder(TINY, "cpu")(torch.zeros(1, 3, 64, 64))[0]
     factor = 64 // latent.shape[-1]
-    text = family.text_encoder("tiny", "", "cpu")([""])
+    text = family.text_encoder(TINY, "cpu")([""])
     return {"latent": (latent.shape[1], height // factor, width // factor)} | {
         name: tuple(t.shape[1:]) for name, t in text.items()
     }

@@ -11,6 +11,10 @@ import numpy as np
 import pytest
 from run_checks import pipeline_image
 
+from raytuner.families.parts import Source
+
+TINY = Source("tiny")
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -37,7 +41,7 @@ def test_demo_trains_a_lora_that_diffusers_loads(tmp_path, capsys):
     assert (tmp_path / "demo" / "preprocess-report.json").is_file()
 
     def image(lora_file: str | None = None):
-        pipe = FAMILIES["sdxl"].pipeline("tiny", "")
+        pipe = FAMILIES["sdxl"].pipeline(TINY)
         if lora_file:
             pipe.load_lora_weights(str(lora_dir), weight_name=lora_file)
         return pipeline_image(pipe)

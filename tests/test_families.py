@@ -21,7 +21,10 @@ from raytuner.cli import main
 from raytuner.config import load_job
 from raytuner.data.preprocess import preprocess
 from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
 from raytuner.train.trainer import train
+
+TINY = Source("tiny")
 
 # diffusers converts kohya keys for these; its Sana loader ignores them (no error, no effect)
 KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl", "flux"}
@@ -61,7 +64,7 @@ def prepared(ray_local, tmp_path_factory):
     def prepare(name: str) -> Path:
         if name not in jobs:
             root = tmp_path_factory.mktemp(name)
-            FAMILIES[name].pipeline("tiny", "").save_pretrained(root / "model")
+            FAMILIES[name].pipeline(TINY).save_pretrained(root / "model")
             images = make_demo_images(root / "images", per_aspect=4)
             text = JOB.format(family=name, folder=root / "model", images=images, root=root)
             (root / "job.toml").write_text(text)
@@ -116,7 +119,7 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared, tmp_pat
     assert ups and all(v.abs().sum() > 0 for v in ups)  # B starts at zero: training moved it
 
     lora_dir = str(Path(summary["lora"]).parent)
-    pipe = family.pipeline(folder, "")
+    pipe = family.pipeline(Source(folder))
     before = pipeline_image(pipe)
     pipe.load_lora_weights(lora_dir)
     after = pipeline_image(pipe)
@@ -129,7 +132,7 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared, tmp_pat
         assert meta["raytuner.family"] == name and meta["raytuner.steps"] == "3", path
         assert meta["raytuner.base_model"] == folder and meta["raytuner.run"] == "job"
     if name in KOHYA_READ_BY_DIFFUSERS:  # the kohya file gives the same images
-        pipe = family.pipeline(folder, "")
+        pipe = family.pipeline(Source(folder))
         pipe.load_lora_weights(lora_dir, weight_name=Path(summary["kohya"]).name)
         np.testing.assert_allclose(pipeline_image(pipe), after, atol=1e-5)
     # a LoRA export as --checkpoint: once (the full fine-tunes below check a model folder)
@@ -150,7 +153,7 @@ def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request,
     summary = train(job)
     assert summary["step"] == 3 and np.isfinite(summary["loss"])
     exported = Path(summary["model"]) / family.denoiser_part
-    base = family.denoiser(job.model.pretrained, "")
+    base = family.denoiser(Source(job.model.pretrained))
     model = type(base).from_pretrained(exported)  # a diffusers model folder
     meta = json.loads((exported / "raytuner.json").read_text())
     assert meta["raytuner.family"] == name and meta["raytuner.steps"] == "3"
@@ -165,7 +168,7 @@ def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request,
         torch.testing.assert_close(exported_state[key], ema[key])
     assert any(not torch.equal(base.state_dict()[k], exported_state[k]) for k in moved)
 
-    pipe = family.pipeline(job.model.pretrained, "")
+    pipe = family.pipeline(Source(job.model.pretrained))
     setattr(pipe, family.denoiser_part, model.eval())
     image = pipeline_image(pipe)
     assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()

@@ -8,6 +8,9 @@ import torch
 
 from raytuner.config import ObjectiveConfig
 from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
+
+TINY = Source("tiny")
 
 SANA = FAMILIES["sana"]
 
@@ -15,16 +18,16 @@ SANA = FAMILIES["sana"]
 @pytest.fixture(scope="module")
 def saved_tiny(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("tiny-sana")
-    SANA.pipeline("tiny", "").save_pretrained(folder)
+    SANA.pipeline(TINY).save_pretrained(folder)
     return str(folder)
 
 
 @pytest.fixture(scope="module")
 def batch() -> dict[str, torch.Tensor]:
     pixels = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    latent, std = SANA.image_encoder("tiny", "", "cpu")(pixels)
+    latent, std = SANA.image_encoder(TINY, "cpu")(pixels)
     assert latent.shape == (2, 32, 2, 3) and not std.any()  # 32 channels, 32x down, no noise
-    return {"latent": latent, **SANA.text_encoder("tiny", "", "cpu")(["a red circle", ""])}
+    return {"latent": latent, **SANA.text_encoder(TINY, "cpu")(["a red circle", ""])}
 
 
 def _generators():
@@ -32,15 +35,15 @@ def _generators():
 
 
 def test_from_pretrained_folder_loads_the_same_model(saved_tiny, batch):
-    loaded, tiny = SANA.denoiser(saved_tiny, ""), SANA.denoiser("tiny", "")
+    loaded, tiny = SANA.denoiser(Source(saved_tiny)), SANA.denoiser(TINY)
     for (name, a), b in zip(loaded.state_dict().items(), tiny.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    text = SANA.text_encoder(saved_tiny, "", "cpu")(["a red circle", ""])
+    text = SANA.text_encoder(Source(saved_tiny), "cpu")(["a red circle", ""])
     torch.testing.assert_close(text, {k: batch[k] for k in text})
     pixels = torch.rand(1, 3, 64, 64) * 2 - 1
     torch.testing.assert_close(
-        SANA.image_encoder(saved_tiny, "", "cpu")(pixels),
-        SANA.image_encoder("tiny", "", "cpu")(pixels),
+        SANA.image_encoder(Source(saved_tiny), "cpu")(pixels),
+        SANA.image_encoder(TINY, "cpu")(pixels),
     )
 
 
@@ -48,7 +51,7 @@ def test_the_caption_mask_hides_padding_from_the_transformer(batch):
     mask = batch["prompt_attention_mask"]
     # "a red circle" keeps its 12 characters plus the boundary tokens; "" keeps only those
     assert mask.shape == (2, 32) and mask[0].sum() > mask[1].sum() > 0
-    model, loss = SANA.denoiser("tiny", ""), SANA.loss("tiny", "", ObjectiveConfig())
+    model, loss = SANA.denoiser(TINY), SANA.loss(TINY, ObjectiveConfig())
     base = loss(model, batch, _generators())
     assert base.shape == (2,) and torch.isfinite(base).all()
     padded = batch["prompt_embeds"].clone()

@@ -14,6 +14,9 @@ from PIL import Image
 from raytuner.config import SourceConfig
 from raytuner.data.sources import caption_key, list_source, probe_row, read_metadata
 from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
+
+TINY = Source("tiny")
 
 
 def folder(tmp_path, names=("a.png", "b.png", "sub/c.png")):
@@ -100,7 +103,7 @@ def test_empty_file_is_skipped_at_probe(tmp_path):
 
 
 def test_long_captions_are_counted_as_truncated():
-    encoder = FAMILIES["sdxl"].text_encoder("tiny", "", "cpu")
+    encoder = FAMILIES["sdxl"].text_encoder(TINY, "cpu")
     short, long = "a red circle", "a very long caption " * 10
     assert encoder.truncated([short, long]) == [False, True]
     assert len(caption_key(long)) == 64

@@ -9,17 +9,20 @@ import torch
 
 from raytuner.config import LoraConfig, ObjectiveConfig
 from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
 from raytuner.train.loop import _step
+
+TINY = Source("tiny")
 
 
 def _batch(family) -> dict[str, torch.Tensor]:
     """Two encoded samples, as the cache stores them: latents, caption tensors and the
     per-image size conditioning."""
     pixels = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    mean, _ = family.image_encoder("tiny", "", "cpu")(pixels)
+    mean, _ = family.image_encoder(TINY, "cpu")(pixels)
     sizes = torch.tensor([[64, 64], [64, 64]])
     conditioning = {"original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes}
-    text = family.text_encoder("tiny", "", "cpu")(["a red circle", "a blue square"])
+    text = family.text_encoder(TINY, "cpu")(["a red circle", "a blue square"])
     return {"latent": mean, **text, **conditioning}
 
 
@@ -28,7 +31,7 @@ def _gradients(family, batch, mode: str, checkpointing: bool):
     from raytuner.train.weights import Weights
 
     torch.manual_seed(0)  # the same LoRA init both times
-    denoiser = family.denoiser("tiny", "")
+    denoiser = family.denoiser(TINY)
     if checkpointing:
         denoiser.enable_gradient_checkpointing()
     weights = Weights(
@@ -37,7 +40,7 @@ def _gradients(family, batch, mode: str, checkpointing: bool):
     denoiser.train()
     assert denoiser.is_gradient_checkpointing == checkpointing
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
-    loss = family.loss("tiny", "", ObjectiveConfig())(denoiser, batch, generators)
+    loss = family.loss(TINY, ObjectiveConfig())(denoiser, batch, generators)
     loss.sum().backward()
     grads = {n: p.grad for n, p in zip(weights.names, weights.params, strict=True)}
     return loss.detach(), grads
@@ -75,8 +78,8 @@ def test_bf16_autocast_keeps_float32_weights_and_a_close_loss(name):
     losses = {}
     for precision in ("no", "bf16"):
         torch.manual_seed(0)
-        denoiser = family.denoiser("tiny", "").to(device).train()
-        loss_fn = family.loss("tiny", "", ObjectiveConfig())
+        denoiser = family.denoiser(TINY).to(device).train()
+        loss_fn = family.loss(TINY, ObjectiveConfig())
         losses[precision] = _step(denoiser, loss_fn, Slice, device, 0, 0.5, precision).item()
         assert all(p.dtype == torch.float32 for p in denoiser.parameters())
         assert all(p.grad is None or torch.isfinite(p.grad).all() for p in denoiser.parameters())

@@ -17,9 +17,12 @@ from PIL import Image
 
 from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
 from raytuner.train.state import EXPORT
 from raytuner.train.weights import Weights
 from raytuner.validate import RenderSpec, Validator
+
+TINY = Source("tiny")
 
 
 def _checkpoint(folder: Path) -> Path:
@@ -27,7 +30,7 @@ def _checkpoint(folder: Path) -> Path:
     family = FAMILIES["sd15"]
     torch.manual_seed(0)
     weights = Weights(
-        family.denoiser("tiny", ""),
+        family.denoiser(TINY),
         mode="lora",
         lora=LoraConfig(rank=4),
         targets=family.lora_targets,
@@ -46,6 +49,7 @@ def test_renders_a_grid_per_checkpoint_and_survives_a_failed_render(ray_local, t
         family="sd15",
         pretrained="tiny",
         revision="",
+        dtype="auto",
         prompts=["a red circle", "a blue square"],
         seeds=[0, 1, 2],
         steps=2,

@@ -25,7 +25,6 @@ each commit a complete manifest, and a run that died leaves complete files the n
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -77,7 +76,9 @@ TEXT_FIELDS = ("caption_key", "truncated")
 
 def fingerprint(model: ModelConfig, pre: PreprocessConfig) -> str:
     encoding = {k: getattr(pre, k) for k in ENCODING_KEYS}
-    payload = {"format": FORMAT_VERSION, "model": dataclasses.asdict(model), "encoding": encoding}
+    # what the encoders are (not model.trainable_dtype, which only training reads)
+    encoders = {k: getattr(model, k) for k in ("family", "pretrained", "revision", "dtype")}
+    payload = {"format": FORMAT_VERSION, "model": encoders, "encoding": encoding}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -8,7 +8,7 @@ import pyarrow as pa
 import torch
 
 from raytuner.data.tensors import to_cells
-from raytuner.families import get_family
+from raytuner.families import get_family, parts
 
 SHAPE = pa.list_(pa.int32())
 # Latent rows as written to Parquet: plain Arrow types, readable without Ray.
@@ -45,16 +45,10 @@ def _device() -> str:
 class LatentEncoder:
     """Adds ``latent`` / ``latent_shape`` to every ok row and drops the pixels."""
 
-    def __init__(
-        self,
-        family: str,
-        pretrained: str,
-        revision: str,
-        dtype: str,
-        store_std: bool,
-        progress=None,
-    ):
-        self.encode = get_family(family).image_encoder(pretrained, revision, _device())
+    def __init__(self, model, dtype: str, store_std: bool, progress=None):
+        """``model``: the job's ModelConfig; ``dtype``: the cache's storage dtype."""
+        source = parts.source(model.pretrained, model.revision, model.dtype, _device())
+        self.encode = get_family(model.family).image_encoder(source, _device())
         self.dtype, self.store_std, self.progress = dtype, store_std, progress
         self.schema = LATENT_SCHEMA | ({"latent_std": pa.binary()} if store_std else {})
 
@@ -86,8 +80,9 @@ class CaptionEncoder:
     """One cell + shape column per text tensor the family produces (e.g. prompt_embeds), and
     whether the tokenizer truncated the caption."""
 
-    def __init__(self, family: str, pretrained: str, revision: str, dtype: str, progress=None):
-        self.encode = get_family(family).text_encoder(pretrained, revision, _device())
+    def __init__(self, model, dtype: str, progress=None):
+        source = parts.source(model.pretrained, model.revision, model.dtype, _device())
+        self.encode = get_family(model.family).text_encoder(source, _device())
         self.dtype, self.progress = dtype, progress
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:

@@ -83,7 +83,7 @@ def _probe(listing: list[dict], data: DataConfig) -> list[dict]:
 
 
 def _encode_images(rows, spec: DecodeSpec, model, pre, out: str, fs, progress) -> None:
-    args = (model.family, model.pretrained, model.revision, pre.dtype, pre.store_std, progress)
+    args = (model, pre.dtype, pre.store_std, progress)
     items = [{"source": r["source_index"], "path": r["path"], "key": r["key"]} for r in rows]
     (
         ray.data.from_items(items)
@@ -102,7 +102,7 @@ def _encode_images(rows, spec: DecodeSpec, model, pre, out: str, fs, progress) -
 
 def _encode_captions(captions: dict[str, str], model, pre, out: str, fs, progress) -> None:
     rows = [{"caption_key": k, "caption": c} for k, c in sorted(captions.items())]
-    args = (model.family, model.pretrained, model.revision, pre.dtype, progress)
+    args = (model, pre.dtype, progress)
     (
         ray.data.from_items(rows)
         .map_batches(CaptionEncoder, fn_constructor_args=args, **_pool(pre))

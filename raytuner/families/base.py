@@ -7,13 +7,14 @@ and never asks which family it holds.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
+
+from raytuner.families.parts import Source
 
 # A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
 # per-image conditioning "original_size", "crop_top_left", "target_size" ([B,2], (h, w) order).
@@ -36,13 +37,17 @@ class Family(Protocol):
     lora_targets: tuple[str, ...]  # default peft target_modules on the denoiser
     denoiser_part: str  # "unet" / "transformer": its pipeline attribute, its name in LoRA keys
 
-    def image_encoder(self, pretrained: str, revision: str, device: str) -> ImageEncoder: ...
-    def text_encoder(self, pretrained: str, revision: str, device: str) -> TextEncoder: ...
-    def denoiser(self, pretrained: str, revision: str) -> nn.Module: ...
-    def loss(self, pretrained: str, revision: str, objective) -> Loss: ...  # ObjectiveConfig
+    # its parts: name (also the subfolder in a diffusers folder) -> "module.Class"
+    def part_classes(self) -> dict[str, str]: ...
+    # parts from a preset or a folder/hub repo, frozen weights in ``source.dtype`` on ``device``;
+    # weights=False: the architecture alone, random weights (``raytuner plan``: on "meta")
+    def image_encoder(self, source: Source, device: str, weights: bool = True) -> ImageEncoder: ...
+    def text_encoder(self, source: Source, device: str, weights: bool = True) -> TextEncoder: ...
+    def denoiser(self, source: Source, device: str = "cpu", weights: bool = True) -> nn.Module: ...
+    def loss(self, source: Source, objective) -> Loss: ...  # ObjectiveConfig
     # the diffusers layout; adapter_config: the peft LoraConfig as a dict (rank, alpha, targets)
     def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None: ...
-    def pipeline(self, pretrained: str, revision: str): ...  # a diffusers DiffusionPipeline
+    def pipeline(self, source: Source): ...  # a diffusers DiffusionPipeline, on the CPU
     # pipeline-call arguments that match how the cache was encoded (caption token count)
     def pipeline_options(self, pipe) -> dict: ...
     # shapes of the tensors the cache stores per image of a bucket, for the released full-size
@@ -50,9 +55,9 @@ class Family(Protocol):
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]: ...
 
 
-def tiny_pipeline(pipe):
-    """A pipeline built from tiny parts, in eval mode as ``from_pretrained`` leaves models
-    (a part built in code starts in train mode, with its dropout on)."""
+def preset_pipeline(pipe):
+    """A pipeline built from a preset's parts, every model in eval mode as ``from_pretrained``
+    leaves them."""
     for part in pipe.components.values():
         if isinstance(part, nn.Module):
             part.eval()
@@ -69,22 +74,6 @@ def save_lora(pipeline_cls, part: str, directory: str, lora_state: dict, adapter
     )
 
 
-def hub_kwargs(revision: str, subfolder: str | None = None) -> dict:
-    """``from_pretrained`` keyword arguments for a part of a diffusers folder or hub repo."""
-    kwargs = {"revision": revision} if revision else {}
-    if subfolder:
-        kwargs["subfolder"] = subfolder
-    return kwargs
-
-
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Build tiny random-weight parts identically in every process, leaving global RNG alone."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
 def tiny_clip_tokenizer(max_length: int = 77):
     """A byte-level CLIP tokenizer built in code: one token per byte, no merges, no download."""
     from tokenizers.pre_tokenizers import ByteLevel
@@ -96,25 +85,6 @@ def tiny_clip_tokenizer(max_length: int = 77):
     vocab["<|startoftext|>"] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
-
-
-def tiny_clip_config(tokenizer, *, hidden: int = 32, projection: int = 32):
-    from transformers import CLIPTextConfig
-
-    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    return CLIPTextConfig(
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|startoftext|>"),
-        eos_token_id=end,
-        pad_token_id=end,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=tokenizer.model_max_length,
-        projection_dim=projection,
-        hidden_act="gelu",
-    )
 
 
 class FrozenTextEncoders:
@@ -195,24 +165,6 @@ def sd_scheduler_config(prediction_type: str = "epsilon") -> dict:
     )
 
 
-def tiny_kl_vae(seed: int = 2, latent_channels: int = 4, **config):
-    """An AutoencoderKL with the 8x downsampling of the real ones, random weights; ``config``:
-    more AutoencoderKL settings (a family's scaling and shift factors)."""
-    from diffusers import AutoencoderKL
-
-    with seeded(seed):
-        return AutoencoderKL(
-            block_out_channels=(8, 16, 16, 16),
-            down_block_types=["DownEncoderBlock2D"] * 4,
-            up_block_types=["UpDecoderBlock2D"] * 4,
-            latent_channels=latent_channels,
-            layers_per_block=1,
-            norm_num_groups=8,
-            sample_size=64,
-            **config,
-        )
-
-
 def kl_image_encoder(vae, device: str) -> ImageEncoder:
     """Latent mean and std of an AutoencoderKL, in the denoiser's scale (scaling_factor)."""
     vae = vae.to(device).eval().requires_grad_(False)
@@ -247,13 +199,21 @@ def ddpm_loss(scheduler, objective, latents: torch.Tensor, generators, predict) 
     return loss
 
 
-def ddpm_scheduler(pretrained: str, revision: str, tiny: dict | None):
-    """The training scheduler of a diffusers folder / hub repo, or of a tiny preset's config."""
+def ddpm_scheduler(source: Source):
+    """The training scheduler of a diffusers folder / hub repo; a preset's is Stable
+    Diffusion's own (``sd_scheduler_config``)."""
     from diffusers import DDPMScheduler
 
-    if tiny is not None:
-        return DDPMScheduler(**tiny)
-    return DDPMScheduler.from_pretrained(pretrained, **hub_kwargs(revision, "scheduler"))
+    if source.preset:
+        return DDPMScheduler(**sd_scheduler_config())
+    kwargs = {"revision": source.revision} if source.revision else {}
+    return DDPMScheduler.from_pretrained(source.pretrained, subfolder="scheduler", **kwargs)
+
+
+def hub_kwargs(source: Source) -> dict:
+    """``from_pretrained`` keyword arguments for a whole pipeline folder or hub repo."""
+    kwargs = {"revision": source.revision} if source.revision else {}
+    return kwargs | {"torch_dtype": source.dtype}
 
 
 # --- flow-matching families (Flux, Sana) ------------------------------------------------------

@@ -8,44 +8,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from raytuner.families import base
+from raytuner.families import base, parts
 
-TINY = "tiny"
 VAE_FACTOR = 8
+PARTS = {
+    "transformer": "diffusers.FluxTransformer2DModel",
+    "vae": "diffusers.AutoencoderKL",
+    "text_encoder": "transformers.CLIPTextModel",
+    "text_encoder_2": "transformers.T5EncoderModel",
+}
 
 
-def _tiny_transformer():
-    from diffusers import FluxTransformer2DModel
-
-    with base.seeded(21):
-        return FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=64,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=8,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            guidance_embeds=True,
-            axes_dims_rope=(2, 2, 4),
-        )
+def _part(source: parts.Source, name: str, device: str = "cpu", weights: bool = True):
+    return parts.load("flux", source, name, PARTS[name], device=device, weights=weights)
 
 
-def _tiny_vae():
-    return base.tiny_kl_vae(
-        seed=22,
-        latent_channels=16,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-
-
-def _tiny_t5_tokenizer(max_length: int = 32):
+def _tiny_t5_tokenizer(max_length: int):
     """A character-level T5 tokenizer built in code (Unigram over single characters)."""
     from transformers import T5Tokenizer
 
@@ -54,19 +33,17 @@ def _tiny_t5_tokenizer(max_length: int = 32):
     return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
 
 
-def _tiny_text():
-    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+def _tokenizers(source: parts.Source) -> list:
+    """CLIP-L's and T5's."""
+    if source.preset:
+        clip = parts.tokenizer_length("flux", source, "tokenizer", 77)
+        t5 = parts.tokenizer_length("flux", source, "tokenizer_2", 512)
+        return [base.tiny_clip_tokenizer(clip), _tiny_t5_tokenizer(t5)]
+    from transformers import AutoTokenizer
 
-    clip_tokenizer = base.tiny_clip_tokenizer()
-    t5_tokenizer = _tiny_t5_tokenizer()
-    with base.seeded(23):
-        clip = CLIPTextModel(base.tiny_clip_config(clip_tokenizer))
-    config = T5Config(
-        vocab_size=len(t5_tokenizer), d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4
-    )
-    with base.seeded(24):
-        t5 = T5EncoderModel(config)
-    return clip_tokenizer, t5_tokenizer, clip, t5
+    kwargs = {"revision": source.revision} if source.revision else {}
+    names = ("tokenizer", "tokenizer_2")
+    return [AutoTokenizer.from_pretrained(source.pretrained, subfolder=n, **kwargs) for n in names]
 
 
 class _FluxText(base.FrozenTextEncoders):
@@ -94,14 +71,11 @@ class Flux:
         latent = (16, height // VAE_FACTOR, width // VAE_FACTOR)
         return {"latent": latent, "prompt_embeds": (512, 4096), "pooled_prompt_embeds": (768,)}
 
-    def image_encoder(self, pretrained: str, revision: str, device: str):
-        from diffusers import AutoencoderKL
+    def part_classes(self) -> dict[str, str]:
+        return dict(PARTS)
 
-        if pretrained == TINY:
-            vae = _tiny_vae()
-        else:
-            vae = AutoencoderKL.from_pretrained(pretrained, **base.hub_kwargs(revision, "vae"))
-        vae = vae.to(device).eval().requires_grad_(False)
+    def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
+        vae = _part(source, "vae", device, weights).requires_grad_(False)
         shift, scale = vae.config.shift_factor, vae.config.scaling_factor
 
         @torch.no_grad()
@@ -111,42 +85,20 @@ class Flux:
 
         return encode
 
-    def text_encoder(self, pretrained: str, revision: str, device: str):
-        from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+    def text_encoder(self, source: parts.Source, device: str, weights: bool = True):
+        encoders = [
+            _part(source, name, device, weights) for name in ("text_encoder", "text_encoder_2")
+        ]
+        return _FluxText(_tokenizers(source), encoders, device)
 
-        if pretrained == TINY:
-            clip_tok, t5_tok, clip, t5 = _tiny_text()
-        else:
-            kw = lambda sub: base.hub_kwargs(revision, sub)  # noqa: E731
-            clip_tok = AutoTokenizer.from_pretrained(pretrained, **kw("tokenizer"))
-            t5_tok = AutoTokenizer.from_pretrained(pretrained, **kw("tokenizer_2"))
-            clip = CLIPTextModel.from_pretrained(pretrained, **kw("text_encoder"))
-            t5 = T5EncoderModel.from_pretrained(pretrained, **kw("text_encoder_2"))
-        return _FluxText([clip_tok, t5_tok], [clip, t5], device)
+    def denoiser(self, source: parts.Source, device: str = "cpu", weights: bool = True):
+        return _part(source, "transformer", device, weights)
 
-    def denoiser(self, pretrained: str, revision: str) -> nn.Module:
-        from diffusers import FluxTransformer2DModel
-
-        if pretrained == TINY:
-            return _tiny_transformer()
-        return FluxTransformer2DModel.from_pretrained(
-            pretrained, **base.hub_kwargs(revision, "transformer")
-        )
-
-    def _guidance_embeds(self, pretrained: str, revision: str) -> bool:
-        from diffusers import FluxTransformer2DModel
-
-        if pretrained == TINY:
-            return True
-        config = FluxTransformer2DModel.load_config(
-            pretrained, **base.hub_kwargs(revision, "transformer")
-        )
-        return bool(config.get("guidance_embeds", False))
-
-    def loss(self, pretrained: str, revision: str, objective):
+    def loss(self, source: parts.Source, objective):
         from diffusers import FluxPipeline
 
-        guided = self._guidance_embeds(pretrained, revision)
+        architecture = parts.config("flux", source, "transformer", PARTS["transformer"])
+        guided = bool(architecture.get("guidance_embeds", False))
 
         def flux_loss(denoiser, batch, generators: Sequence[torch.Generator]) -> torch.Tensor:
             latents, text = batch["latent"], batch["prompt_embeds"]
@@ -187,12 +139,12 @@ class Flux:
         """T5 tokens as the cache kept them: the tokenizer's limit, at most the pipeline's 512."""
         return {"max_sequence_length": min(512, pipe.tokenizer_2.model_max_length)}
 
-    def pipeline(self, pretrained: str, revision: str):
+    def pipeline(self, source: parts.Source):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-        if pretrained != TINY:
-            return FluxPipeline.from_pretrained(pretrained, **base.hub_kwargs(revision))
-        clip_tok, t5_tok, clip, t5 = _tiny_text()
+        if not source.preset:
+            return FluxPipeline.from_pretrained(source.pretrained, **base.hub_kwargs(source))
+        clip_tok, t5_tok = _tokenizers(source)
         scheduler = FlowMatchEulerDiscreteScheduler(
             use_dynamic_shifting=True,
             base_shift=0.5,
@@ -200,14 +152,11 @@ class Flux:
             base_image_seq_len=256,
             max_image_seq_len=4096,
         )
-        return base.tiny_pipeline(
+        return base.preset_pipeline(
             FluxPipeline(
+                **{name: _part(source, name) for name in PARTS},
                 scheduler=scheduler,
-                vae=_tiny_vae(),
-                text_encoder=clip,
                 tokenizer=clip_tok,
-                text_encoder_2=t5,
                 tokenizer_2=t5_tok,
-                transformer=_tiny_transformer(),
             )
         )

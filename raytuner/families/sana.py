@@ -8,68 +8,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from raytuner.families import base
+from raytuner.families import base, parts
 
-TINY = "tiny"
 MAX_TOKENS = 300  # caption tokens the Sana pipeline keeps (a tiny tokenizer keeps fewer)
+PARTS = {
+    "transformer": "diffusers.SanaTransformer2DModel",
+    "vae": "diffusers.AutoencoderDC",
+    "text_encoder": "transformers.Gemma2Model",
+}
 
 
-def _tiny_transformer():
-    from diffusers import SanaTransformer2DModel
-
-    with base.seeded(31):
-        return SanaTransformer2DModel(
-            in_channels=32,
-            out_channels=32,
-            num_attention_heads=2,
-            attention_head_dim=8,
-            num_layers=1,
-            num_cross_attention_heads=2,
-            cross_attention_head_dim=8,
-            cross_attention_dim=16,
-            caption_channels=32,
-            sample_size=2,
-        )
+def _part(source: parts.Source, name: str, device: str = "cpu", weights: bool = True):
+    return parts.load("sana", source, name, PARTS[name], device=device, weights=weights)
 
 
-def _tiny_vae():
-    from diffusers import AutoencoderDC
+def _tokenizer(source: parts.Source):
+    if not source.preset:
+        from transformers import AutoTokenizer
 
-    with base.seeded(32):
-        return AutoencoderDC(
-            latent_channels=32,
-            attention_head_dim=4,
-            encoder_block_out_channels=(8, 8, 8, 16, 16, 32),
-            decoder_block_out_channels=(8, 8, 8, 16, 16, 32),
-            encoder_layers_per_block=(1,) * 6,
-            decoder_layers_per_block=(1,) * 6,
-            encoder_qkv_multiscales=((),) * 6,
-            decoder_qkv_multiscales=((),) * 6,
-            scaling_factor=0.41407,
-        )
-
-
-def _tiny_text():
-    from transformers import Gemma2Config, Gemma2Model, GemmaTokenizer
+        kwargs = {"revision": source.revision} if source.revision else {}
+        return AutoTokenizer.from_pretrained(source.pretrained, subfolder="tokenizer", **kwargs)
+    from transformers import GemmaTokenizer
 
     chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?'\"-()\n▁"
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
     vocab = {t: i for i, t in enumerate(specials + list(chars))}
-    tokenizer = GemmaTokenizer(vocab=vocab, model_max_length=32)
-    config = Gemma2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        pad_token_id=0,
-    )
-    with base.seeded(33):
-        return tokenizer, Gemma2Model(config)
+    length = parts.tokenizer_length("sana", source, "tokenizer", MAX_TOKENS)
+    return GemmaTokenizer(vocab=vocab, model_max_length=length)
 
 
 def _instruction() -> list[str]:
@@ -124,14 +90,11 @@ class Sana:
         tokens = (MAX_TOKENS,)
         return {"latent": latent, "prompt_embeds": (*tokens, 2304), "prompt_attention_mask": tokens}
 
-    def image_encoder(self, pretrained: str, revision: str, device: str):
-        from diffusers import AutoencoderDC
+    def part_classes(self) -> dict[str, str]:
+        return dict(PARTS)
 
-        if pretrained == TINY:
-            vae = _tiny_vae()
-        else:
-            vae = AutoencoderDC.from_pretrained(pretrained, **base.hub_kwargs(revision, "vae"))
-        vae = vae.to(device).eval().requires_grad_(False)
+    def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
+        vae = _part(source, "vae", device, weights).requires_grad_(False)
         scale = vae.config.scaling_factor
 
         @torch.no_grad()
@@ -141,27 +104,15 @@ class Sana:
 
         return encode
 
-    def text_encoder(self, pretrained: str, revision: str, device: str):
-        from transformers import AutoModel, AutoTokenizer
-
-        if pretrained == TINY:
-            return _GemmaText(*_tiny_text(), device)
-        tokenizer = AutoTokenizer.from_pretrained(
-            pretrained, **base.hub_kwargs(revision, "tokenizer")
-        )
-        encoder = AutoModel.from_pretrained(pretrained, **base.hub_kwargs(revision, "text_encoder"))
-        return _GemmaText(tokenizer, encoder, device)
-
-    def denoiser(self, pretrained: str, revision: str) -> nn.Module:
-        from diffusers import SanaTransformer2DModel
-
-        if pretrained == TINY:
-            return _tiny_transformer()
-        return SanaTransformer2DModel.from_pretrained(
-            pretrained, **base.hub_kwargs(revision, "transformer")
+    def text_encoder(self, source: parts.Source, device: str, weights: bool = True):
+        return _GemmaText(
+            _tokenizer(source), _part(source, "text_encoder", device, weights), device
         )
 
-    def loss(self, pretrained: str, revision: str, objective):
+    def denoiser(self, source: parts.Source, device: str = "cpu", weights: bool = True):
+        return _part(source, "transformer", device, weights)
+
+    def loss(self, source: parts.Source, objective):
         def sana_loss(denoiser, batch, generators: Sequence[torch.Generator]) -> torch.Tensor:
             latents = batch["latent"]
 
@@ -191,18 +142,15 @@ class Sana:
         tokens = min(MAX_TOKENS, pipe.tokenizer.model_max_length)
         return {"max_sequence_length": tokens, "use_resolution_binning": binned}
 
-    def pipeline(self, pretrained: str, revision: str):
+    def pipeline(self, source: parts.Source):
         from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline
 
-        if pretrained != TINY:
-            return SanaPipeline.from_pretrained(pretrained, **base.hub_kwargs(revision))
-        tokenizer, encoder = _tiny_text()
-        return base.tiny_pipeline(
+        if not source.preset:
+            return SanaPipeline.from_pretrained(source.pretrained, **base.hub_kwargs(source))
+        return base.preset_pipeline(
             SanaPipeline(
-                tokenizer=tokenizer,
-                text_encoder=encoder,
-                vae=_tiny_vae(),
-                transformer=_tiny_transformer(),
+                **{name: _part(source, name) for name in PARTS},
+                tokenizer=_tokenizer(source),
                 scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
             )
         )

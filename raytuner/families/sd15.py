@@ -7,35 +7,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from raytuner.families import base
+from raytuner.families import base, parts
 
-TINY = "tiny"
-
-
-def _tiny_unet():
-    from diffusers import UNet2DConditionModel
-
-    with base.seeded(11):
-        return UNet2DConditionModel(
-            sample_size=8,
-            block_out_channels=(32, 64),
-            layers_per_block=1,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            attention_head_dim=(2, 4),
-            cross_attention_dim=32,
-            norm_num_groups=8,
-        )
+PARTS = {
+    "unet": "diffusers.UNet2DConditionModel",
+    "vae": "diffusers.AutoencoderKL",
+    "text_encoder": "transformers.CLIPTextModel",
+}
 
 
-def _tiny_text():
-    from transformers import CLIPTextModel
+def _part(source: parts.Source, name: str, device: str = "cpu", weights: bool = True):
+    return parts.load("sd15", source, name, PARTS[name], device=device, weights=weights)
 
-    tokenizer = base.tiny_clip_tokenizer()
-    with base.seeded(13):
-        return tokenizer, CLIPTextModel(base.tiny_clip_config(tokenizer))
+
+def _tokenizer(source: parts.Source):
+    if source.preset:
+        return base.tiny_clip_tokenizer(parts.tokenizer_length("sd15", source, "tokenizer", 77))
+    from transformers import CLIPTokenizer
+
+    kwargs = {"revision": source.revision} if source.revision else {}
+    return CLIPTokenizer.from_pretrained(source.pretrained, subfolder="tokenizer", **kwargs)
 
 
 class _ClipText(base.FrozenTextEncoders):
@@ -61,38 +53,22 @@ class SD15:
         at 1/8 of the pixels, CLIP-L's 77 x 768 hidden states."""
         return {"latent": (4, height // 8, width // 8), "prompt_embeds": (77, 768)}
 
-    def image_encoder(self, pretrained: str, revision: str, device: str):
-        from diffusers import AutoencoderKL
+    def part_classes(self) -> dict[str, str]:
+        return dict(PARTS)
 
-        if pretrained == TINY:
-            return base.kl_image_encoder(base.tiny_kl_vae(seed=12), device)
-        vae = AutoencoderKL.from_pretrained(pretrained, **base.hub_kwargs(revision, "vae"))
-        return base.kl_image_encoder(vae, device)
+    def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
+        return base.kl_image_encoder(_part(source, "vae", device, weights), device)
 
-    def text_encoder(self, pretrained: str, revision: str, device: str):
-        from transformers import CLIPTextModel, CLIPTokenizer
-
-        if pretrained == TINY:
-            tokenizer, encoder = _tiny_text()
-            return _ClipText([tokenizer], [encoder], device)
-        tokenizer = CLIPTokenizer.from_pretrained(
-            pretrained, **base.hub_kwargs(revision, "tokenizer")
+    def text_encoder(self, source: parts.Source, device: str, weights: bool = True):
+        return _ClipText(
+            [_tokenizer(source)], [_part(source, "text_encoder", device, weights)], device
         )
-        encoder = CLIPTextModel.from_pretrained(
-            pretrained, **base.hub_kwargs(revision, "text_encoder")
-        )
-        return _ClipText([tokenizer], [encoder], device)
 
-    def denoiser(self, pretrained: str, revision: str) -> nn.Module:
-        from diffusers import UNet2DConditionModel
+    def denoiser(self, source: parts.Source, device: str = "cpu", weights: bool = True):
+        return _part(source, "unet", device, weights)
 
-        if pretrained == TINY:
-            return _tiny_unet()
-        return UNet2DConditionModel.from_pretrained(pretrained, **base.hub_kwargs(revision, "unet"))
-
-    def loss(self, pretrained: str, revision: str, objective):
-        tiny = base.sd_scheduler_config() if pretrained == TINY else None
-        scheduler = base.ddpm_scheduler(pretrained, revision, tiny)
+    def loss(self, source: parts.Source, objective):
+        scheduler = base.ddpm_scheduler(source)
 
         def sd15_loss(denoiser, batch, generators: Sequence[torch.Generator]) -> torch.Tensor:
             def predict(noisy, steps):
@@ -113,20 +89,17 @@ class SD15:
         """None: the pipeline tokenizes captions as the cache did (77 CLIP tokens)."""
         return {}
 
-    def pipeline(self, pretrained: str, revision: str):
+    def pipeline(self, source: parts.Source):
         from diffusers import EulerDiscreteScheduler, StableDiffusionPipeline
 
-        if pretrained != TINY:
+        if not source.preset:
             return StableDiffusionPipeline.from_pretrained(
-                pretrained, safety_checker=None, **base.hub_kwargs(revision)
+                source.pretrained, safety_checker=None, **base.hub_kwargs(source)
             )
-        tokenizer, encoder = _tiny_text()
-        return base.tiny_pipeline(
+        return base.preset_pipeline(
             StableDiffusionPipeline(
-                vae=base.tiny_kl_vae(seed=12),
-                text_encoder=encoder,
-                tokenizer=tokenizer,
-                unet=_tiny_unet(),
+                **{name: _part(source, name) for name in PARTS},
+                tokenizer=_tokenizer(source),
                 scheduler=EulerDiscreteScheduler(**base.sd_scheduler_config()),
                 safety_checker=None,
                 feature_extractor=None,

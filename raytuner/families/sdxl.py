@@ -6,44 +6,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from raytuner.families import base
+from raytuner.families import base, parts
 
-TINY = "tiny"
-
-
-def _tiny_unet():
-    from diffusers import UNet2DConditionModel
-
-    with base.seeded(1):
-        return UNet2DConditionModel(
-            sample_size=8,
-            block_out_channels=(32, 64),
-            layers_per_block=1,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            attention_head_dim=(2, 4),
-            use_linear_projection=True,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=8,
-            transformer_layers_per_block=(1, 1),
-            projection_class_embeddings_input_dim=6 * 8 + 32,
-            cross_attention_dim=64,
-            norm_num_groups=8,
-        )
+PARTS = {
+    "unet": "diffusers.UNet2DConditionModel",
+    "vae": "diffusers.AutoencoderKL",
+    "text_encoder": "transformers.CLIPTextModel",
+    "text_encoder_2": "transformers.CLIPTextModelWithProjection",
+}
 
 
-def _tiny_text():
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+def _part(source: parts.Source, name: str, device: str = "cpu", weights: bool = True):
+    return parts.load("sdxl", source, name, PARTS[name], device=device, weights=weights)
 
-    tokenizer = base.tiny_clip_tokenizer()
-    config = base.tiny_clip_config(tokenizer)
-    with base.seeded(3):
-        one = CLIPTextModel(config)
-    with base.seeded(4):
-        two = CLIPTextModelWithProjection(config)
-    return tokenizer, tokenizer, one, two
+
+def _tokenizers(source: parts.Source) -> list:
+    names = ("tokenizer", "tokenizer_2")
+    if source.preset:
+        lengths = [parts.tokenizer_length("sdxl", source, name, 77) for name in names]
+        return [base.tiny_clip_tokenizer(n) for n in lengths]
+    from transformers import CLIPTokenizer
+
+    kwargs = {"revision": source.revision} if source.revision else {}
+    return [CLIPTokenizer.from_pretrained(source.pretrained, subfolder=n, **kwargs) for n in names]
 
 
 class _SdxlText(base.FrozenTextEncoders):
@@ -73,44 +59,23 @@ class SDXL:
         latent = (4, height // 8, width // 8)
         return {"latent": latent, "prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)}
 
-    def image_encoder(self, pretrained: str, revision: str, device: str):
-        from diffusers import AutoencoderKL
+    def part_classes(self) -> dict[str, str]:
+        return dict(PARTS)
 
-        if pretrained == TINY:
-            return base.kl_image_encoder(base.tiny_kl_vae(), device)
-        vae = AutoencoderKL.from_pretrained(pretrained, **base.hub_kwargs(revision, "vae"))
-        return base.kl_image_encoder(vae, device)
+    def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
+        return base.kl_image_encoder(_part(source, "vae", device, weights), device)
 
-    def text_encoder(self, pretrained: str, revision: str, device: str):
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+    def text_encoder(self, source: parts.Source, device: str, weights: bool = True):
+        encoders = [
+            _part(source, name, device, weights) for name in ("text_encoder", "text_encoder_2")
+        ]
+        return _SdxlText(_tokenizers(source), encoders, device)
 
-        if pretrained == TINY:
-            tok1, tok2, one, two = _tiny_text()
-        else:
-            tok1 = CLIPTokenizer.from_pretrained(
-                pretrained, **base.hub_kwargs(revision, "tokenizer")
-            )
-            tok2 = CLIPTokenizer.from_pretrained(
-                pretrained, **base.hub_kwargs(revision, "tokenizer_2")
-            )
-            one = CLIPTextModel.from_pretrained(
-                pretrained, **base.hub_kwargs(revision, "text_encoder")
-            )
-            two = CLIPTextModelWithProjection.from_pretrained(
-                pretrained, **base.hub_kwargs(revision, "text_encoder_2")
-            )
-        return _SdxlText([tok1, tok2], [one, two], device)
+    def denoiser(self, source: parts.Source, device: str = "cpu", weights: bool = True):
+        return _part(source, "unet", device, weights)
 
-    def denoiser(self, pretrained: str, revision: str) -> nn.Module:
-        from diffusers import UNet2DConditionModel
-
-        if pretrained == TINY:
-            return _tiny_unet()
-        return UNet2DConditionModel.from_pretrained(pretrained, **base.hub_kwargs(revision, "unet"))
-
-    def loss(self, pretrained: str, revision: str, objective):
-        tiny = base.sd_scheduler_config() if pretrained == TINY else None
-        scheduler = base.ddpm_scheduler(pretrained, revision, tiny)
+    def loss(self, source: parts.Source, objective):
+        scheduler = base.ddpm_scheduler(source)
 
         def sdxl_loss(denoiser, batch, generators: Sequence[torch.Generator]) -> torch.Tensor:
             time_ids = torch.cat(
@@ -139,22 +104,19 @@ class SDXL:
         """None: the pipeline tokenizes captions as the cache did (77 CLIP tokens)."""
         return {}
 
-    def pipeline(self, pretrained: str, revision: str):
+    def pipeline(self, source: parts.Source):
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
-        if pretrained != TINY:
+        if not source.preset:
             return StableDiffusionXLPipeline.from_pretrained(
-                pretrained, **base.hub_kwargs(revision)
+                source.pretrained, **base.hub_kwargs(source)
             )
-        tok1, tok2, one, two = _tiny_text()
-        return base.tiny_pipeline(
+        tok1, tok2 = _tokenizers(source)
+        return base.preset_pipeline(
             StableDiffusionXLPipeline(
-                vae=base.tiny_kl_vae(),
-                text_encoder=one,
-                text_encoder_2=two,
+                **{name: _part(source, name) for name in PARTS},
                 tokenizer=tok1,
                 tokenizer_2=tok2,
-                unet=_tiny_unet(),
                 scheduler=EulerDiscreteScheduler(**base.sd_scheduler_config()),
             )
         )

@@ -22,7 +22,7 @@ from raytuner.config import JobConfig, ValidationConfig
 from raytuner.data.cache import fingerprint, read_manifest
 from raytuner.data.preprocess import preprocess
 from raytuner.data.reader import open_dataset
-from raytuner.families import get_family
+from raytuner.families import get_family, parts
 from raytuner.train.feed import Feed
 from raytuner.train.weights import Weights
 
@@ -82,13 +82,15 @@ def _bare_loop(job: JobConfig, steps: int) -> float:
     """The loop ``bare_loop`` times."""
     family, t = get_family(job.model.family), job.train
     torch.manual_seed(t.seed)
-    denoiser = family.denoiser(job.model.pretrained, job.model.revision)
+    m = job.model
+    source = parts.source(m.pretrained, m.revision, m.dtype, "cpu")
+    denoiser = family.denoiser(source)
     weights = Weights(
         denoiser, mode=t.mode, lora=job.lora, targets=family.lora_targets, ema_decay=t.ema_decay
     )
     params = weights.params
     opt = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    loss_fn = family.loss(job.model.pretrained, job.model.revision, job.objective)
+    loss_fn = family.loss(source, job.objective)
     batches = _batches(job, 2 * steps)
     start = 0.0
     for i, (batch, seeds) in enumerate(batches):

@@ -7,7 +7,7 @@ import functools
 import logging
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray.train
 import ray.train.torch
@@ -22,14 +22,14 @@ from raytuner.config import (
     ObjectiveConfig,
     TrainConfig,
 )
-from raytuner.families import get_family
+from raytuner.families import get_family, parts
 from raytuner.train import export
 from raytuner.train import state as ckpt
 from raytuner.train.feed import Batch, open_feed
 from raytuner.train.memory import PeakMemory
 from raytuner.train.observe import Observer
 from raytuner.train.samples import SampleLog, attempt_id
-from raytuner.train.weights import Weights
+from raytuner.train.weights import Weights, attention_backends, autocast_dtype
 
 log = logging.getLogger("raytuner.train")
 
@@ -85,25 +85,22 @@ class Meter:
         return out
 
 
-def _step(
-    model, loss_fn, batch: Batch, device, micro_batch_size: int, scale: float, precision="no"
-):
+def _step(model, loss_fn, batch: Batch, device, micro_batch_size: int, scale: float, amp=None):
     """Forward and backward over this rank's slice, in micro-batches (gradient accumulation,
-    synchronised across ranks on the last one only), under bf16 autocast on a GPU when
-    ``precision = "bf16"``; returns the slice's loss sum."""
+    synchronised across ranks on the last one only), under autocast to ``amp`` when set;
+    returns the slice's loss sum."""
     tensors = {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}
     torch.manual_seed(batch.seeds[0])  # dropout: a redone step draws the same masks
     n = len(batch.seeds)
     size = micro_batch_size or n
     total = torch.zeros((), device=device)
-    bf16 = precision == "bf16" and device.type == "cuda"
     for a in range(0, n, size):
         last = a + size >= n
         no_sync = getattr(model, "no_sync", None)
         sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
         generators = [torch.Generator().manual_seed(s) for s in batch.seeds[a : a + size]]
         with sync:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 micro = {k: v[a : a + size] for k, v in tensors.items()}
                 per_sample = loss_fn(model, micro, generators)
             # DDP averages gradients over ranks: scaled, the update is the global batch's mean
@@ -211,18 +208,31 @@ def train_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     family, device, t = get_family(cfg.model.family), ray.train.torch.get_device(), cfg.train
     torch.manual_seed(t.seed)  # the same LoRA init on every rank
-    denoiser = family.denoiser(cfg.model.pretrained, cfg.model.revision)
+    attention_backends(device)
+    frozen = parts.resolve_dtype(cfg.model.dtype, device)
+    trainable = parts.DTYPES[cfg.model.trainable_dtype]
+    source = parts.Source(cfg.model.pretrained, cfg.model.revision, frozen)
+    if t.mode == "full":
+        source = replace(source, dtype=trainable)
+    amp = autocast_dtype(t.mixed_precision, device, source.dtype)
+    denoiser = family.denoiser(source, str(device))
+    denoiser.train()
     if t.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
     weights = Weights(
-        denoiser, mode=t.mode, lora=cfg.lora, targets=family.lora_targets, ema_decay=t.ema_decay
+        denoiser,
+        mode=t.mode,
+        lora=cfg.lora,
+        targets=family.lora_targets,
+        ema_decay=t.ema_decay,
+        dtype=trainable,
     )
     opt = torch.optim.AdamW(weights.params, lr=t.learning_rate, weight_decay=t.weight_decay)
     warmup = max(t.warmup_steps, 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     st = _restore(cfg, weights, opt, sched, rank)
     model = ray.train.torch.prepare_model(denoiser)
-    loss_fn = family.loss(cfg.model.pretrained, cfg.model.revision, cfg.objective)
+    loss_fn = family.loss(source, cfg.objective)
     pin = device.type == "cuda"
     feed = open_feed(cfg.train, cfg.cache, cfg.fingerprint, cfg.manifest, rank, world, pin)
     feed.start(st.epoch, st.index)
@@ -233,8 +243,7 @@ def train_loop(config: dict) -> None:
     try:
         while st.step < t.max_steps:
             batch = feed.next(st.epoch, st.index)
-            micro, precision = t.micro_batch_size, t.mixed_precision
-            meter.add(_step(model, loss_fn, batch, device, micro, scale, precision))
+            meter.add(_step(model, loss_fn, batch, device, t.micro_batch_size, scale, amp))
             torch.nn.utils.clip_grad_norm_(weights.params, t.max_grad_norm)
             opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
             weights.step()

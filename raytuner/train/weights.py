@@ -24,10 +24,37 @@ def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in state.items()}
 
 
+def autocast_dtype(precision: str, device: torch.device, frozen: torch.dtype):
+    """The step's autocast dtype: the frozen weights' when they are half precision (the inputs
+    and float32 LoRA layers meet them there), bf16 on a GPU when ``train.mixed_precision =
+    "bf16"``, else None (float32 throughout)."""
+    if frozen != torch.float32:
+        return frozen
+    return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
+
+
+def attention_backends(device: torch.device) -> None:
+    """Keep cuDNN's fused attention out of training: its backward failed on an H100 (torch
+    2.11, Flux at 1024 px: "mha_graph.execute ... is_good()"), where flash attention runs."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class Weights:
     """The denoiser's trainable weights: their tensors for a checkpoint, their EMA, their export."""
 
-    def __init__(self, denoiser: nn.Module, *, mode: str, lora, targets, ema_decay: float):
+    def __init__(
+        self,
+        denoiser: nn.Module,
+        *,
+        mode: str,
+        lora,
+        targets,
+        ema_decay: float,
+        dtype: torch.dtype = torch.float32,
+    ):
+        """``dtype``: the trained weights' (``model.trainable_dtype``), whatever the frozen
+        ones are in."""
         self.denoiser, self.mode = denoiser, mode
         denoiser.requires_grad_(mode == "full")
         if mode == "lora":
@@ -41,6 +68,8 @@ class Weights:
                 )
             )
         named = [(n, p) for n, p in denoiser.named_parameters() if p.requires_grad]
+        for _, p in named:
+            p.data = p.data.to(dtype)
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.ema = None
         if ema_decay:

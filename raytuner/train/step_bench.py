@@ -1,0 +1,100 @@
+"""`raytuner bench step`: one process trains the job's denoiser on random batches of the job's
+largest bucket (no Ray, no cache) and reports samples/s and the measured peak GPU memory beside
+what ``raytuner plan`` traces for the same step. On a CPU it runs the same code (tiny models)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import torch
+
+from raytuner import plan
+from raytuner.config import JobConfig
+from raytuner.families import get_family, parts
+from raytuner.train.weights import Weights, attention_backends, autocast_dtype
+
+
+def _model(job: JobConfig, device: torch.device):
+    family, t, m = get_family(job.model.family), job.train, job.model
+    trainable = parts.DTYPES[m.trainable_dtype]
+    source = parts.source(m.pretrained, m.revision, m.dtype, device)
+    if t.mode == "full":
+        source = dataclasses.replace(source, dtype=trainable)
+    denoiser = family.denoiser(source, str(device)).train()
+    if t.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+    weights = Weights(
+        denoiser,
+        mode=t.mode,
+        lora=job.lora,
+        targets=family.lora_targets,
+        ema_decay=t.ema_decay,
+        dtype=trainable,
+    )
+    return denoiser, weights, family.loss(source, job.objective), source.dtype
+
+
+def bench_step(job: JobConfig, steps: int, as_json: bool) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    family = get_family(job.model.family)
+    size = plan.largest_bucket(job, family)
+    if job.model.pretrained == "random":  # the released shapes, no encoder trace needed
+        shapes = family.cache_shapes(*size)
+    else:
+        shapes = plan.trace_encoders(job, size)[1]
+    micro = plan.micro_batch(job)
+    planned = plan.trace_step(job, shapes, size, micro, job.train.gradient_checkpointing)
+    attention_backends(device)
+    started = time.perf_counter()
+    denoiser, weights, loss_fn, dtype = _model(job, device)
+    load_s = time.perf_counter() - started
+    opt = torch.optim.AdamW(weights.params, lr=job.train.learning_rate)
+    amp = autocast_dtype(job.train.mixed_precision, device, dtype)
+    batch = {k: torch.randn(micro, *s, device=device) for k, s in shapes.items()}
+    for key in plan.CONDITIONING:
+        batch[key] = torch.full((micro, 2), float(max(size)), device=device)
+    if "prompt_attention_mask" in batch:
+        batch["prompt_attention_mask"] = torch.ones_like(batch["prompt_attention_mask"])
+
+    def step(i: int) -> None:
+        generators = [torch.Generator().manual_seed(i * micro + j) for j in range(micro)]
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            loss = loss_fn(denoiser, batch, generators).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(weights.params, job.train.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(2):  # warm-up: kernels chosen, optimizer state made
+        step(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for i in range(steps):
+        step(2 + i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    # what the bare step holds: no DDP buckets, no CUDA context (not counted by the allocator)
+    planned_step = planned["weights_bytes"] + planned["ema_bytes"] + planned["step_peak_bytes"]
+    measured = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    result = {
+        "family": family.name,
+        "pretrained": job.model.pretrained,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "bucket": list(size),
+        "micro_batch": micro,
+        "gradient_checkpointing": job.train.gradient_checkpointing,
+        "steps": steps,
+        "load_s": round(load_s, 1),
+        "samples_per_s": round(steps * micro / seconds, 3),
+        "planned_bytes": planned_step,
+        "measured_peak_bytes": measured,
+        "planned_over_measured": round(planned_step / measured, 3) if measured else None,
+    }
+    print(json.dumps(result) if as_json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    return result

@@ -1,0 +1,102 @@
+"""`raytuner plan` and the precision of frozen weights: full-size architectures built from the
+package's configs (no download), traced on the meta device; frozen weights in bfloat16 train and
+export a LoRA that loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytuner.cli import main
+from raytuner.config import LoraConfig, ObjectiveConfig, load_job
+from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
+from raytuner.plan import GiB, parse_size, plan
+from raytuner.train.loop import _step
+from raytuner.train.weights import Weights, autocast_dtype
+
+REPO = Path(__file__).resolve().parents[1]
+# published denoiser sizes (parameters) and how close the shipped architecture must come
+PUBLISHED = {
+    "sd15": (859.5e6, 0.01),
+    "sdxl": (2567e6, 0.01),
+    "flux": (11901e6, 0.01),
+    "sana": (1600e6, 0.03),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PUBLISHED))
+def test_every_shipped_job_fits_the_gpu_its_comment_names(family):
+    """The shipped jobs name hub repos; plan builds their released architecture from the
+    package (no network here) and traces one training step at the largest bucket."""
+    job = load_job(str(REPO / "jobs" / f"{family}.toml"), [])
+    assert "L40S (48 GB)" in (REPO / "jobs" / f"{family}.toml").read_text()
+    result = plan(job, parse_size("48GiB"), compare=False)
+    published, tolerance = PUBLISHED[family]
+    assert abs(result["denoiser_params"] - published) <= tolerance * published
+    # frozen weights in bfloat16 on GPUs by default: 2 bytes a parameter, the LoRA in float32
+    by_dtype = result["worker"]["weights_by_dtype"]
+    assert by_dtype["bfloat16"] == pytest.approx(2 * result["denoiser_params"], rel=0.01)
+    assert by_dtype["float32"] == 4 * result["trainable_params"]
+    assert result["fits"], f"{family}: {result['peak_bytes'] / GiB:.1f} GiB"
+    # the trace sees the step: activations at 1024 px dwarf a LoRA's optimizer state
+    worker = result["worker"]
+    assert worker["activations_bytes"] > 10 * worker["optimizer_bytes"] > 0
+
+
+def test_plan_json_names_the_settings_that_fit(capsys):
+    """Too small a GPU (1 GiB of CUDA overhead + 15 MiB for the tiny step): not fits, and the
+    suggestions say which settings would."""
+    args = ["plan", str(REPO / "jobs" / "tiny.toml"), "--json", "--gpu-memory", "1039MiB"]
+    assert main(args + ["--set", "train.global_batch_size=64"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("denoiser_params", "trainable_params", "weights_bytes", "peak_bytes", "fits"):
+        assert key in result
+    assert not result["fits"]
+    assert result["worker"]["peak_bytes_with_checkpointing"] < result["peak_bytes"]
+    assert any(s["fits"] for s in result["suggestions"])
+
+
+def test_a_bad_gpu_memory_is_a_usage_error(capsys):
+    assert main(["plan", str(REPO / "jobs" / "tiny.toml"), "--gpu-memory", "lots"]) == 2
+    assert "--gpu-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_bfloat16_frozen_weights_train_and_export_a_lora_that_loads(name, tmp_path):
+    family = FAMILIES[name]
+    source = Source("tiny", dtype=torch.bfloat16)
+    pixels = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    batch = {"latent": family.image_encoder(source, "cpu")(pixels)[0].float()}
+    text = family.text_encoder(source, "cpu")(["a red circle", "a blue square"])
+    sizes = torch.tensor([[64.0, 64.0]] * 2)
+    batch |= {k: v.float() for k, v in text.items()}
+    batch |= {"original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes}
+    denoiser = family.denoiser(source).train()
+    weights = Weights(
+        denoiser, mode="lora", lora=LoraConfig(rank=4), targets=family.lora_targets, ema_decay=0
+    )
+    frozen = [p for p in denoiser.parameters() if not p.requires_grad]
+    assert {p.dtype for p in frozen} == {torch.bfloat16}
+    assert {p.dtype for p in weights.params} == {torch.float32}
+    amp = autocast_dtype("bf16", torch.device("cpu"), torch.bfloat16)
+    assert amp == torch.bfloat16
+    before = [p.detach().clone() for p in weights.params]
+    opt = torch.optim.AdamW(weights.params, lr=1e-3)
+    loss_fn = family.loss(source, ObjectiveConfig())
+
+    class _Batch:  # what the feed hands the step
+        tensors, seeds = batch, [1, 2]
+
+    loss = _step(denoiser, loss_fn, _Batch(), torch.device("cpu"), 0, 0.5, amp)
+    assert torch.isfinite(loss)
+    opt.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, weights.params, strict=True))
+    weights.export(str(tmp_path), family, {"raytuner.step": "1"})
+    pipe = family.pipeline(source)
+    pipe.load_lora_weights(str(tmp_path / "lora"), weight_name="pytorch_lora_weights.safetensors")
+    part = getattr(pipe, family.denoiser_part)
+    assert any("lora" in n for n, _ in part.named_parameters())
