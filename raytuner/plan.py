@@ -189,6 +189,7 @@ def trace_step(job: JobConfig, shapes: dict, size, micro: int, checkpointing: bo
         "ema_bytes": ema,
         "ddp_buckets_bytes": ddp_buckets,
         "step_peak_bytes": step_peak,
+        "backward_peak_bytes": backward_peak,  # forward + backward, before the optimizer
         "activations_bytes": max(0, step_peak - trained - state),
         "overhead_bytes": OVERHEAD,
         "peak_bytes": peak,

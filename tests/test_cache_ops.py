@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import math
 import os
@@ -177,6 +178,18 @@ def cli(logs: Path, *args: str) -> Result:
         else:
             break
     return result
+
+
+def here(*args: str) -> Result:
+    """A command that starts no Ray (``cache gc``, ``cache verify`` without ``--repair``) run
+    in this process through the CLI's own ``main``: its exit code and output, without an
+    interpreter start and a torch import per call."""
+    from raytuner.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return Result(code=code, out=out.getvalue(), err=err.getvalue())
 
 
 def cli_at_once(logs: Path, *commands: tuple[str, ...]) -> list[Result]:
@@ -350,7 +363,7 @@ def test_two_preprocess_runs_at_once_both_commit_a_valid_cache(tmp_path):
     assert manifest["report"] in written  # the commit of one of the two runs, whole
     assert len(run_folders(version)) == 2  # both runs wrote their own parts
 
-    verify = cli(logs, "cache", "verify", str(job))
+    verify = here("cache", "verify", str(job))
     assert verify.code == 0, verify.out + verify.err[-2000:]
     assert not verify.lines("bad ")
     assert f"{version.root}: ok" in verify.out
@@ -437,7 +450,7 @@ def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(comm
     assert sorted(r["key"] for r in indexed(job)) == sorted(wanted)
     manifest = version.manifest()
     assert killed_run in referenced_runs(manifest)
-    verify = cli(logs, "cache", "verify", str(job))
+    verify = here("cache", "verify", str(job))
     assert verify.code == 0, verify.out + verify.err[-2000:]
     assert not _alive(ours)
 
@@ -473,7 +486,7 @@ def repairs(committed, tmp_path_factory) -> dict[str, Repair]:
     logs = part.job.parent / "logs"
     part.key, part.original = corrupt_latent(version_of(part.job), part.entry["path"])
     Path(version_of(index.job).path(index.entry["path"])).unlink()
-    part.bad = cli(logs, "cache", "verify", str(part.job))
+    part.bad = here("cache", "verify", str(part.job))
     part.fixed, index.fixed = cli_at_once(
         logs, *[("cache", "verify", str(r.job), "--repair") for r in (part, index)]
     )
@@ -504,7 +517,7 @@ def test_verify_finds_a_corrupt_part_and_repair_reencodes_only_its_rows(repairs,
     assert report["already_cached"] == total - entry["rows"]
     assert entry["path"] not in {f["path"] for f in version.manifest()["latents"]}
 
-    again = cli(tmp_path / "logs", "cache", "verify", str(job))  # reads, never writes
+    again = here("cache", "verify", str(job))  # reads, never writes
     assert again.code == 0, again.out + again.err[-2000:]
     assert len(dataset_of(job)) == total
     assert latent_of(job, repaired.key) == repaired.original  # re-encoded, not the damage
@@ -530,7 +543,7 @@ def test_a_preprocess_after_repair_does_not_bring_the_damaged_part_back(
 
     again = cli(logs, "preprocess", str(job))  # nothing changed: nothing to do
     assert again.code == 0, again.err[-3000:]
-    verify = cli(logs, "cache", "verify", str(job))
+    verify = here("cache", "verify", str(job))
     assert verify.code == 0, verify.out + verify.err[-2000:]
     assert latent_of(job, key) == original
     assert entry["path"] not in {f["path"] for f in version.manifest()["latents"]}
@@ -543,7 +556,7 @@ def test_verify_names_a_deleted_index(committed, tmp_path):
     version = version_of(job)
     index = version.manifest()["index"]["path"]
     Path(version.path(index)).unlink()
-    bad = cli(tmp_path / "logs", "cache", "verify", str(job))
+    bad = here("cache", "verify", str(job))
     assert bad.code == 1, bad.out + bad.err[-2000:]
     assert bad.lines("bad ") == [f"bad {index}: missing"]
     assert f"{version.root}: 1 bad file(s)" in bad.out
@@ -562,7 +575,7 @@ def test_repair_rebuilds_a_deleted_index(repairs, tmp_path):
     report = json.loads(Path(version.path(cache.REPORT)).read_text())
     check_report(report)
     assert report["encoded"] == 0 and report["already_cached"] == total
-    again = cli(tmp_path / "logs", "cache", "verify", str(job))  # reads, never writes
+    again = here("cache", "verify", str(job))  # reads, never writes
     assert again.code == 0, again.out + again.err[-2000:]
     assert len(dataset_of(job)) == total
 
@@ -608,17 +621,17 @@ def test_gc_deletes_other_versions_and_unreferenced_runs_only(committed, tmp_pat
     fresh = Path(keep.path("parts/zz-still-writing/latents/status=ok"))
     fresh.mkdir(parents=True)
     shutil.copy(keep.path(manifest["latents"][0]["path"]), fresh / "x.parquet")
-    kept = cli(logs, "cache", "gc", str(job))
+    kept = here("cache", "gc", str(job))
     assert kept.code == 0, kept.out + kept.err[-2000:]
     assert _deleted(kept) == {other.root}
     assert not Path(other.root).exists()
     assert (fresh / "x.parquet").is_file()
     assert run_folders(keep) == {base, extra, "zz-still-writing"}
-    swept = cli(logs, "cache", "gc", str(job), "--min-age-s", "0")
+    swept = here("cache", "gc", str(job), "--min-age-s", "0")
     assert swept.code == 0, swept.out + swept.err[-2000:]
     assert _deleted(swept) == {keep.path("parts/zz-still-writing")}
     assert run_folders(keep) == {base, extra}
-    verify = cli(logs, "cache", "verify", str(job))
+    verify = here("cache", "verify", str(job))
     assert verify.code == 0, verify.out + verify.err[-2000:]
     assert len(dataset_of(job)) == rows
 
@@ -640,7 +653,7 @@ def test_gc_leaves_a_long_run_that_is_still_writing_alone(committed, tmp_path):
     for folder in (run, run / "latents"):
         os.utime(folder, (two_hours_ago, two_hours_ago))
 
-    gc = cli(tmp_path / "logs", "cache", "gc", str(job))
+    gc = here("cache", "gc", str(job))
     assert gc.code == 0, gc.out + gc.err[-2000:]
     assert _deleted(gc) == set()
     assert (writing / "part-0001.parquet").is_file()

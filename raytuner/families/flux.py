@@ -20,8 +20,7 @@ PARTS = {
 }
 
 
-def _part(source: parts.Source, name: str, device: str = "cpu", weights: bool = True):
-    return parts.load("flux", source, name, PARTS[name], device=device, weights=weights)
+_part = parts.loader("flux", PARTS)  # (source, part name, device="cpu", weights=True)
 
 
 def _tiny_t5_tokenizer(max_length: int):

@@ -130,3 +130,13 @@ def load(
     key = "dtype" if cls.__module__.startswith("transformers") else "torch_dtype"
     model = cls.from_pretrained(source.pretrained, **kwargs, **{key: source.dtype})
     return model.to(device).eval()
+
+
+def loader(family: str, classes: dict[str, str]):
+    """A family's part loader: ``(source, part, device="cpu", weights=True) -> module``, the
+    part's class looked up in ``classes``."""
+
+    def load_part(source: Source, part: str, device="cpu", weights: bool = True):
+        return load(family, source, part, classes[part], device=device, weights=weights)
+
+    return load_part

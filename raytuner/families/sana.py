@@ -19,8 +19,7 @@ PARTS = {
 }
 
 
-def _part(source: parts.Source, name: str, device: str = "cpu", weights: bool = True):
-    return parts.load("sana", source, name, PARTS[name], device=device, weights=weights)
+_part = parts.loader("sana", PARTS)  # (source, part name, device="cpu", weights=True)
 
 
 def _tokenizer(source: parts.Source):

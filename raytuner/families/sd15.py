@@ -17,8 +17,7 @@ PARTS = {
 }
 
 
-def _part(source: parts.Source, name: str, device: str = "cpu", weights: bool = True):
-    return parts.load("sd15", source, name, PARTS[name], device=device, weights=weights)
+_part = parts.loader("sd15", PARTS)  # (source, part name, device="cpu", weights=True)
 
 
 def _tokenizer(source: parts.Source):

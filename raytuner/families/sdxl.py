@@ -17,8 +17,7 @@ PARTS = {
 }
 
 
-def _part(source: parts.Source, name: str, device: str = "cpu", weights: bool = True):
-    return parts.load("sdxl", source, name, PARTS[name], device=device, weights=weights)
+_part = parts.loader("sdxl", PARTS)  # (source, part name, device="cpu", weights=True)
 
 
 def _tokenizers(source: parts.Source) -> list:

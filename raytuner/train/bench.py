@@ -22,9 +22,10 @@ from raytuner.config import JobConfig, ValidationConfig
 from raytuner.data.cache import fingerprint, read_manifest
 from raytuner.data.preprocess import preprocess
 from raytuner.data.reader import open_dataset
-from raytuner.families import get_family, parts
+from raytuner.families import get_family
 from raytuner.train.feed import Feed
-from raytuner.train.weights import Weights
+from raytuner.train.loop import _step
+from raytuner.train.weights import trainable_model
 
 
 def _one_worker_job(job: JobConfig, steps: int, output: str) -> JobConfig:
@@ -78,31 +79,41 @@ def bare_loop(job: JobConfig, steps: int, threads: int) -> float:
         return _bare_loop(job, steps)
 
 
+class _Slice:
+    """A global batch as the loop's step takes it (what the feed hands a worker)."""
+
+    def __init__(self, tensors: dict, seeds: list[int]):
+        self.tensors, self.seeds = tensors, seeds
+
+
 def _bare_loop(job: JobConfig, steps: int) -> float:
-    """The loop ``bare_loop`` times."""
+    """The loop ``bare_loop`` times: the worker's own model setup and step function on this
+    machine's device (a GPU when there is one), without Ray, the cache reads or the feed."""
     family, t = get_family(job.model.family), job.train
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(t.seed)
-    m = job.model
-    source = parts.source(m.pretrained, m.revision, m.dtype, "cpu")
-    denoiser = family.denoiser(source)
-    weights = Weights(
-        denoiser, mode=t.mode, lora=job.lora, targets=family.lora_targets, ema_decay=t.ema_decay
-    )
-    params = weights.params
-    opt = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    denoiser, weights, source, amp = trainable_model(job.model, t, job.lora, family, device)
+    opt = torch.optim.AdamW(weights.params, lr=t.learning_rate, weight_decay=t.weight_decay)
     loss_fn = family.loss(source, job.objective)
     batches = _batches(job, 2 * steps)
     start = 0.0
-    for i, (batch, seeds) in enumerate(batches):
+    for i, (tensors, seeds) in enumerate(batches):
         if i == steps:
+            _synchronize(device)
             start = time.perf_counter()
-        generators = [torch.Generator().manual_seed(s) for s in seeds]
-        loss_fn(denoiser, batch, generators).mean().backward()
-        torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+        batch = _Slice(tensors, seeds)
+        _step(denoiser, loss_fn, batch, device, t.micro_batch_size, 1 / t.global_batch_size, amp)
+        torch.nn.utils.clip_grad_norm_(weights.params, t.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         weights.step()
+    _synchronize(device)
     return steps * t.global_batch_size / (time.perf_counter() - start)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def bench_train(job: JobConfig, steps: int, as_json: bool) -> dict:

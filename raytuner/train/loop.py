@@ -7,7 +7,7 @@ import functools
 import logging
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import ray.train
 import ray.train.torch
@@ -22,14 +22,14 @@ from raytuner.config import (
     ObjectiveConfig,
     TrainConfig,
 )
-from raytuner.families import get_family, parts
+from raytuner.families import get_family
 from raytuner.train import export
 from raytuner.train import state as ckpt
 from raytuner.train.feed import Batch, open_feed
 from raytuner.train.memory import PeakMemory
 from raytuner.train.observe import Observer
 from raytuner.train.samples import SampleLog, attempt_id
-from raytuner.train.weights import Weights, attention_backends, autocast_dtype
+from raytuner.train.weights import trainable_model
 
 log = logging.getLogger("raytuner.train")
 
@@ -208,25 +208,7 @@ def train_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     family, device, t = get_family(cfg.model.family), ray.train.torch.get_device(), cfg.train
     torch.manual_seed(t.seed)  # the same LoRA init on every rank
-    attention_backends(device)
-    frozen = parts.resolve_dtype(cfg.model.dtype, device)
-    trainable = parts.DTYPES[cfg.model.trainable_dtype]
-    source = parts.Source(cfg.model.pretrained, cfg.model.revision, frozen)
-    if t.mode == "full":
-        source = replace(source, dtype=trainable)
-    amp = autocast_dtype(t.mixed_precision, device, source.dtype)
-    denoiser = family.denoiser(source, str(device))
-    denoiser.train()
-    if t.gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
-    weights = Weights(
-        denoiser,
-        mode=t.mode,
-        lora=cfg.lora,
-        targets=family.lora_targets,
-        ema_decay=t.ema_decay,
-        dtype=trainable,
-    )
+    denoiser, weights, source, amp = trainable_model(cfg.model, t, cfg.lora, family, device)
     opt = torch.optim.AdamW(weights.params, lr=t.learning_rate, weight_decay=t.weight_decay)
     warmup = max(t.warmup_steps, 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))

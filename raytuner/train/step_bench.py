@@ -4,7 +4,6 @@ what ``raytuner plan`` traces for the same step. On a CPU it runs the same code 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
@@ -12,28 +11,8 @@ import torch
 
 from raytuner import plan
 from raytuner.config import JobConfig
-from raytuner.families import get_family, parts
-from raytuner.train.weights import Weights, attention_backends, autocast_dtype
-
-
-def _model(job: JobConfig, device: torch.device):
-    family, t, m = get_family(job.model.family), job.train, job.model
-    trainable = parts.DTYPES[m.trainable_dtype]
-    source = parts.source(m.pretrained, m.revision, m.dtype, device)
-    if t.mode == "full":
-        source = dataclasses.replace(source, dtype=trainable)
-    denoiser = family.denoiser(source, str(device)).train()
-    if t.gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
-    weights = Weights(
-        denoiser,
-        mode=t.mode,
-        lora=job.lora,
-        targets=family.lora_targets,
-        ema_decay=t.ema_decay,
-        dtype=trainable,
-    )
-    return denoiser, weights, family.loss(source, job.objective), source.dtype
+from raytuner.families import get_family
+from raytuner.train.weights import trainable_model
 
 
 def bench_step(job: JobConfig, steps: int, as_json: bool) -> dict:
@@ -46,12 +25,11 @@ def bench_step(job: JobConfig, steps: int, as_json: bool) -> dict:
         shapes = plan.trace_encoders(job, size)[1]
     micro = plan.micro_batch(job)
     planned = plan.trace_step(job, shapes, size, micro, job.train.gradient_checkpointing)
-    attention_backends(device)
     started = time.perf_counter()
-    denoiser, weights, loss_fn, dtype = _model(job, device)
+    denoiser, weights, source, amp = trainable_model(job.model, job.train, job.lora, family, device)
+    loss_fn, dtype = family.loss(source, job.objective), source.dtype
     load_s = time.perf_counter() - started
     opt = torch.optim.AdamW(weights.params, lr=job.train.learning_rate)
-    amp = autocast_dtype(job.train.mixed_precision, device, dtype)
     batch = {k: torch.randn(micro, *s, device=device) for k, s in shapes.items()}
     for key in plan.CONDITIONING:
         batch[key] = torch.full((micro, 2), float(max(size)), device=device)

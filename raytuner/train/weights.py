@@ -33,6 +33,31 @@ def autocast_dtype(precision: str, device: torch.device, frozen: torch.dtype):
     return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
 
 
+def trainable_model(model, train, lora, family, device: torch.device):
+    """The denoiser a worker trains, on ``device`` in train mode (frozen weights in
+    ``model.dtype``, trained ones in ``model.trainable_dtype``), its Weights, the Source it came
+    from and the step's autocast dtype: one setup for the loop and both benches."""
+    from raytuner.families import parts
+
+    trainable = parts.DTYPES[model.trainable_dtype]
+    source = parts.source(model.pretrained, model.revision, model.dtype, device)
+    if train.mode == "full":
+        source = parts.Source(source.pretrained, source.revision, trainable)
+    attention_backends(device)
+    denoiser = family.denoiser(source, str(device)).train()
+    if train.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+    weights = Weights(
+        denoiser,
+        mode=train.mode,
+        lora=lora,
+        targets=family.lora_targets,
+        ema_decay=train.ema_decay,
+        dtype=trainable,
+    )
+    return denoiser, weights, source, autocast_dtype(train.mixed_precision, device, source.dtype)
+
+
 def attention_backends(device: torch.device) -> None:
     """Keep cuDNN's fused attention out of training: its backward failed on an H100 (torch
     2.11, Flux at 1024 px: "mha_graph.execute ... is_good()"), where flash attention runs."""
