@@ -65,4 +65,6 @@ def test_bench_feed_prints_one_json_object(ray_local, capsys, monkeypatch):
     assert figures["rows_per_s_per_worker"] > 0
     assert figures["peak_worker_rss_bytes"] >= figures["baseline_worker_rss_bytes"] // 2 > 0
     per_rank = figures["global_batch_size"] / figures["workers"]
-    assert figures["requests_per_batch"] <= 2 * per_rank  # a latent and a caption per row
+    # a latent and a caption per row; the measured window may also hold the reads of the
+    # batches assembled ahead (train.prefetch = 2): up to 2 more of the 10 steps' batches
+    assert figures["requests_per_batch"] <= 2 * per_rank * (10 + 2) / 10
