@@ -206,14 +206,12 @@ def ddpm_scheduler(source: Source):
 
     if source.preset:
         return DDPMScheduler(**sd_scheduler_config())
-    kwargs = {"revision": source.revision} if source.revision else {}
-    return DDPMScheduler.from_pretrained(source.pretrained, subfolder="scheduler", **kwargs)
+    return DDPMScheduler.from_pretrained(source.pretrained, **source.hub("scheduler"))
 
 
 def hub_kwargs(source: Source) -> dict:
     """``from_pretrained`` keyword arguments for a whole pipeline folder or hub repo."""
-    kwargs = {"revision": source.revision} if source.revision else {}
-    return kwargs | {"torch_dtype": source.dtype}
+    return source.hub() | {"torch_dtype": source.dtype}
 
 
 # --- flow-matching families (Flux, Sana) ------------------------------------------------------

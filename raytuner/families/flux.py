@@ -40,9 +40,8 @@ def _tokenizers(source: parts.Source) -> list:
         return [base.tiny_clip_tokenizer(clip), _tiny_t5_tokenizer(t5)]
     from transformers import AutoTokenizer
 
-    kwargs = {"revision": source.revision} if source.revision else {}
     names = ("tokenizer", "tokenizer_2")
-    return [AutoTokenizer.from_pretrained(source.pretrained, subfolder=n, **kwargs) for n in names]
+    return [AutoTokenizer.from_pretrained(source.pretrained, **source.hub(n)) for n in names]
 
 
 class _FluxText(base.FrozenTextEncoders):

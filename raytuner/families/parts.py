@@ -39,6 +39,11 @@ class Source:
     def preset(self) -> str | None:
         return self.pretrained if self.pretrained in PRESETS else None
 
+    def hub(self, subfolder: str | None = None) -> dict:
+        """``from_pretrained`` keyword arguments for a subfolder (or the whole folder / repo)."""
+        kwargs = {"subfolder": subfolder} if subfolder else {}
+        return kwargs | ({"revision": self.revision} if self.revision else {})
+
 
 def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
     """``model.dtype`` for a device: ``auto`` is bfloat16 on a GPU and float32 elsewhere."""
@@ -104,10 +109,9 @@ def config(family: str, source: Source, part: str, cls_path: str) -> dict:
     if name := source.preset or released(family, source.pretrained):
         return preset(family, name)[part]["config"]
     cls = _class(cls_path)
-    kwargs = {"subfolder": part} | ({"revision": source.revision} if source.revision else {})
     if cls.__module__.startswith("transformers"):
-        return cls.config_class.from_pretrained(source.pretrained, **kwargs).to_dict()
-    return dict(cls.load_config(source.pretrained, **kwargs))
+        return cls.config_class.from_pretrained(source.pretrained, **source.hub(part)).to_dict()
+    return dict(cls.load_config(source.pretrained, **source.hub(part)))
 
 
 def load(
@@ -121,14 +125,16 @@ def load(
     if source.preset or not weights:
         spec = preset(family, source.preset)[part] if source.preset else {}
         architecture = spec.get("config") or config(family, source, part, cls_path)
-        with torch.random.fork_rng(devices=[]), _default_dtype(source.dtype):
+        # the seed drawn on the device that builds the weights; every global RNG put back
+        place = torch.device(device)
+        devices = [place.index or 0] if place.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), _default_dtype(source.dtype):
             torch.manual_seed(spec.get("seed", 0))
             with torch.device(device):
                 model = _construct(cls, architecture)
         return model.eval()
-    kwargs = {"subfolder": part} | ({"revision": source.revision} if source.revision else {})
     key = "dtype" if cls.__module__.startswith("transformers") else "torch_dtype"
-    model = cls.from_pretrained(source.pretrained, **kwargs, **{key: source.dtype})
+    model = cls.from_pretrained(source.pretrained, **source.hub(part), **{key: source.dtype})
     return model.to(device).eval()
 
 

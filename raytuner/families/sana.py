@@ -26,8 +26,7 @@ def _tokenizer(source: parts.Source):
     if not source.preset:
         from transformers import AutoTokenizer
 
-        kwargs = {"revision": source.revision} if source.revision else {}
-        return AutoTokenizer.from_pretrained(source.pretrained, subfolder="tokenizer", **kwargs)
+        return AutoTokenizer.from_pretrained(source.pretrained, **source.hub("tokenizer"))
     from transformers import GemmaTokenizer
 
     chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?'\"-()\n▁"

@@ -25,8 +25,7 @@ def _tokenizer(source: parts.Source):
         return base.tiny_clip_tokenizer(parts.tokenizer_length("sd15", source, "tokenizer", 77))
     from transformers import CLIPTokenizer
 
-    kwargs = {"revision": source.revision} if source.revision else {}
-    return CLIPTokenizer.from_pretrained(source.pretrained, subfolder="tokenizer", **kwargs)
+    return CLIPTokenizer.from_pretrained(source.pretrained, **source.hub("tokenizer"))
 
 
 class _ClipText(base.FrozenTextEncoders):

@@ -27,8 +27,7 @@ def _tokenizers(source: parts.Source) -> list:
         return [base.tiny_clip_tokenizer(n) for n in lengths]
     from transformers import CLIPTokenizer
 
-    kwargs = {"revision": source.revision} if source.revision else {}
-    return [CLIPTokenizer.from_pretrained(source.pretrained, subfolder=n, **kwargs) for n in names]
+    return [CLIPTokenizer.from_pretrained(source.pretrained, **source.hub(n)) for n in names]
 
 
 class _SdxlText(base.FrozenTextEncoders):
