@@ -207,7 +207,8 @@ def do_sample(job: JobConfig, args: argparse.Namespace) -> None:
 
 
 def do_plan(job: JobConfig, args: argparse.Namespace) -> int:
-    from raytuner.plan import parse_size, plan, print_plan
+    from raytuner.plan import plan
+    from raytuner.plan_output import parse_size, print_plan
 
     result = plan(job, parse_size(args.gpu_memory))
     if args.json:
@@ -215,6 +216,26 @@ def do_plan(job: JobConfig, args: argparse.Namespace) -> int:
     else:
         print_plan(result)
     return 0
+
+
+def runnable(job: JobConfig, family, where: str) -> None:
+    """What the job's family and this installation cannot run, refused before anything starts
+    (the config's own sections checked each other when it was loaded)."""
+    from raytuner import placement
+    from raytuner.families import parts
+    from raytuner.train.optim import missing_package
+
+    if package := missing_package(job.train.optimizer):
+        raise ConfigError(
+            f"{where}: train.optimizer = {job.train.optimizer!r} needs the {package} package: "
+            "pip install 'raytuner[lowvram]', or use adamw or adafactor"
+        )
+    m = job.model
+    source = parts.Source(parts.released(m.family, m.pretrained) or m.pretrained, m.revision)
+    try:
+        placement.check(job.memory, family, source)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -227,9 +248,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     job = load_job(args.job, args.overrides)
     try:
-        get_family(job.model.family)
+        family = get_family(job.model.family)
     except ValueError as e:
         raise ConfigError(f"{args.job}: {e}") from None
+    runnable(job, family, args.job)
     if args.command == "check":
         print(json.dumps(job.to_dict(), indent=2))
     if args.command == "cache":

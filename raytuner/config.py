@@ -19,6 +19,10 @@ from raytuner.tables import ConfigError, build_section, parse_override
 __all__ = ["ConfigError", "JobConfig", "SECTIONS", "load_job", "parse_override"]
 
 
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
+LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
+
+
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(allowed)}")
@@ -37,7 +41,8 @@ class ModelConfig:
     pretrained: str = "tiny"  # "tiny", "random" (full size, random weights), a folder, a hub id
     revision: str = ""
     # frozen weights (the denoiser in LoRA mode, VAE, text encoders, validation and sample
-    # pipelines); "auto": bfloat16 on GPUs, float32 on CPUs
+    # pipelines); "auto": bfloat16 on GPUs, float32 on CPUs; "float8": the frozen denoiser's
+    # linear weights stored in float8 (e4m3) and computed in bfloat16, the rest in bfloat16
     dtype: str = "auto"
     trainable_dtype: str = "float32"  # LoRA weights, or the denoiser in full mode
 
@@ -46,7 +51,8 @@ class ModelConfig:
             raise ConfigError(
                 'model.pretrained is empty: use "tiny", "random", a local folder or a hub id'
             )
-        _one_of("model.dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
+        allowed = ("auto", "bfloat16", "float16", "float32", "float8")
+        _one_of("model.dtype", self.dtype, allowed)
         _one_of("model.trainable_dtype", self.trainable_dtype, ("float32", "bfloat16"))
 
 
@@ -170,9 +176,17 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
     tensorboard: bool = True  # event files under <run>/tensorboard (local outputs)
+    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes) | adafactor | prodigy
+    lr_scheduler: str = "constant"  # after train.warmup_steps: constant | linear | cosine | ...
+    lr_cycles: int = 1  # cosine_with_restarts: how many restarts
+    lr_power: float = 1.0  # polynomial: the decay's power
 
     def __post_init__(self) -> None:
         _positive("train.max_steps", self.max_steps)
+        _one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("train.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        _positive("train.lr_cycles", self.lr_cycles)
+        _positive("train.lr_power", self.lr_power)
         _positive("train.micro_batch_size", self.micro_batch_size, zero_ok=True)
         _positive("train.prefetch", self.prefetch)
         _positive("train.global_batch_size", self.global_batch_size)
@@ -226,6 +240,21 @@ class LoraConfig:
         _positive("lora.alpha", self.alpha)
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"lora.dropout = {self.dropout}: must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """Where a training worker keeps what does not fit its GPU (``raytuner plan`` sizes it)."""
+
+    # the denoiser's last N blocks keep their frozen weights in pinned CPU memory and stream to
+    # the GPU just before they run (LoRA, transformer families, gradient checkpointing)
+    blocks_to_swap: int = 0
+    swap_ring: int = 2  # streamed blocks resident at once (the one running + the next)
+    activation_offload: bool = False  # the checkpointed blocks' inputs wait in pinned CPU memory
+
+    def __post_init__(self) -> None:
+        _positive("memory.blocks_to_swap", self.blocks_to_swap, zero_ok=True)
+        _positive("memory.swap_ring", self.swap_ring)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -303,6 +332,7 @@ class JobConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         if self.train.global_batch_size < self.scaling.max_workers:
@@ -310,9 +340,34 @@ class JobConfig:
                 f"train.global_batch_size = {self.train.global_batch_size} is smaller than "
                 f"the {self.scaling.max_workers} workers: every worker needs a sample per step"
             )
+        _memory_needs(self.memory, self.train, self.model)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _memory_needs(memory: MemoryConfig, train: TrainConfig, model: ModelConfig) -> None:
+    """What block swap, activation offload and float8 weights require of the other sections
+    (the family's side is checked where the family is known: ``placement.check``)."""
+    if memory.blocks_to_swap and train.mode != "lora":
+        raise ConfigError(
+            f"memory.blocks_to_swap = {memory.blocks_to_swap} streams frozen weights: it needs "
+            'train.mode = "lora" (a full fine-tune trains every block; use blocks_to_swap = 0)'
+        )
+    for key, on in (
+        ("blocks_to_swap", memory.blocks_to_swap),
+        ("activation_offload", memory.activation_offload),
+    ):
+        if on and not train.gradient_checkpointing:
+            raise ConfigError(
+                f"memory.{key} = {getattr(memory, key)} needs train.gradient_checkpointing = "
+                "true (a block's weights and inputs are needed again only when it is recomputed)"
+            )
+    if model.dtype == "float8" and train.mode != "lora":
+        raise ConfigError(
+            'model.dtype = "float8" stores frozen weights: it needs train.mode = "lora" '
+            '(a full fine-tune trains in model.trainable_dtype; use "bfloat16" or "auto")'
+        )
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)  # section name -> its dataclass

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import re
 import weakref
 from collections.abc import Iterator
 
@@ -26,9 +25,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from raytuner.config import ConfigError, JobConfig
+from raytuner import placement
+from raytuner.config import JobConfig
 from raytuner.data.buckets import make_buckets
 from raytuner.families import get_family, parts
+from raytuner.train import optim
 from raytuner.train.weights import Weights
 
 GiB = 2**30
@@ -139,11 +140,46 @@ def _source(job: JobConfig, full: bool = False) -> parts.Source:
     return parts.Source(pretrained, m.revision, dtype)
 
 
+@contextlib.contextmanager
+def _offloaded(on: bool) -> Iterator[None]:
+    """``memory.activation_offload`` in a trace: a tensor saved outside the checkpointed blocks
+    leaves the device until backward unpacks it (a new device tensor, counted from then)."""
+    if not on:
+        yield
+        return
+
+    def pack(t):
+        return (t.shape, t.dtype, t.device)
+
+    def unpack(saved):
+        return torch.empty(saved[0], dtype=saved[1], device=saved[2])
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def _block_bytes(denoiser, family) -> list[int]:
+    """Each swappable block's frozen weight bytes (what block swap streams)."""
+    return [
+        sum(p.numel() * p.element_size() for p in b.parameters() if not p.requires_grad)
+        for b in placement.blocks(denoiser, family)
+    ]
+
+
+def swapped_peak(worker: dict, n: int, ring: int) -> int:
+    """The worker's peak with the last ``n`` blocks streamed through a ring of ``ring``."""
+    streamed = worker["block_bytes"][len(worker["block_bytes"]) - n :] if n else []
+    resident = sorted(streamed)[-ring:] if streamed else []
+    return worker["peak_bytes_unswapped"] - sum(streamed) + sum(resident)
+
+
 def trace_step(job: JobConfig, shapes: dict, size, micro: int, checkpointing: bool) -> dict:
     """One training worker's step at ``micro`` samples of ``shapes``, traced on meta."""
-    family, t = get_family(job.model.family), job.train
+    family, t, memory = get_family(job.model.family), job.train, job.memory
     source = _source(job, t.mode == "full")
     denoiser = family.denoiser(source, "meta", weights=False).train()
+    if job.model.dtype == parts.FLOAT8:
+        parts.float8_storage(denoiser.requires_grad_(False))
     if checkpointing:
         denoiser.enable_gradient_checkpointing()
     trainable = parts.DTYPES[job.model.trainable_dtype]
@@ -160,26 +196,32 @@ def trace_step(job: JobConfig, shapes: dict, size, micro: int, checkpointing: bo
     # the step computes in the denoiser's weight dtype (bf16 by default on GPUs); a float32
     # denoiser is traced in float32 even where bf16 autocast would halve its activations
     batch = _meta_batch(shapes, micro, source.dtype, size)
-    with traced() as live:
+    with traced() as live, _offloaded(memory.activation_offload and checkpointing):
         generators = [torch.Generator().manual_seed(j) for j in range(micro)]
         loss_fn(denoiser, batch, generators).sum().backward()
         backward_peak = live.peak
         opt.step()
         opt.zero_grad(set_to_none=True)
     trained = sum(p.numel() * p.element_size() for p in weights.params)
-    state = sum(
+    adamw = sum(
         v.numel() * v.element_size()
         for s in opt.state.values()
         for v in s.values()
         if torch.is_tensor(v)
     )
+    state = optim.state_bytes(t.optimizer, weights.params)
     by_dtype = _bytes_by_dtype(denoiser)
     ema = trained if t.ema_decay else 0
     ddp_buckets = trained  # DDP's flat gradient buckets beside the .grad tensors
     # every later step runs the same forward and backward with the optimizer state alive
-    step_peak = max(backward_peak + state, live.peak)
-    peak = sum(by_dtype.values()) + ema + ddp_buckets + step_peak + OVERHEAD
-    return {
+    step_peak = max(backward_peak + state, live.peak - adamw + state)
+    unswapped = sum(by_dtype.values()) + ema + ddp_buckets + step_peak + OVERHEAD
+    result = {"peak_bytes_unswapped": unswapped, "block_bytes": _block_bytes(denoiser, family)}
+    n = memory.blocks_to_swap if checkpointing and t.mode == "lora" else 0
+    peak = swapped_peak(result, n, memory.swap_ring)
+    return result | {
+        "blocks_to_swap": n,
+        "resident_weights_bytes": sum(by_dtype.values()) - (unswapped - peak),
         "denoiser_params": sum(p.numel() for p in denoiser.parameters()) - _lora(weights),
         "trainable_params": sum(p.numel() for p in weights.params),
         "weights_bytes": sum(by_dtype.values()),
@@ -251,6 +293,10 @@ def trace_validation(job: JobConfig, shapes: dict, size) -> dict:
     with torch.no_grad(), traced() as decode:
         vae.decode(latent)
     weights = _part_bytes(job, tuple(family.part_classes()))
+    if n := job.memory.blocks_to_swap:  # the denoiser streams as in training
+        per_block = _block_bytes(denoiser, family)
+        streamed = per_block[len(per_block) - n :]
+        weights -= sum(streamed) - sum(sorted(streamed)[-job.memory.swap_ring :])
     peak = weights + max(forward.peak, decode.peak) + OVERHEAD
     return {"weights_bytes": weights, "peak_bytes": peak}
 
@@ -282,6 +328,26 @@ def _remedies(job: JobConfig) -> list[tuple[str, JobConfig]]:
     return out
 
 
+def _swap_suggestions(job: JobConfig, shapes, size, gpu_memory: int) -> list[dict]:
+    """The fewest ``memory.blocks_to_swap`` that make the worker fit, with gradient
+    checkpointing (which block swap needs), in the job's dtype and in float8."""
+    family, out = get_family(job.model.family), []
+    if not family.swap_blocks or job.train.mode != "lora":
+        return out
+    dtypes = [job.model.dtype] + ([parts.FLOAT8] if job.model.dtype != parts.FLOAT8 else [])
+    for dtype in dtypes:
+        changed = dataclasses.replace(job, model=dataclasses.replace(job.model, dtype=dtype))
+        worker = trace_step(changed, shapes, size, micro_batch(changed), True)
+        ring = job.memory.swap_ring
+        for n in range(1, len(worker["block_bytes"])):
+            if (peak := swapped_peak(worker, n, ring)) <= gpu_memory:
+                text = f"train.gradient_checkpointing = true, memory.blocks_to_swap = {n}"
+                text += f', model.dtype = "{dtype}"' if dtype != job.model.dtype else ""
+                out.append({"set": text, "peak_bytes": peak, "fits": True})
+                break
+    return out
+
+
 def plan(job: JobConfig, gpu_memory: int, compare: bool = True) -> dict:
     """Everything ``raytuner plan`` prints (sizes in bytes); ``compare``: also the worker's
     peak with gradient checkpointing switched the other way."""
@@ -303,6 +369,7 @@ def plan(job: JobConfig, gpu_memory: int, compare: bool = True) -> dict:
                 changed, shapes, size, micro_batch(changed), changed.train.gradient_checkpointing
             )["peak_bytes"]
             suggestions.append({"set": text, "peak_bytes": peak, "fits": peak <= gpu_memory})
+        suggestions += _swap_suggestions(job, shapes, size, gpu_memory)
     return {
         "family": family.name,
         "pretrained": job.model.pretrained,
@@ -313,6 +380,7 @@ def plan(job: JobConfig, gpu_memory: int, compare: bool = True) -> dict:
         "denoiser_params": worker["denoiser_params"],
         "trainable_params": worker["trainable_params"],
         "weights_bytes": worker["weights_bytes"],
+        "blocks_to_swap": worker["blocks_to_swap"],
         "peak_bytes": worker["peak_bytes"],
         "fits": fits,
         "worker": worker,
@@ -322,44 +390,3 @@ def plan(job: JobConfig, gpu_memory: int, compare: bool = True) -> dict:
         "cache_shapes": {k: list(v) for k, v in shapes.items()},
         "suggestions": suggestions,
     }
-
-
-def parse_size(text: str) -> int:
-    """``80GiB``, ``24GB``, ``12G`` (GiB), or a number of bytes."""
-    units = {"gib": GiB, "gb": 10**9, "g": GiB, "mib": 2**20, "mb": 10**6, "": 1}
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]*)\s*", text.lower())
-    if not match or match.group(2) not in units:
-        raise ConfigError(f"--gpu-memory {text!r}: use a size such as 80GiB, 24GB or 12G")
-    return int(float(match.group(1)) * units[match.group(2)])
-
-
-def print_plan(result: dict) -> None:
-    gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
-    w = result["worker"]
-    print(
-        f"{result['family']} ({result['pretrained']}): denoiser "
-        f"{w['denoiser_params'] / 1e6:,.1f} M parameters, {w['trainable_params'] / 1e6:,.2f} M "
-        f"trained; bucket {result['bucket'][0]}x{result['bucket'][1]}, "
-        f"{result['micro_batch']} per forward"
-    )
-    dtypes = ", ".join(f"{k} {gib(v)}" for k, v in w["weights_by_dtype"].items())
-    print(
-        f"  training worker: weights {dtypes}; gradients {gib(w['gradients_bytes'])}, "
-        f"optimizer {gib(w['optimizer_bytes'])}, EMA {gib(w['ema_bytes'])}, DDP buckets "
-        f"{gib(w['ddp_buckets_bytes'])}, activations {gib(w['activations_bytes'])}, "
-        f"CUDA overhead {gib(w['overhead_bytes'])}"
-    )
-    line = f"  training worker peak {gib(result['peak_bytes'])}"
-    for key in ("with", "without"):
-        if f"peak_bytes_{key}_checkpointing" in w:
-            line += f" ({key} gradient checkpointing: {gib(w[f'peak_bytes_{key}_checkpointing'])})"
-    print(line)
-    for name in ("encoder_actor", "validation_actor"):
-        a = result[name]
-        label = name.replace("_", " ")
-        print(f"  {label}: weights {gib(a['weights_bytes'])}, peak {gib(a['peak_bytes'])}")
-    verdict = "fits" if result["fits"] else "does NOT fit"
-    print(f"  the training worker {verdict} in {gib(result['gpu_memory_bytes'])}")
-    for s in result["suggestions"]:
-        verdict = "fits" if s["fits"] else "still too big"
-        print(f"  with {s['set']}: {gib(s['peak_bytes'])} ({verdict})")

@@ -16,7 +16,7 @@ import pyarrow.fs as pafs
 import torch
 from PIL import Image
 
-from raytuner import storage
+from raytuner import placement, storage
 from raytuner.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.train.state import EXPORT, STATE, checkpoint_folders
 from raytuner.train.weights import LORA_DIR, MODEL_DIR
@@ -80,18 +80,22 @@ def latest_checkpoint(run_dir: str) -> tuple[pafs.FileSystem, str]:
     raise FileNotFoundError(f"no complete checkpoint under {run_dir}: train the job first")
 
 
-def load_pipeline(family, source, weights: Weights | None, device: str):
+def load_pipeline(family, source, weights: Weights | None, device: str, blocks_to_swap=0):
     """The family's pipeline on ``device``, its weights in ``source.dtype`` (``model.dtype``:
-    bfloat16 on CUDA, float32 on a CPU by default), with ``weights`` applied."""
+    bfloat16 on CUDA, float32 on a CPU by default), with ``weights`` applied, the denoiser's
+    last ``blocks_to_swap`` blocks streamed as in training (``memory.blocks_to_swap``)."""
     pipe = family.pipeline(source)
     pipe.set_progress_bar_config(disable=True)
-    apply_weights(pipe, family, weights, device, source.dtype)
+    apply_weights(pipe, family, weights, device, source.dtype, blocks_to_swap)
     return pipe
 
 
-def apply_weights(pipe, family, weights: Weights | None, device: str, dtype=None) -> None:
+def apply_weights(
+    pipe, family, weights: Weights | None, device: str, dtype=None, blocks_to_swap=0
+) -> None:
     """Put ``weights`` into ``pipe`` in place of any applied before (a LoRA is unloaded first;
-    a fine-tuned denoiser replaces the current one, loaded in ``dtype``)."""
+    a fine-tuned denoiser replaces the current one, loaded in ``dtype``), then place it."""
+    placement.unplace_pipeline(pipe)  # streamed blocks back whole before weights change
     if weights is not None and weights.kind == "lora":
         pipe.unload_lora_weights()
         path = Path(weights.path)  # a .safetensors file
@@ -102,7 +106,7 @@ def apply_weights(pipe, family, weights: Weights | None, device: str, dtype=None
         dtype = dtype or getattr(pipe, part).dtype
         denoiser = cls.from_pretrained(os.path.join(weights.path, part), torch_dtype=dtype)
         pipe.register_modules(**{part: denoiser})
-    pipe.to(device)
+    placement.place_pipeline(pipe, family, device, blocks_to_swap)
 
 
 def render(
@@ -184,7 +188,7 @@ def sample(job, checkpoint: str, prompts, seeds, steps, size, out: str) -> list:
         weights = None if checkpoint == BASE else find_weights(local_copy(fs, source, scratch))
         m = job.model
         model = parts.source(m.pretrained, m.revision, m.dtype, device)
-        pipe = load_pipeline(family, model, weights, device)
+        pipe = load_pipeline(family, model, weights, device, job.memory.blocks_to_swap)
         options = family.pipeline_options(pipe)
         rows = render(pipe, options, prompts, seeds, steps, size)
     record = {"checkpoint": BASE if checkpoint == BASE else source, "steps": steps}

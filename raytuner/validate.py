@@ -49,6 +49,7 @@ class RenderSpec:
     size: tuple[int, int]
     run_dir: str
     tensorboard: bool
+    blocks_to_swap: int = 0  # memory.blocks_to_swap: the denoiser streams as in training
 
 
 class Validator:
@@ -99,10 +100,12 @@ class Validator:
         family, device = get_family(s.family), sample.default_device()
         if self.pipe is None:
             source = parts.source(s.pretrained, s.revision, s.dtype, device)
-            self.pipe = sample.load_pipeline(family, source, None, device)
+            swap = s.blocks_to_swap
+            self.pipe = sample.load_pipeline(family, source, None, device, swap)
             self.writer = summary_writer(s.run_dir, ".validation") if s.tensorboard else None
         try:
-            sample.apply_weights(self.pipe, family, sample.find_weights(local), device)
+            weights = sample.find_weights(local)
+            sample.apply_weights(self.pipe, family, weights, device, None, s.blocks_to_swap)
             options = family.pipeline_options(self.pipe)
             rows = sample.render(self.pipe, options, s.prompts, s.seeds, s.steps, s.size)
         finally:
@@ -167,6 +170,7 @@ def start(job, run_dir: str):
         size=(v.width or width, v.height or height),
         run_dir=run_dir,
         tensorboard=job.train.tensorboard,
+        blocks_to_swap=job.memory.blocks_to_swap,
     )
     actor = ray.remote(Validator).options(num_cpus=v.cpus, num_gpus=v.gpus or None)
     validator = actor.remote(asdict(spec))

@@ -25,6 +25,7 @@ from raytuner.families.parts import Source
 from raytuner.train.trainer import train
 
 TINY = Source("tiny")
+TRAINED: dict[str, dict] = {}  # family -> the summary of its plain 2-worker LoRA run
 
 # diffusers converts kohya keys for these; its Sana loader ignores them (no error, no effect)
 KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl", "flux"}
@@ -112,7 +113,7 @@ def assert_sampling_uses_the_trained_weights(
 def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared, tmp_path):
     family, job = FAMILIES[name], load_job(prepared(name))
     folder = job.model.pretrained
-    summary = train(job)
+    summary = TRAINED[name] = train(job)
     assert summary["step"] == 3 and np.isfinite(summary["loss"])
     lora = load_file(summary["lora"])
     ups = [v for k, v in lora.items() if "lora.up" in k or "lora_B" in k]
@@ -138,6 +139,42 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared, tmp_pat
     # a LoRA export as --checkpoint: once (the full fine-tunes below check a model folder)
     exported = lora_dir if name == "sd15" else None
     assert_sampling_uses_the_trained_weights(prepared(name), tmp_path, exported)
+
+
+@pytest.mark.slow
+def test_flux_with_blocks_swapped_trains_the_same_lora_on_two_workers(prepared):
+    """All but one of the tiny Flux's four blocks streamed through a ring of two, activations
+    offloaded, under DDP on two gloo workers: the exported LoRA is the plain run's (gradient
+    checkpointing recomputes the same numbers; only float rounding may differ)."""
+    if "flux" not in TRAINED:
+        TRAINED["flux"] = train(load_job(prepared("flux")))
+    low = ["memory.blocks_to_swap=3", "memory.activation_offload=true"]
+    overrides = ['train.name="swapped"', "train.gradient_checkpointing=true", *low]
+    summary = train(load_job(prepared("flux"), overrides))
+    assert summary["step"] == 3
+    plain, swapped = load_file(TRAINED["flux"]["lora"]), load_file(summary["lora"])
+    assert plain.keys() == swapped.keys()
+    for key in plain:
+        torch.testing.assert_close(swapped[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_float8_weights_with_8bit_adamw_and_swapped_blocks_train_a_lora_that_loads(prepared):
+    """Flux with its frozen linear weights in float8 (computed in bfloat16), three of four
+    blocks streamed, bitsandbytes' AdamW8bit and a cosine schedule, on two workers: the run
+    trains, and its LoRA loads into the diffusers pipeline (float32) and changes the image.
+    (8-bit optimizer state itself: tests/test_lowvram.py, on matrices over its threshold.)"""
+    low = ['model.dtype="float8"', "memory.blocks_to_swap=3", "train.gradient_checkpointing=true"]
+    optimizer = ['train.optimizer="adamw8bit"', 'train.lr_scheduler="cosine"']
+    job = load_job(prepared("flux"), ['train.name="fp8"', *low, *optimizer])
+    assert preprocess(job.model, job.data, job.preprocess)["encoded"] == 12  # bf16 encoders
+    summary = train(job)
+    assert summary["step"] == 3 and np.isfinite(summary["loss"])
+    pipe = FAMILIES["flux"].pipeline(Source(job.model.pretrained))
+    before = pipeline_image(pipe)
+    pipe.load_lora_weights(str(Path(summary["lora"]).parent))
+    after = pipeline_image(pipe)
+    assert np.isfinite(after).all() and not np.allclose(before, after)
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ from raytuner.cli import main
 from raytuner.config import LoraConfig, ObjectiveConfig, load_job
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.plan import GiB, parse_size, plan
+from raytuner.plan import GiB, plan
+from raytuner.plan_output import parse_size
 from raytuner.train.loop import _step
 from raytuner.train.weights import Weights, autocast_dtype
 
@@ -87,7 +88,7 @@ def test_plan_matches_what_a_real_step_allocates_on_cpu():
     shapes = family.cache_shapes(*size)
     planned = planner.trace_step(job, shapes, size, 1, False)["backward_peak_bytes"]
     cpu = torch.device("cpu")
-    denoiser, _, source, _ = trainable_model(job.model, job.train, job.lora, family, cpu)
+    denoiser, _, source, _, _ = trainable_model(job.model, job.train, job.lora, family, cpu)
     batch = planner._meta_batch(shapes, 1, torch.float32, size)
     batch = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in batch.items()}
     loss_fn = family.loss(source, job.objective)

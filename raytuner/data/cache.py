@@ -78,6 +78,8 @@ def fingerprint(model: ModelConfig, pre: PreprocessConfig) -> str:
     encoding = {k: getattr(pre, k) for k in ENCODING_KEYS}
     # what the encoders are (not model.trainable_dtype, which only training reads)
     encoders = {k: getattr(model, k) for k in ("family", "pretrained", "revision", "dtype")}
+    if model.dtype == "float8":  # only the denoiser is stored in float8: encoders in bfloat16
+        encoders["dtype"] = "bfloat16"
     payload = {"format": FORMAT_VERSION, "model": encoders, "encoding": encoding}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -36,6 +36,9 @@ class Family(Protocol):
     pixel_multiple: int  # bucket sides are multiples of this (VAE factor x denoiser factor)
     lora_targets: tuple[str, ...]  # default peft target_modules on the denoiser
     denoiser_part: str  # "unet" / "transformer": its pipeline attribute, its name in LoRA keys
+    # the denoiser's block lists in the order they run (``memory.blocks_to_swap`` streams the
+    # last of them); empty: the family does not stream blocks
+    swap_blocks: tuple[str, ...]
 
     # its parts: name (also the subfolder in a diffusers folder) -> "module.Class"
     def part_classes(self) -> dict[str, str]: ...

@@ -46,10 +46,51 @@ class Source:
 
 
 def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
-    """``model.dtype`` for a device: ``auto`` is bfloat16 on a GPU and float32 elsewhere."""
+    """``model.dtype`` for a device: ``auto`` is bfloat16 on a GPU and float32 elsewhere;
+    ``float8`` loads in bfloat16 (the denoiser's linear weights are then stored in float8 by
+    :func:`float8_storage`)."""
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return DTYPES[name]
+    return torch.bfloat16 if name == FLOAT8 else DTYPES[name]
+
+
+FLOAT8 = "float8"  # the model.dtype that stores the frozen denoiser in float8
+
+
+class _ScaledFloat8(torch.nn.Module):
+    """A linear weight stored as float8 (e4m3) times a per-tensor scale (``original0``,
+    ``original1``), upcast to ``compute`` each time the layer runs (a parametrization:
+    ``layer.weight`` is the upcast)."""
+
+    def __init__(self, compute: torch.dtype):
+        super().__init__()
+        self.compute = compute
+
+    def forward(self, stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return stored.to(self.compute) * scale.to(self.compute)
+
+    def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fp8 = torch.float8_e4m3fn
+        scale = weight.detach().abs().amax().float() / torch.finfo(fp8).max
+        scale = scale.clamp(min=1e-12)
+        return (weight.detach().float() / scale).to(fp8), scale
+
+
+def float8_storage(module: torch.nn.Module, compute: torch.dtype = torch.bfloat16) -> int:
+    """Store the frozen weight of every linear layer of ``module`` in scaled float8, computed in
+    ``compute``; returns how many layers were converted (LoRA layers added later keep theirs)."""
+    from torch.nn.utils import parametrize
+
+    layers = [
+        m
+        for m in module.modules()
+        if isinstance(m, torch.nn.Linear)
+        and not m.weight.requires_grad
+        and not parametrize.is_parametrized(m, "weight")
+    ]
+    for layer in layers:
+        parametrize.register_parametrization(layer, "weight", _ScaledFloat8(compute))
+    return len(layers)
 
 
 def source(pretrained: str, revision: str, dtype: str, device) -> Source:

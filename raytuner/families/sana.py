@@ -80,6 +80,7 @@ class Sana:
     pixel_multiple: int = 32  # DC-AE downsamples 32x; the transformer patch is 1
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "transformer"
+    swap_blocks: tuple[str, ...] = ("transformer_blocks",)
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What Sana 1600M's encoders store per image of a bucket: 32-channel DC-AE latents at

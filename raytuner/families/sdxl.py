@@ -49,6 +49,7 @@ class SDXL:
     pixel_multiple: int = 64
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "unet"
+    swap_blocks: tuple[str, ...] = ()
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What the released model's encoders store per image of a bucket: 4-channel latents

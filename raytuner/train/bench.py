@@ -23,6 +23,7 @@ from raytuner.data.cache import fingerprint, read_manifest
 from raytuner.data.preprocess import preprocess
 from raytuner.data.reader import open_dataset
 from raytuner.families import get_family
+from raytuner.train import optim
 from raytuner.train.feed import Feed
 from raytuner.train.loop import _step
 from raytuner.train.weights import trainable_model
@@ -92,9 +93,11 @@ def _bare_loop(job: JobConfig, steps: int) -> float:
     family, t = get_family(job.model.family), job.train
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(t.seed)
-    denoiser, weights, source, amp = trainable_model(job.model, t, job.lora, family, device)
-    opt = torch.optim.AdamW(weights.params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    loss_fn = family.loss(source, job.objective)
+    denoiser, weights, source, amp, _ = trainable_model(
+        job.model, t, job.lora, family, device, job.memory
+    )
+    opt, _ = optim.for_run(t, weights.params)
+    loss_fn, offload = family.loss(source, job.objective), job.memory.activation_offload
     batches = _batches(job, 2 * steps)
     start = 0.0
     for i, (tensors, seeds) in enumerate(batches):
@@ -102,7 +105,8 @@ def _bare_loop(job: JobConfig, steps: int) -> float:
             _synchronize(device)
             start = time.perf_counter()
         batch = _Slice(tensors, seeds)
-        _step(denoiser, loss_fn, batch, device, t.micro_batch_size, 1 / t.global_batch_size, amp)
+        scale = 1 / t.global_batch_size
+        _step(denoiser, loss_fn, batch, device, t.micro_batch_size, scale, amp, offload)
         torch.nn.utils.clip_grad_norm_(weights.params, t.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)

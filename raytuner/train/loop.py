@@ -14,16 +14,17 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from raytuner import storage
+from raytuner import placement, storage
 from raytuner.config import (
     CheckpointConfig,
     LoraConfig,
+    MemoryConfig,
     ModelConfig,
     ObjectiveConfig,
     TrainConfig,
 )
 from raytuner.families import get_family
-from raytuner.train import export
+from raytuner.train import export, optim
 from raytuner.train import state as ckpt
 from raytuner.train.feed import Batch, open_feed
 from raytuner.train.memory import PeakMemory
@@ -49,6 +50,7 @@ class LoopConfig:
     dataset: dict  # what a checkpoint records of it (``trainer.dataset_record``)
     run_dir: str  # <train.output>/<run name>
     job: dict  # the whole resolved job, written into every checkpoint as a record only
+    memory: MemoryConfig = MemoryConfig()
     validation_every: int = 0  # validation renders need a checkpoint every N steps
 
 
@@ -85,11 +87,20 @@ class Meter:
         return out
 
 
-def _step(model, loss_fn, batch: Batch, device, micro_batch_size: int, scale: float, amp=None):
+def _step(
+    model,
+    loss_fn,
+    batch: Batch,
+    device,
+    micro_batch_size: int,
+    scale: float,
+    amp=None,
+    offload=False,
+):
     """Forward and backward over this rank's slice, in micro-batches (gradient accumulation,
-    synchronised across ranks on the last one only), under autocast to ``amp`` when set;
-    returns the slice's loss sum."""
-    tensors = {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}
+    synchronised across ranks on the last one only), under autocast to ``amp`` when set, the
+    checkpointed blocks' inputs in host memory when ``offload``; returns the slice's loss sum."""
+    tensors = placement.batch(batch.tensors, device)
     torch.manual_seed(batch.seeds[0])  # dropout: a redone step draws the same masks
     n = len(batch.seeds)
     size = micro_batch_size or n
@@ -99,7 +110,7 @@ def _step(model, loss_fn, batch: Batch, device, micro_batch_size: int, scale: fl
         no_sync = getattr(model, "no_sync", None)
         sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
         generators = [torch.Generator().manual_seed(s) for s in batch.seeds[a : a + size]]
-        with sync:
+        with sync, placement.activations(offload, device):
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 micro = {k: v[a : a + size] for k, v in tensors.items()}
                 per_sample = loss_fn(model, micro, generators)
@@ -208,13 +219,13 @@ def train_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     family, device, t = get_family(cfg.model.family), ray.train.torch.get_device(), cfg.train
     torch.manual_seed(t.seed)  # the same LoRA init on every rank
-    denoiser, weights, source, amp = trainable_model(cfg.model, t, cfg.lora, family, device)
-    opt = torch.optim.AdamW(weights.params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    warmup = max(t.warmup_steps, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    trained = trainable_model(cfg.model, t, cfg.lora, family, device, cfg.memory)
+    weights, placed, amp = trained.weights, trained.placement, trained.amp
+    opt, sched = optim.for_run(t, weights.params)
     st = _restore(cfg, weights, opt, sched, rank)
-    model = ray.train.torch.prepare_model(denoiser)
-    loss_fn = family.loss(source, cfg.objective)
+    placed.check(opt)  # restored optimizer state beside its parameter, every block in its place
+    model = placed.distributed(ray.train.torch.prepare_model)
+    loss_fn, offload = family.loss(trained.source, cfg.objective), cfg.memory.activation_offload
     pin = device.type == "cuda"
     feed = open_feed(cfg.train, cfg.cache, cfg.fingerprint, cfg.manifest, rank, world, pin)
     feed.start(st.epoch, st.index)
@@ -225,7 +236,8 @@ def train_loop(config: dict) -> None:
     try:
         while st.step < t.max_steps:
             batch = feed.next(st.epoch, st.index)
-            meter.add(_step(model, loss_fn, batch, device, t.micro_batch_size, scale, amp))
+            loss = _step(model, loss_fn, batch, device, t.micro_batch_size, scale, amp, offload)
+            meter.add(loss)
             torch.nn.utils.clip_grad_norm_(weights.params, t.max_grad_norm)
             opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
             weights.step()

@@ -96,7 +96,7 @@ def run_identity(model, lora, train, fingerprint: str, dataset: str) -> dict:
     the dataset (its rows, in order: ``index.dataset_id``), the model, what is trained (mode,
     adapter shape, EMA) and the schedule (the cursor means nothing under another)."""
     schedule = {k: getattr(train, k) for k in ("seed", "global_batch_size", "remainder")}
-    trained = {"mode": train.mode, "ema": train.ema_decay > 0}
+    trained = {"mode": train.mode, "ema": train.ema_decay > 0, "optimizer": train.optimizer}
     return {"fingerprint": fingerprint, "model": asdict(model), "lora": asdict(lora)} | {
         "dataset": {"id": dataset},
         "schedule": schedule,

@@ -9,9 +9,10 @@ import time
 
 import torch
 
-from raytuner import plan
+from raytuner import placement, plan
 from raytuner.config import JobConfig
 from raytuner.families import get_family
+from raytuner.train import optim
 from raytuner.train.weights import trainable_model
 
 
@@ -26,10 +27,13 @@ def bench_step(job: JobConfig, steps: int, as_json: bool) -> dict:
     micro = plan.micro_batch(job)
     planned = plan.trace_step(job, shapes, size, micro, job.train.gradient_checkpointing)
     started = time.perf_counter()
-    denoiser, weights, source, amp = trainable_model(job.model, job.train, job.lora, family, device)
+    denoiser, weights, source, amp, _ = trainable_model(
+        job.model, job.train, job.lora, family, device, job.memory
+    )
     loss_fn, dtype = family.loss(source, job.objective), source.dtype
     load_s = time.perf_counter() - started
-    opt = torch.optim.AdamW(weights.params, lr=job.train.learning_rate)
+    opt, _ = optim.for_run(job.train, weights.params)
+    offload = job.memory.activation_offload
     batch = {k: torch.randn(micro, *s, device=device) for k, s in shapes.items()}
     for key in plan.CONDITIONING:
         batch[key] = torch.full((micro, 2), float(max(size)), device=device)
@@ -38,9 +42,10 @@ def bench_step(job: JobConfig, steps: int, as_json: bool) -> dict:
 
     def step(i: int) -> None:
         generators = [torch.Generator().manual_seed(i * micro + j) for j in range(micro)]
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            loss = loss_fn(denoiser, batch, generators).mean()
-        loss.backward()
+        with placement.activations(offload, device):
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                loss = loss_fn(denoiser, batch, generators).mean()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(weights.params, job.train.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -188,6 +188,7 @@ def train(job: JobConfig) -> dict:
         dataset=dataset,
         run_dir=run_dir,
         job=job.to_dict(),
+        memory=job.memory,
         validation_every=job.validation.every_steps,
     )
     result = _fit(job, name, loop)

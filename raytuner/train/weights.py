@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -31,31 +32,6 @@ def autocast_dtype(precision: str, device: torch.device, frozen: torch.dtype):
     if frozen != torch.float32:
         return frozen
     return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
-
-
-def trainable_model(model, train, lora, family, device: torch.device):
-    """The denoiser a worker trains, on ``device`` in train mode (frozen weights in
-    ``model.dtype``, trained ones in ``model.trainable_dtype``), its Weights, the Source it came
-    from and the step's autocast dtype: one setup for the loop and both benches."""
-    from raytuner.families import parts
-
-    trainable = parts.DTYPES[model.trainable_dtype]
-    source = parts.source(model.pretrained, model.revision, model.dtype, device)
-    if train.mode == "full":
-        source = parts.Source(source.pretrained, source.revision, trainable)
-    attention_backends(device)
-    denoiser = family.denoiser(source, str(device)).train()
-    if train.gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
-    weights = Weights(
-        denoiser,
-        mode=train.mode,
-        lora=lora,
-        targets=family.lora_targets,
-        ema_decay=train.ema_decay,
-        dtype=trainable,
-    )
-    return denoiser, weights, source, autocast_dtype(train.mixed_precision, device, source.dtype)
 
 
 def attention_backends(device: torch.device) -> None:
@@ -126,7 +102,7 @@ class Weights:
 
     def load_ema(self, shadow: dict[str, torch.Tensor], step: int) -> None:
         device = self.params[0].device
-        self.ema.shadow_params = [shadow[n].to(device) for n in self.names]
+        self.ema.shadow_params = [shadow[n].to(device) for n in self.names]  # beside its weight
         self.ema.optimization_step = step
 
     def step(self) -> None:
@@ -162,3 +138,48 @@ class Weights:
             self.denoiser.save_pretrained(out)
             with open(os.path.join(out, "raytuner.json"), "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True)
+
+
+class Trainable(NamedTuple):
+    """What a worker trains, placed: the denoiser, its trained Weights, the Source it came from,
+    the step's autocast dtype and the placement that keeps every tensor where it belongs."""
+
+    denoiser: nn.Module
+    weights: Weights
+    source: object  # parts.Source
+    amp: torch.dtype | None
+    placement: object  # raytuner.placement.DenoiserPlacement
+
+
+def trainable_model(model, train, lora, family, device: torch.device, memory=None) -> Trainable:
+    """The denoiser a worker trains, placed for ``device`` in train mode (frozen weights in
+    ``model.dtype``, trained ones in ``model.trainable_dtype``, ``memory.blocks_to_swap`` of
+    its blocks streamed): one setup for the loop and both benches."""
+    from raytuner import placement
+    from raytuner.config import MemoryConfig
+    from raytuner.families import parts
+
+    memory = memory or MemoryConfig()
+    trainable = parts.DTYPES[model.trainable_dtype]
+    source = parts.source(model.pretrained, model.revision, model.dtype, device)
+    if train.mode == "full":
+        source = parts.Source(source.pretrained, source.revision, trainable)
+    attention_backends(device)
+    denoiser = family.denoiser(source, str(placement.load_device(device, memory))).train()
+    if model.dtype == parts.FLOAT8:
+        parts.float8_storage(denoiser.requires_grad_(False))
+    if train.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+    weights = Weights(
+        denoiser,
+        mode=train.mode,
+        lora=lora,
+        targets=family.lora_targets,
+        ema_decay=train.ema_decay,
+        dtype=trainable,
+    )
+    placed = placement.DenoiserPlacement(
+        denoiser, family, device, memory.blocks_to_swap, memory.swap_ring
+    )
+    amp = autocast_dtype(train.mixed_precision, device, source.dtype)
+    return Trainable(denoiser, weights, source, amp, placed)

@@ -1,0 +1,195 @@
+"""Where every tensor of a run lives: the one module that moves models, optimizer state and input
+batches between devices. Training, checkpoint restore, ``raytuner sample``, the validation actor
+and DDP all place through it; no other code calls ``.to(device)`` on a model.
+
+A denoiser's plan (``memory`` section): its trainable weights, buffers and the frozen weights of
+the blocks that stay are on the compute device; the frozen weights of the last
+``memory.blocks_to_swap`` blocks (the family's ``swap_blocks`` lists, in the order they run)
+live in pinned host memory and stream in (:mod:`raytuner.placement.stream`). Optimizer state
+sits next to its parameter. DDP never sees a frozen parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch import nn
+
+from raytuner.placement.stream import BlockStreamer
+
+__all__ = ["DenoiserPlacement", "PlacementError", "batch", "blocks", "load_device", "move"]
+
+
+class PlacementError(RuntimeError):
+    """A tensor found somewhere other than its planned device."""
+
+
+def move(module: nn.Module, device) -> nn.Module:
+    """A whole part (encoder, VAE, pipeline component) onto ``device``."""
+    return module.to(device)
+
+
+def inputs(tensor: torch.Tensor, device, dtype=None) -> torch.Tensor:
+    """An encoder's input batch on its device, in its weights' dtype."""
+    return tensor.to(device, dtype)
+
+
+def batch(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """A training batch on the compute device (asynchronously from pinned host memory)."""
+    return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+
+
+def load_device(device: torch.device, memory) -> torch.device:
+    """Where the denoiser is built before it is placed: the host when some of it will stream
+    (a 24 GB transformer never has to fit the GPU whole), else the compute device."""
+    return torch.device("cpu") if memory.blocks_to_swap else device
+
+
+def blocks(denoiser: nn.Module, family) -> list[nn.Module]:
+    """The denoiser's swappable blocks in the order they run (the family's ``swap_blocks``)."""
+    return [block for name in family.swap_blocks for block in getattr(denoiser, name)]
+
+
+def check(memory, family, source) -> None:
+    """Refuse, before anything runs, a ``[memory]`` section the family's denoiser cannot run:
+    block swap on a family without swappable blocks, or more blocks than it has (built on the
+    meta device: nothing is allocated). Raises ConfigError (``raytuner check`` exits 2)."""
+    from raytuner.config import ConfigError
+
+    n = memory.blocks_to_swap
+    if not n:
+        return
+    if not family.swap_blocks:
+        raise ConfigError(
+            f"memory.blocks_to_swap = {n}: the {family.name} family's denoiser does not stream "
+            "blocks (block swap is for the transformer families); set it to 0"
+        )
+    count = len(blocks(family.denoiser(source, "meta", weights=False), family))
+    if n >= count:
+        raise ConfigError(
+            f"memory.blocks_to_swap = {n}: the {family.name} denoiser has {count} blocks "
+            f"({' + '.join(family.swap_blocks)}); allowed: 0 to {count - 1}"
+        )
+
+
+class DenoiserPlacement:
+    """Places a (peft-wrapped) denoiser for training or sampling on ``device`` and keeps it so:
+    ``swapped`` block indices stream, everything else is resident."""
+
+    def __init__(self, denoiser: nn.Module, family, device, blocks_to_swap: int = 0, ring=2):
+        self.denoiser, self.device = denoiser, torch.device(device)
+        self.blocks = blocks(denoiser, family) if blocks_to_swap else []
+        if blocks_to_swap >= max(len(self.blocks), 1):
+            raise PlacementError(
+                f"memory.blocks_to_swap = {blocks_to_swap}: the denoiser has "
+                f"{len(self.blocks)} swappable blocks; swap at most {len(self.blocks) - 1}"
+            )
+        first = len(self.blocks) - blocks_to_swap
+        self.swapped = list(range(first, len(self.blocks))) if blocks_to_swap else []
+        streamed = self._streamed_ids()
+        for p in denoiser.parameters():
+            if id(p) not in streamed and p.device != self.device:
+                p.data = p.data.to(self.device)
+        for module in denoiser.modules():
+            for name, b in module.named_buffers(recurse=False):
+                if b.device != self.device:
+                    module._buffers[name] = b.to(self.device)
+        self.streamer = None
+        if self.swapped:
+            self.streamer = BlockStreamer(self.blocks, self.swapped, self.device, ring)
+
+    def _streamed_ids(self) -> set[int]:
+        return {
+            id(p) for i in self.swapped for p in self.blocks[i].parameters() if not p.requires_grad
+        }
+
+    def frozen_names(self) -> list[str]:
+        return [n for n, p in self.denoiser.named_parameters() if not p.requires_grad]
+
+    def check(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Every parameter and buffer on its planned device (a streamed block: its empty
+        placeholder or its uploaded weights, both on the device; its host copy in host memory),
+        and every optimizer state tensor beside its parameter; else PlacementError naming them."""
+        wrong = [
+            f"{name} on {t.device}"
+            for name, t in [*self.denoiser.named_parameters(), *self.denoiser.named_buffers()]
+            if t.device != self.device
+        ]
+        if self.streamer is not None:
+            wrong += [
+                f"host copy of block {i} on {unit.host.device}"
+                for i, unit in self.streamer.units.items()
+                if unit.host.device.type != "cpu"
+            ]
+        for group in optimizer.param_groups if optimizer else []:
+            for p in group["params"]:
+                for key, v in optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(v) and v.numel() > 1 and v.device != p.device:
+                        wrong.append(f"optimizer state {key!r} on {v.device}, not {p.device}")
+        if wrong:
+            raise PlacementError(f"{len(wrong)} tensors off their planned device: {wrong[:5]}")
+
+    def resident_frozen_bytes(self) -> int:
+        """Bytes of frozen weights on the device now (streamed placeholders hold none)."""
+        return sum(
+            p.numel() * p.element_size()
+            for p in self.denoiser.parameters()
+            if not p.requires_grad and p.device == self.device
+        )
+
+    def distributed(self, prepare):
+        """The denoiser wrapped for data parallel training by ``prepare`` (Ray Train's
+        ``prepare_model``): frozen parameters are on DDP's ignore list (no broadcast of frozen
+        weights at start, no bucket for them, streamed ones may be on either side), and the
+        model is not moved again."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            self.denoiser, self.frozen_names()
+        )
+        return prepare(self.denoiser, move_to_device=False)
+
+    def release(self) -> None:
+        """Stop streaming: every swapped block's frozen weights bound to their host copy (to
+        load other weights into the model; place it again afterwards)."""
+        if self.streamer is not None:
+            self.streamer.remove()
+            self.streamer = None
+
+
+@contextlib.contextmanager
+def activations(offload: bool, device: torch.device):
+    """``memory.activation_offload``: tensors saved for backward outside the checkpointed blocks'
+    recompute (each block's inputs, which gradient checkpointing keeps) wait in pinned host
+    memory until backward needs them."""
+    if not offload:
+        yield
+        return
+    with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+        yield
+
+
+_PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def place_pipeline(pipe, family, device, blocks_to_swap: int = 0) -> None:
+    """A sampling pipeline on ``device``; with ``blocks_to_swap``, its denoiser streams the same
+    blocks as training does (the other components are placed whole)."""
+    unplace_pipeline(pipe)
+    denoiser = getattr(pipe, family.denoiser_part)
+    if not (blocks_to_swap and family.swap_blocks):
+        pipe.to(device)
+        return
+    for part in pipe.components.values():
+        if isinstance(part, nn.Module) and part is not denoiser:
+            move(part, device)
+    _PIPELINES[pipe] = DenoiserPlacement(denoiser, family, device, blocks_to_swap)
+
+
+def unplace_pipeline(pipe) -> None:
+    """Undo ``place_pipeline``'s streaming before other weights are loaded into ``pipe``."""
+    placement = _PIPELINES.pop(pipe, None)
+    if placement is not None:
+        placement.release()
