@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from raytuner import placement
 from raytuner.families.parts import Source
 
 # A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
@@ -96,7 +97,7 @@ class FrozenTextEncoders:
 
     def __init__(self, tokenizers, encoders, device: str):
         self.tokenizers = tokenizers
-        self.encoders = [e.to(device).eval().requires_grad_(False) for e in encoders]
+        self.encoders = [placement.move(e, device).eval().requires_grad_(False) for e in encoders]
         self.device = device
 
     def truncated(self, captions: list[str]) -> list[bool]:
@@ -120,7 +121,7 @@ def tokenize(tokenizer, captions: list[str], device: str) -> torch.Tensor:
         max_length=tokenizer.model_max_length,
         truncation=True,
         return_tensors="pt",
-    ).input_ids.to(device)
+    ).input_ids.to(device)  # token ids, made for the encoder's device
 
 
 def per_sample_noise(like: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -170,12 +171,12 @@ def sd_scheduler_config(prediction_type: str = "epsilon") -> dict:
 
 def kl_image_encoder(vae, device: str) -> ImageEncoder:
     """Latent mean and std of an AutoencoderKL, in the denoiser's scale (scaling_factor)."""
-    vae = vae.to(device).eval().requires_grad_(False)
+    vae = placement.move(vae, device).eval().requires_grad_(False)
     scale = vae.config.scaling_factor
 
     @torch.no_grad()
     def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dist = vae.encode(pixels.to(device, vae.dtype)).latent_dist
+        dist = vae.encode(placement.inputs(pixels, device, vae.dtype)).latent_dist
         return dist.mean * scale, dist.std * scale
 
     return encode

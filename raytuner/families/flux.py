@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raytuner import placement
 from raytuner.families import base, parts
 
 VAE_FACTOR = 8
@@ -79,7 +80,7 @@ class Flux:
 
         @torch.no_grad()
         def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            dist = vae.encode(pixels.to(device, vae.dtype)).latent_dist
+            dist = vae.encode(placement.inputs(pixels, device, vae.dtype)).latent_dist
             return (dist.mean - shift) * scale, dist.std * scale
 
         return encode

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from raytuner import placement
+
 PRESETS = ("tiny", "random")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CONFIGS = Path(__file__).parent / "configs"
@@ -176,7 +178,7 @@ def load(
         return model.eval()
     key = "dtype" if cls.__module__.startswith("transformers") else "torch_dtype"
     model = cls.from_pretrained(source.pretrained, **source.hub(part), **{key: source.dtype})
-    return model.to(device).eval()
+    return placement.move(model, device).eval()
 
 
 def loader(family: str, classes: dict[str, str]):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raytuner import placement
 from raytuner.families import base, parts
 
 MAX_TOKENS = 300  # caption tokens the Sana pipeline keeps (a tiny tokenizer keeps fewer)
@@ -50,7 +51,7 @@ class _GemmaText:
     def __init__(self, tokenizer, encoder, device: str):
         from diffusers import SanaPipeline
 
-        encoder = encoder.to(device).eval().requires_grad_(False)
+        encoder = placement.move(encoder, device).eval().requires_grad_(False)
         self.pipe = SanaPipeline(
             tokenizer=tokenizer, text_encoder=encoder, vae=None, transformer=None, scheduler=None
         )
@@ -98,7 +99,7 @@ class Sana:
 
         @torch.no_grad()
         def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            latent = vae.encode(pixels.to(device, vae.dtype)).latent * scale
+            latent = vae.encode(placement.inputs(pixels, device, vae.dtype)).latent * scale
             return latent, torch.zeros_like(latent)  # DC-AE is deterministic
 
         return encode

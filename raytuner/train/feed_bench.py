@@ -22,7 +22,7 @@ import ray.train
 import torch.distributed as dist
 from ray.train.torch import TorchTrainer
 
-from raytuner import runtime
+from raytuner import placement, runtime
 from raytuner.bench import print_figures
 from raytuner.config import JobConfig
 from raytuner.data import cache, synthetic
@@ -72,7 +72,7 @@ def _phase(config: dict, cache_root: str, manifest: dict, rank: int, world: int,
         before = (reader.bytes_read, feed.data.bytes_used, reader.requests)
         for _ in range(config["steps"]):
             batch = feed.next(*cursor)
-            _ = {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}
+            placement.batch(batch.tensors, device)
             cursor, rows = batch.after(), rows + len(batch.ids)
         seconds = time.perf_counter() - start
         after = (reader.bytes_read, feed.data.bytes_used, reader.requests)
