@@ -41,10 +41,11 @@ def batch(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
 
 
-def load_device(device: torch.device, memory) -> torch.device:
+def load_device(device: torch.device, memory, float8: bool = False) -> torch.device:
     """Where the denoiser is built before it is placed: the host when some of it will stream
-    (a 24 GB transformer never has to fit the GPU whole), else the compute device."""
-    return torch.device("cpu") if memory.blocks_to_swap else device
+    or be stored in float8 (a 24 GB bfloat16 transformer never has to fit the GPU whole), else
+    the compute device."""
+    return torch.device("cpu") if memory.blocks_to_swap or float8 else device
 
 
 def blocks(denoiser: nn.Module, family) -> list[nn.Module]:
@@ -99,6 +100,11 @@ class DenoiserPlacement:
         self.streamer = None
         if self.swapped:
             self.streamer = BlockStreamer(self.blocks, self.swapped, self.device, ring)
+
+    def average(self, ema) -> None:
+        """An EMA of the trained weights (``diffusers``' EMAModel) beside them."""
+        if ema is not None:
+            ema.to(device=self.device)
 
     def _streamed_ids(self) -> set[int]:
         return {

@@ -165,8 +165,10 @@ def trainable_model(model, train, lora, family, device: torch.device, memory=Non
     if train.mode == "full":
         source = parts.Source(source.pretrained, source.revision, trainable)
     attention_backends(device)
-    denoiser = family.denoiser(source, str(placement.load_device(device, memory))).train()
-    if model.dtype == parts.FLOAT8:
+    float8 = model.dtype == parts.FLOAT8
+    denoiser = family.denoiser(source, str(placement.load_device(device, memory, float8)))
+    denoiser.train()
+    if float8:
         parts.float8_storage(denoiser.requires_grad_(False))
     if train.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
@@ -181,5 +183,6 @@ def trainable_model(model, train, lora, family, device: torch.device, memory=Non
     placed = placement.DenoiserPlacement(
         denoiser, family, device, memory.blocks_to_swap, memory.swap_ring
     )
+    placed.average(weights.ema)
     amp = autocast_dtype(train.mixed_precision, device, source.dtype)
     return Trainable(denoiser, weights, source, amp, placed)
