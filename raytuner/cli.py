@@ -107,7 +107,12 @@ def _parser() -> argparse.ArgumentParser:
                     "--min-age-s",
                     type=float,
                     default=3600.0,
-                    help="leave part folders younger than this (a run may be writing)",
+                    help="leave versions and part folders younger than this alone",
+                )
+                cmd.add_argument(
+                    "--dry-run",
+                    action="store_true",
+                    help="list what would be deleted, delete nothing",
                 )
             if group == "bench":
                 cmd.add_argument("--json", action="store_true", help="print one JSON object")
@@ -176,8 +181,8 @@ def do_cache(job: JobConfig, args: argparse.Namespace) -> int:
 
     version = cache.Version(job.data.cache, cache.fingerprint(job.model, job.preprocess))
     if args.action == "gc":
-        for path in verify.collect(job.data.cache, version, args.min_age_s):
-            print(f"deleted {path}")
+        for path in verify.collect(job.data.cache, version, args.min_age_s, args.dry_run):
+            print(f"{'would delete' if args.dry_run else 'deleted'} {path}")
         return 0
     bad = verify.verify(version)
     for b in bad:

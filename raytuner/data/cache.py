@@ -6,6 +6,7 @@ Layout under ``data.cache``::
 
     <fingerprint>/manifest.json     what readers trust: every live file with rows and sha256
     <fingerprint>/report.json       the report of the run that committed it
+    <fingerprint>/leases/*.json     heartbeats of the jobs using the version (``lease.py``)
     <fingerprint>/parts/<run>/latents/status=ok/*.parquet       rows keyed by image-content hash
     <fingerprint>/parts/<run>/latents/status=skipped/*.parquet  why a file could not be used
     <fingerprint>/parts/<run>/text/*.parquet                   one row per distinct caption
@@ -205,8 +206,27 @@ class Version:
         sha = hashlib.sha256(data).hexdigest()
         return {"path": rel, "rows": table.num_rows, "bytes": len(data), "sha256": sha}
 
+    def lease(self, holder: str):
+        """A context in which ``cache gc`` leaves this version alone (``data/lease.py``)."""
+        from raytuner.data.lease import Lease
+
+        return Lease(self.fs, self.root, holder)
+
+    def leases(self) -> list[dict]:
+        from raytuner.data.lease import live
+
+        return live(self.fs, self.root)
+
     def commit(self, manifest: dict) -> None:
-        """The report beside the manifest, then the manifest itself: last and atomic."""
+        """The report beside the manifest, then the manifest itself: last and atomic. Every
+        file the manifest names must still exist (a gc may have run since they were listed)."""
+        listed = manifest["latents"] + manifest["text"] + [manifest["index"], manifest["captions"]]
+        gone = [e["path"] for e in listed if not storage.exists(self.fs, self.path(e["path"]))]
+        if gone:
+            raise RuntimeError(
+                f"{self.root}: {len(gone)} cache files this commit needs are gone (e.g. "
+                f"{gone[0]}): deleted while the preprocess ran; run it again"
+            )
         storage.write_json_atomic(self.fs, self.path(REPORT), manifest["report"])
         storage.write_json_atomic(self.fs, self.path(MANIFEST), manifest)
 

@@ -145,9 +145,15 @@ def preprocess(
     tag: str = "preprocess",
 ) -> dict:
     """Bring the cache version of this model and encoding up to date with the sources;
-    ``tag``: the run name the dashboard's metrics carry."""
-    start = time.monotonic()
+    ``tag``: the run name the dashboard's metrics carry. The version is leased meanwhile:
+    ``cache gc`` leaves it alone."""
     version = cache.Version(data.cache, cache.fingerprint(model, pre))
+    with version.lease(f"preprocess-{tag}"):
+        return _preprocess(version, model, data, pre, tag)
+
+
+def _preprocess(version, model, data, pre, tag: str) -> dict:
+    start = time.monotonic()
     located = index.Located(version, pre.dtype, version.manifest())
     listing = _listing(data, located)
     if not listing:

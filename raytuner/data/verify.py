@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 
 import pyarrow as pa
@@ -82,32 +83,53 @@ def _newest_ns(fs: pafs.FileSystem, folder: pafs.FileInfo) -> int:
     return max([folder.mtime_ns or 0] + [i.mtime_ns or 0 for i in inside])
 
 
+def _version_folder(fs: pafs.FileSystem, info: pafs.FileInfo) -> bool:
+    """A raytuner cache version: named by a fingerprint, with a manifest that names it."""
+    if info.type != pafs.FileType.Directory or not re.fullmatch(r"[0-9a-f]{16}", info.base_name):
+        return False
+    path = storage.join(info.path, MANIFEST)
+    try:
+        return storage.exists(fs, path) and storage.read_json(fs, path).get("fingerprint") == (
+            info.base_name
+        )
+    except (OSError, ValueError, AttributeError):
+        return False  # not a manifest raytuner wrote
+
+
 def garbage(cache_root: str, keep: Version, min_age_s: float) -> list[str]:
-    """Other versions under the cache root, and this version's part folders its manifest does
-    not reference (older than ``min_age_s``, so a run still writing is left alone)."""
+    """Other cache versions under the cache root, and this version's part folders its manifest
+    does not reference; never a version in use (a live lease: a preprocess or training run),
+    nothing younger than ``min_age_s``, and nothing at all unless ``keep`` is committed."""
+    manifest = keep.manifest()
+    if manifest is None:
+        raise ValueError(
+            f"{keep.root}: this job's cache version is not committed, so gc cannot tell what is "
+            "in use: it deletes nothing. Run `raytuner preprocess` for this job first"
+        )
     fs, root = storage.resolve(cache_root)
+    cutoff = time.time_ns() - min_age_s * 1e9
     infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
     found = [
         i.path
         for i in infos
-        if i.type == pafs.FileType.Directory
-        and i.base_name != keep.fp
-        and storage.exists(fs, storage.join(i.path, MANIFEST))
+        if i.base_name != keep.fp
+        and _version_folder(fs, i)
+        and _newest_ns(fs, i) < cutoff
+        and not Version(cache_root, i.base_name).leases()
     ]
-    empty = {"latents": [], "text": [], "index": {"path": ""}, "captions": {"path": ""}}
-    manifest = keep.manifest() or empty
+    if keep.leases():  # a run writing parts or training on them now: its files stay
+        return sorted(found)
     files = manifest["latents"] + manifest["text"] + [manifest["index"], manifest["captions"]]
     live = {f["path"].split("/")[1] for f in files if f["path"]}
     runs = keep.fs.get_file_info(pafs.FileSelector(keep.path("parts"), allow_not_found=True))
-    cutoff = time.time_ns() - min_age_s * 1e9
     found += [r.path for r in runs if r.base_name not in live and _newest_ns(keep.fs, r) < cutoff]
     return sorted(found)
 
 
-def collect(cache_root: str, keep: Version, min_age_s: float) -> list[str]:
-    """Delete what ``garbage`` finds; return it."""
+def collect(cache_root: str, keep: Version, min_age_s: float, dry_run: bool = False) -> list:
+    """Delete what ``garbage`` finds (nothing with ``dry_run``); return it."""
     fs, _ = storage.resolve(cache_root)
     doomed = garbage(cache_root, keep, min_age_s)
-    for path in doomed:
+    for path in [] if dry_run else doomed:
         fs.delete_dir(path)
     return doomed

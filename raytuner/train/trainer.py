@@ -191,7 +191,8 @@ def train(job: JobConfig) -> dict:
         memory=job.memory,
         validation_every=job.validation.every_steps,
     )
-    result = _fit(job, name, loop)
+    with Version(job.data.cache, fp).lease(f"train-{name}"):  # gc leaves the version alone
+        result = _fit(job, name, loop)
     if result.checkpoint is None:
         raise RuntimeError(f"training run {name} ended without a checkpoint")
     return export_final(result.checkpoint, job.train.output, name) | {"metrics": result.metrics}
