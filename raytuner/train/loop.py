@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -144,7 +145,16 @@ def _report(cfg: LoopConfig, st, metrics: dict, weights, opt, sched, family, jit
             fingerprint=cfg.fingerprint,
         )
         save = functools.partial(weights.export, family=family, meta=meta)
-        ckpt.save_checkpoint(directory, weights, opt, sched, st, records, save)
+        try:
+            ckpt.save_checkpoint(directory, weights, opt, sched, st, records, save)
+        except OSError as e:  # a full disk: no half-written folder left behind
+            shutil.rmtree(directory, ignore_errors=True)
+            need = sum(t.numel() * t.element_size() for t in weights.params)
+            raise RuntimeError(
+                f"checkpoint of step {st.step} could not be written to {directory} ({e}): it "
+                f"needs room for the trained weights ({need:,} bytes) about three times over "
+                "(weights, optimizer state, export); free space there or set TMPDIR"
+            ) from e
         checkpoint = ray.train.Checkpoint.from_directory(directory)
     ray.train.report(metrics, checkpoint=checkpoint)
 

@@ -71,7 +71,18 @@ def read_checkpoint(directory: str, weights) -> tuple[dict, dict | None, dict, T
         ema = load_file(os.path.join(directory, EMA)) if weights.ema is not None else None
         extra = torch.load(os.path.join(directory, OPTIMIZER), weights_only=True)
         extra["optimizer"], extra["lr_schedule"]  # noqa: B018 (both must be there)
-    except (OSError, ValueError, TypeError, KeyError, SafetensorError, UnpicklingError) as e:
+        _export_complete(os.path.join(directory, EXPORT))
+    # torch.load of a truncated or emptied file: RuntimeError (not a zip) or EOFError
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+        KeyError,
+        EOFError,
+        RuntimeError,
+        SafetensorError,
+        UnpicklingError,
+    ) as e:
         raise CheckpointError(f"{directory}: {type(e).__name__}: {e}") from e
     if set(tensors) != weights.keys():
         missing = sorted(weights.keys() - set(tensors))[:3]
@@ -79,6 +90,15 @@ def read_checkpoint(directory: str, weights) -> tuple[dict, dict | None, dict, T
     if ema is not None and set(ema) != set(weights.names):
         raise CheckpointError(f"{directory}: the EMA does not match the trained weights")
     return tensors, ema, extra, state
+
+
+def _export_complete(folder: str) -> None:
+    """The export inside a checkpoint: present, and no empty file in it."""
+    files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
+    if not files:
+        raise FileNotFoundError(f"{EXPORT}/ is missing or empty")
+    if empty := [f for f in files if os.path.getsize(f) == 0]:
+        raise ValueError(f"{empty[0]} is empty")
 
 
 def load_checkpoint(directory: str, weights, optimizer, lr_schedule) -> TrainState:
