@@ -13,6 +13,9 @@ import pyarrow.fs as pafs
 from raytuner import storage
 from raytuner.config import SourceConfig
 
+MAX_CAPTION_BYTES = 256 * 1024  # a caption file over this is skipped with its reason
+MAX_METADATA_BYTES = 1024**3  # a metadata table over this is refused
+HASH_CHUNK = 8 * 1024 * 1024  # images are hashed in pieces of this, never read whole
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
 JUNK_NAMES = {"__MACOSX", "Thumbs.db", "desktop.ini", "@eaDir", "$RECYCLE.BIN"}
@@ -34,10 +37,49 @@ def _escapes(fs: pafs.FileSystem, root: str, path: str) -> bool:
     return os.path.commonpath([real_root, os.path.realpath(path)]) != real_root
 
 
+def _local_files(root: str) -> dict[str, tuple[int, int]]:
+    """``rel -> (size, mtime_ns)`` of a local folder's files. Folder symlinks are followed
+    only inside the folder, and each real folder once: a link out of the dataset (to ``/``) or
+    a loop (``a/up -> ..``) is not walked. (pyarrow's recursive listing follows both.)"""
+    real_root, files = os.path.realpath(root), {}
+    seen = {real_root}
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        keep = []
+        for d in dirs:
+            real = os.path.realpath(os.path.join(folder, d))
+            if os.path.commonpath([real_root, real]) == real_root and real not in seen:
+                seen.add(real)
+                keep.append(d)
+        dirs[:] = keep
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # a dangling link: nothing to read
+            files[os.path.relpath(path, root).replace(os.sep, "/")] = (st.st_size, st.st_mtime_ns)
+    return files
+
+
+def _files(fs: pafs.FileSystem, root: str) -> dict[str, tuple[int, int]]:
+    if isinstance(fs, pafs.LocalFileSystem):
+        return _local_files(root)
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    return {
+        posixpath.relpath(i.path, root): (i.size, i.mtime_ns or 0)
+        for i in infos
+        if i.type == pafs.FileType.File
+    }
+
+
 def read_metadata(fs: pafs.FileSystem, path: str) -> dict[str, str]:
     """``file_name -> text`` from an imagefolder-style metadata.jsonl / .csv / .parquet."""
     import pyarrow.csv
     import pyarrow.parquet as pq
+
+    size = fs.get_file_info(path).size or 0
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"{path}: {size:,} bytes, over the {MAX_METADATA_BYTES:,} allowed")
 
     if path.endswith(".jsonl"):
         lines = storage.read_bytes(fs, path).decode("utf-8").splitlines()
@@ -64,9 +106,10 @@ def list_source(index: int, source: SourceConfig) -> list[dict]:
     fs, root = storage.resolve(source.path)
     if fs.get_file_info(root).type != pafs.FileType.Directory:
         raise ValueError(f"data source {source.path!r} is not a folder")
-    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
-    files = {posixpath.relpath(i.path, root): i for i in infos if i.type == pafs.FileType.File}
+    files = _files(fs, root)
     metadata_path = _metadata_file(fs, root, source, set(files))
+    if metadata_path and _escapes(fs, root, metadata_path):
+        raise ValueError(f"{metadata_path}: a symlink outside the dataset folder; not read")
     captions = read_metadata(fs, metadata_path) if metadata_path else {}
     rows = []
     for rel in sorted(files):
@@ -74,18 +117,23 @@ def list_source(index: int, source: SourceConfig) -> list[dict]:
         if ext.lower() not in IMAGE_EXTENSIONS or _is_junk(rel):
             continue
         txt = stem + source.caption_extension
-        info = files[rel]
+        size, mtime_ns = files[rel]
+        refused = ""
+        if _escapes(fs, root, storage.join(root, rel)):
+            refused = "symlink outside the dataset folder"
+        elif txt in files and _escapes(fs, root, storage.join(root, txt)):
+            refused = "caption file is a symlink outside the dataset folder"
+        elif txt in files and files[txt][0] > MAX_CAPTION_BYTES:
+            refused = f"caption file over {MAX_CAPTION_BYTES:,} bytes"
         rows.append(
             {
                 "source": index,
                 "path": rel,
-                "size": info.size,
-                "mtime_ns": info.mtime_ns or 0,
+                "size": size,
+                "mtime_ns": mtime_ns,
                 "caption_path": txt if txt in files else "",
                 "metadata_caption": captions.get(rel),
-                "refused": "symlink outside the dataset folder"
-                if _escapes(fs, root, storage.join(root, rel))
-                else "",
+                "refused": refused,
             }
         )
     return rows
@@ -113,6 +161,16 @@ def _caption(fs, root: str, row: dict, source: SourceConfig) -> tuple[str | None
     return None, "", "no caption (data caption_fallback = skip)"
 
 
+def _hash(fs: pafs.FileSystem, path: str) -> tuple[str, int]:
+    """sha256 of a file's content and its size, read in pieces."""
+    digest, size = hashlib.sha256(), 0
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
 def probe_row(row: dict, sources: list[SourceConfig]) -> dict:
     """Content key and caption of one listed file; ``reason`` is set when it must be skipped.
 
@@ -137,9 +195,9 @@ def probe_row(row: dict, sources: list[SourceConfig]) -> dict:
         if row.get("known_key"):
             out["key"] = row["known_key"]
         else:
-            data = storage.read_bytes(fs, storage.join(root, row["path"]))
-            out["key"] = hashlib.sha256(data).hexdigest() if data else ""
-            out["reason"] = "" if data else "empty file"
+            digest, size = _hash(fs, storage.join(root, row["path"]))
+            out["key"] = digest if size else ""
+            out["reason"] = "" if size else "empty file"
         caption, where, why = _caption(fs, root, row, source)
     except OSError as e:
         return {**out, "reason": f"unreadable: {e}"}
