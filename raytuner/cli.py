@@ -228,6 +228,7 @@ def runnable(job: JobConfig, family, where: str) -> None:
     (the config's own sections checked each other when it was loaded)."""
     from raytuner import placement
     from raytuner.families import parts
+    from raytuner.jobcheck import check_job
     from raytuner.train.optim import missing_package
 
     if package := missing_package(job.train.optimizer):
@@ -238,6 +239,7 @@ def runnable(job: JobConfig, family, where: str) -> None:
     m = job.model
     source = parts.Source(parts.released(m.family, m.pretrained) or m.pretrained, m.revision)
     try:
+        check_job(job, family)
         placement.check(job.memory, family, source)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
@@ -302,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the one place that turns any failure into exit 1 + a reason
         if os.environ.get("RAYTUNER_DEBUG"):
             raise
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"raytuner: {args.command} failed: {type(e).__name__}: {reason}", file=sys.stderr)
+        from raytuner.errors import root_line
+
+        print(f"raytuner: {args.command} failed: {root_line(e)}", file=sys.stderr)
         return 1
     return code
 

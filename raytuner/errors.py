@@ -1,0 +1,40 @@
+"""The one line a failed command prints: the real exception and its message, also when it was
+raised inside a Ray task, actor or training worker (where the user sees a wrapper such as
+``RayTaskError(UserCodeException)`` around a traceback held only as text)."""
+
+from __future__ import annotations
+
+import re
+
+# "SomeError: message" or "package.module.SomeError: message" as a traceback's last line
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)): (.+)$")
+_WRAPPERS = ("RayTaskError", "RayActorError", "UserCodeException", "TrainingFailedError")
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """The exception and what it wraps: Ray's ``cause``, a worker group's failures, the
+    ``raise ... from`` chain."""
+    seen, out, todo = set(), [], [error]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        out.append(e)
+        inner = [getattr(e, "cause", None), e.__cause__]
+        inner += list((getattr(e, "worker_failures", None) or {}).values())
+        todo += [i for i in inner if isinstance(i, BaseException)]
+    return out
+
+
+def root_line(error: BaseException) -> str:
+    """``Type: message`` of the exception that started it all, on one line."""
+    for e in _chain(error):
+        raised = [m for line in str(e).splitlines() if (m := _RAISED.match(line.strip()))]
+        raised = [m for m in raised if not m.group(1).split(".")[-1].startswith(_WRAPPERS)]
+        if raised:
+            name, message = raised[-1].groups()
+            return f"{name.split('.')[-1]}: {message}"
+    inner = _chain(error)[-1]
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[0] if text else ''}".rstrip(": ")
