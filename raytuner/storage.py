@@ -1,10 +1,12 @@
-"""Paths and URIs through pyarrow filesystems, with atomic writes (temp + rename)."""
+"""Paths and URIs through pyarrow filesystems, with atomic, durable writes and streamed copies."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -51,20 +53,68 @@ def read_json(fs: pafs.FileSystem, path: str) -> Any:
     return json.loads(read_bytes(fs, path))
 
 
-def write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
-    """Write to a temporary sibling, then rename: readers see the old file or the new one."""
+COPY_CHUNK = 8 * 1024 * 1024  # copies stream in pieces of this, never a whole file in memory
+TMP_MARK = ".tmp-"  # a local temporary sibling: <path>.tmp-<uuid> (gc removes stale ones)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(fs: pafs.FileSystem, path: str) -> Iterator[Any]:
+    """A writable stream whose content appears at ``path`` whole or not at all.
+
+    Local disks: a temporary sibling, flushed and fsynced, renamed over ``path``, and the
+    folder fsynced, so a host crash leaves the old file or the new one. Object stores, where a
+    rename is a copy and a delete: the final key is written once (an upload becomes visible
+    only when it completes), no temporary is left behind; a failed write deletes the key."""
     parent = path.rsplit("/", 1)[0]
     fs.create_dir(parent, recursive=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with fs.open_output_stream(tmp) as f:
+    if not isinstance(fs, pafs.LocalFileSystem):
+        try:
+            with fs.open_output_stream(path) as f:
+                yield f
+        except BaseException:
+            with contextlib.suppress(OSError):
+                fs.delete_file(path)
+            raise
+        return
+    tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """``data`` at ``path``, atomically and durably (``atomic_output``)."""
+    with atomic_output(fs, path) as f:
         f.write(data)
-    fs.move(tmp, path)
 
 
 def write_json_atomic(fs: pafs.FileSystem, path: str, obj: Any) -> None:
     write_atomic(fs, path, json.dumps(obj, indent=2, sort_keys=True).encode())
 
 
+def copy_stream(src_fs: pafs.FileSystem, src: str, dst_fs: pafs.FileSystem, dst: str) -> None:
+    """Copy a file between filesystems in pieces, atomically at the destination."""
+    with src_fs.open_input_stream(src) as f, atomic_output(dst_fs, dst) as out:
+        while chunk := f.read(COPY_CHUNK):
+            out.write(chunk)
+
+
 def copy_file(src: str, dst_fs: pafs.FileSystem, dst: str) -> None:
-    with open(src, "rb") as f:
-        write_atomic(dst_fs, dst, f.read())
+    """A local file to any filesystem (``copy_stream``)."""
+    copy_stream(pafs.LocalFileSystem(), os.path.abspath(src), dst_fs, dst)

@@ -129,6 +129,41 @@ def test_gc_leaves_the_part_folders_of_a_version_in_use(tmp_path, capsys):
     assert _gc(job, capsys=capsys)[1] == {keep.path("parts/20260101-000000-dead0000")}
 
 
+def test_gc_removes_stale_temporaries_and_writes_leave_none(tmp_path, capsys):
+    job = _job(tmp_path)
+    keep = _version(job)
+    _commit(keep)
+    leftovers = [Path(f"{keep.path('manifest.json')}.tmp-0123"), Path(keep.path("x.tmp-9"))]
+    for path in leftovers:
+        path.write_bytes(b"a write that died")
+    _age(leftovers[0].parent)
+    assert _gc(job, capsys=capsys)[1] == {str(p) for p in leftovers}
+    assert not any(p.exists() for p in leftovers)
+    assert not list(Path(keep.root).rglob("*.tmp-*"))  # the commits themselves left none
+
+    from raytuner import storage
+
+    target = tmp_path / "out.json"
+    fs = storage.resolve(str(target))[0]
+    with pytest.raises(ZeroDivisionError), storage.atomic_output(fs, str(target)) as f:
+        f.write(b"half")
+        raise ZeroDivisionError  # the writer dies mid-write
+    assert not target.exists() and not list(tmp_path.glob("out.json.tmp-*"))
+
+
+def test_a_commit_on_top_of_another_runs_commit_is_refused(tmp_path):
+    """Two runs on one version: the one that read generation 1 cannot overwrite generation 2
+    (it would drop the other run's rows); preprocess then lists again and commits on top."""
+    version = _version(_job(tmp_path))
+    first = _commit(version)
+    assert first["generation"] == 1 and version.generation() == 1
+    _commit(version)
+    assert version.generation() == 2
+    with pytest.raises(cache.StaleCommit):
+        version.commit({**first, "report": {}}, expected=1)
+    assert version.generation() == 2
+
+
 def test_a_commit_refuses_files_deleted_since_they_were_listed(tmp_path):
     version = _version(_job(tmp_path))
     manifest = _commit(version)

@@ -184,7 +184,7 @@ family = "{family}"
 pretrained = "tiny"
 dtype = "{dtype}"
 [data]
-images = "/nowhere"
+images = "/nowhere/images"
 cache = "/nowhere/cache"
 [train]
 output = "/nowhere/runs"

@@ -139,6 +139,10 @@ def locate(data: bytes, dtype: str) -> tuple[pa.Table, list[str]]:
     return table, tensors
 
 
+class StaleCommit(RuntimeError):
+    """Another run committed the version after this run read it."""
+
+
 class Version:
     """One dataset version (one fingerprint) on any pyarrow filesystem."""
 
@@ -217,9 +221,19 @@ class Version:
 
         return live(self.fs, self.root)
 
-    def commit(self, manifest: dict) -> None:
+    def generation(self) -> int:
+        """How many commits the version has had (0: none)."""
+        return (self.manifest() or {}).get("generation", 0)
+
+    def commit(self, manifest: dict, expected: int | None = None) -> dict:
         """The report beside the manifest, then the manifest itself: last and atomic. Every
-        file the manifest names must still exist (a gc may have run since they were listed)."""
+        file the manifest names must still exist (a gc may have run since they were listed).
+        ``expected``: the generation the run started from; another commit since then raises
+        StaleCommit (the run lists again, reusing every encoded file, and commits on top)."""
+        current = self.generation()
+        if expected is not None and current != expected:
+            raise StaleCommit(f"{self.root}: committed by another run since this one started")
+        manifest = manifest | {"generation": current + 1}
         listed = manifest["latents"] + manifest["text"] + [manifest["index"], manifest["captions"]]
         gone = [e["path"] for e in listed if not storage.exists(self.fs, self.path(e["path"]))]
         if gone:
@@ -229,6 +243,7 @@ class Version:
             )
         storage.write_json_atomic(self.fs, self.path(REPORT), manifest["report"])
         storage.write_json_atomic(self.fs, self.path(MANIFEST), manifest)
+        return manifest
 
 
 def read_manifest(cache_uri: str, fp: str) -> dict | None:

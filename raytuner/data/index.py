@@ -170,7 +170,9 @@ def appearances(rows: list[dict]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def commit(version: Version, run: str, rows: list[dict], located: Located, **extra) -> dict:
+def commit(
+    version: Version, run: str, rows: list[dict], located: Located, generation=None, **extra
+) -> dict:
     """Write the index of ``rows`` (the trained images, each with ``source_index``) and the
     captions they use (plus the empty one, for caption dropout), then the manifest: last.
     ``extra``: more manifest keys (family, dtype, report)."""
@@ -197,8 +199,7 @@ def commit(version: Version, run: str, rows: list[dict], located: Located, **ext
         "text_tensors": tensors,
         "dataset": {"id": dataset_id(version.fp, rows), "rows": len(rows)},
     } | extra
-    version.commit(manifest)
-    return manifest
+    return version.commit(manifest, generation)
 
 
 def describe_change(old: list[dict], new: list[dict], limit: int = 5) -> str:

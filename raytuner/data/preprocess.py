@@ -138,6 +138,9 @@ def _encode_new(p, spec, model, pre, version, run: str, tag: str) -> None:
         p.failed({r["key"]: r["reason"] for r in rows})
 
 
+COMMIT_ATTEMPTS = 3  # a run that finds another's commit lists again (reusing every file)
+
+
 def preprocess(
     model: ModelConfig,
     data: DataConfig,
@@ -149,11 +152,18 @@ def preprocess(
     ``cache gc`` leaves it alone."""
     version = cache.Version(data.cache, cache.fingerprint(model, pre))
     with version.lease(f"preprocess-{tag}"):
-        return _preprocess(version, model, data, pre, tag)
+        for attempt in range(COMMIT_ATTEMPTS):
+            try:
+                return _preprocess(version, model, data, pre, tag)
+            except cache.StaleCommit:
+                if attempt + 1 == COMMIT_ATTEMPTS:
+                    raise
+                log.info("preprocess: another run committed meanwhile; listing again")
+    raise AssertionError("unreachable")
 
 
 def _preprocess(version, model, data, pre, tag: str) -> dict:
-    start = time.monotonic()
+    start, generation = time.monotonic(), version.generation()
     located = index.Located(version, pre.dtype, version.manifest())
     listing = _listing(data, located)
     if not listing:
@@ -190,7 +200,9 @@ def _preprocess(version, model, data, pre, tag: str) -> dict:
         located.refresh()
     truncated = sum(located.captions[k]["truncated"] for k in need)
     rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
-    index.commit(version, run, indexed, located, family=model.family, dtype=pre.dtype, report=rep)
+    index.commit(
+        version, run, indexed, located, generation, family=model.family, dtype=pre.dtype, report=rep
+    )
     metrics.gauge("raytuner_cache_hits", len(p.cached), tag)
     metrics.gauge("raytuner_skipped_inputs", len(rep["skipped"]), tag)
     metrics.gauge("raytuner_images_encoded_per_s", rep["images_per_s"], tag)

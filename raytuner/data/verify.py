@@ -119,6 +119,10 @@ def garbage(cache_root: str, keep: Version, min_age_s: float) -> list[str]:
     ]
     if keep.leases():  # a run writing parts or training on them now: its files stay
         return sorted(found)
+    everything = keep.fs.get_file_info(pafs.FileSelector(keep.root, recursive=True))
+    found += [  # temporaries of writes that died (a live write's is younger than min-age)
+        i.path for i in everything if storage.TMP_MARK in i.base_name and (i.mtime_ns or 0) < cutoff
+    ]
     files = manifest["latents"] + manifest["text"] + [manifest["index"], manifest["captions"]]
     live = {f["path"].split("/")[1] for f in files if f["path"]}
     runs = keep.fs.get_file_info(pafs.FileSelector(keep.path("parts"), allow_not_found=True))
@@ -131,5 +135,8 @@ def collect(cache_root: str, keep: Version, min_age_s: float, dry_run: bool = Fa
     fs, _ = storage.resolve(cache_root)
     doomed = garbage(cache_root, keep, min_age_s)
     for path in [] if dry_run else doomed:
-        fs.delete_dir(path)
+        if fs.get_file_info(path).type == pafs.FileType.Directory:
+            fs.delete_dir(path)
+        else:
+            fs.delete_file(path)
     return doomed

@@ -8,6 +8,7 @@ import logging
 import os
 import time
 
+import pyarrow.fs as pafs
 import ray.train
 from ray.train.torch import TorchTrainer
 
@@ -126,16 +127,15 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> di
     return the summary: where the files went, and the checkpoint's state."""
     uri = storage.join(storage.absolute(output), name)  # what the user reads: s3:// kept
     fs, run = storage.resolve(uri)
-    with checkpoint.as_directory() as directory:
-        root = os.path.join(directory, EXPORT)
-        for folder, _, files in sorted(os.walk(root)):
-            relative = os.path.relpath(folder, root)
-            for file in sorted(files):
-                target = storage.join(run, *([] if relative == "." else [relative]), file)
-                storage.copy_file(os.path.join(folder, file), fs, target)
-        exported = set(os.listdir(root))
-        with open(os.path.join(directory, STATE)) as f:
-            state = json.load(f)
+    # file by file from where the checkpoint is, streamed: never the optimizer state, never a
+    # whole file in memory (a full fine-tune's export is GBs; the driver may be a small head)
+    source, root = checkpoint.filesystem, storage.join(checkpoint.path, EXPORT)
+    selector = pafs.FileSelector(root, recursive=True)
+    files = [i.path for i in source.get_file_info(selector) if i.type == pafs.FileType.File]
+    for path in sorted(files):
+        storage.copy_stream(source, path, fs, storage.join(run, path[len(root) + 1 :]))
+    exported = {p[len(root) + 1 :].split("/")[0] for p in files}
+    state = storage.read_json(source, storage.join(checkpoint.path, STATE))
     if LORA_DIR in exported:
         lora = storage.join(uri, LORA_DIR)
         paths = {
