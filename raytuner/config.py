@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raytuner import config_rules as rules
 from raytuner.tables import ConfigError, build_section, parse_override
 
 __all__ = ["ConfigError", "JobConfig", "SECTIONS", "load_job", "parse_override"]
@@ -274,6 +275,12 @@ class ScalingConfig:
                 f"scaling.workers = {self.workers}: use an int >= 1 or [min, max] with min <= max"
             )
         _positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s, zero_ok=True)
+        if self.gpus_per_worker > 0 and not self.use_gpu:
+            raise ConfigError(
+                f"scaling.gpus_per_worker = {self.gpus_per_worker} with scaling.use_gpu = false: "
+                "CPU workers reserve no GPU; set use_gpu = true to train on GPUs, or "
+                "gpus_per_worker = 0"
+            )
 
     @property
     def max_workers(self) -> int:
@@ -340,34 +347,12 @@ class JobConfig:
                 f"train.global_batch_size = {self.train.global_batch_size} is smaller than "
                 f"the {self.scaling.max_workers} workers: every worker needs a sample per step"
             )
-        _memory_needs(self.memory, self.train, self.model)
+        rules.memory_needs(self.memory, self.train, self.model)
+        rules.run_name(self.train.name)
+        rules.paths_apart(self.data, self.train)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _memory_needs(memory: MemoryConfig, train: TrainConfig, model: ModelConfig) -> None:
-    """What block swap, activation offload and float8 weights require of the other sections
-    (the family's side is checked where the family is known: ``placement.check``)."""
-    if memory.blocks_to_swap and train.mode != "lora":
-        raise ConfigError(
-            f"memory.blocks_to_swap = {memory.blocks_to_swap} streams frozen weights: it needs "
-            'train.mode = "lora" (a full fine-tune trains every block; use blocks_to_swap = 0)'
-        )
-    for key, on in (
-        ("blocks_to_swap", memory.blocks_to_swap),
-        ("activation_offload", memory.activation_offload),
-    ):
-        if on and not train.gradient_checkpointing:
-            raise ConfigError(
-                f"memory.{key} = {getattr(memory, key)} needs train.gradient_checkpointing = "
-                "true (a block's weights and inputs are needed again only when it is recomputed)"
-            )
-    if model.dtype == "float8" and train.mode != "lora":
-        raise ConfigError(
-            'model.dtype = "float8" stores frozen weights: it needs train.mode = "lora" '
-            '(a full fine-tune trains in model.trainable_dtype; use "bfloat16" or "auto")'
-        )
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)  # section name -> its dataclass

@@ -40,6 +40,10 @@ class Family(Protocol):
     # the denoiser's block lists in the order they run (``memory.blocks_to_swap`` streams the
     # last of them); empty: the family does not stream blocks
     swap_blocks: tuple[str, ...]
+    objective_kind: str  # "ddpm" or "flow": which [objective] keys its loss reads
+    guidance_embedding: bool  # its denoiser can take objective.guidance (guidance-distilled)
+    # image sides must be multiples of this for its parts to run (pixel_multiple is one)
+    pixel_grid: int
 
     # its parts: name (also the subfolder in a diffusers folder) -> "module.Class"
     def part_classes(self) -> dict[str, str]: ...

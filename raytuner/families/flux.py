@@ -64,6 +64,9 @@ class Flux:
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "transformer"
     swap_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
+    objective_kind: str = "flow"
+    guidance_embedding: bool = True
+    pixel_grid: int = 16  # the VAE's 8 x the 2x2 packing
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What Flux.1's encoders store per image of a bucket: 16-channel latents at 1/8 of the

@@ -82,6 +82,9 @@ class Sana:
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "transformer"
     swap_blocks: tuple[str, ...] = ("transformer_blocks",)
+    objective_kind: str = "flow"
+    guidance_embedding: bool = False
+    pixel_grid: int = 32  # the DC-AE's 32x
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What Sana 1600M's encoders store per image of a bucket: 32-channel DC-AE latents at

@@ -50,6 +50,9 @@ class SDXL:
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "unet"
     swap_blocks: tuple[str, ...] = ()
+    objective_kind: str = "ddpm"
+    guidance_embedding: bool = False
+    pixel_grid: int = 8  # the VAE's 8x; the UNet fits its skips to any latent size
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What the released model's encoders store per image of a bucket: 4-channel latents
