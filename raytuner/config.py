@@ -134,6 +134,7 @@ class PreprocessConfig:
     max_pixels: int = 178_956_970  # decompression-bomb limit (width * height)
     background: list[int] = field(default_factory=lambda: [255, 255, 255])  # under alpha
     store_std: bool = False  # also store the VAE posterior std, so training can resample
+    max_restarts: int = 2  # an encoder actor that dies is restarted this often, then it fails
 
     def __post_init__(self) -> None:
         _one_of("preprocess.crop", self.crop, ("center", "random", "none"))
@@ -146,6 +147,7 @@ class PreprocessConfig:
         _positive("preprocess.bucket_step", self.bucket_step, zero_ok=True)
         _positive("preprocess.batch_size", self.batch_size)
         _positive("preprocess.min_actors", self.min_actors)
+        _positive("preprocess.max_restarts", self.max_restarts, zero_ok=True)
         _positive("preprocess.gpus_per_actor", self.gpus_per_actor, zero_ok=True)
         if self.max_actors < self.min_actors:
             raise ConfigError("preprocess.max_actors must be >= preprocess.min_actors")
@@ -267,6 +269,7 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     elastic_resize_interval_s: float = 60.0  # how often a running elastic group may resize
+    resource_wait_s: float = 600.0  # how long training waits for its workers' resources
 
     def __post_init__(self) -> None:
         bounds = self.workers if isinstance(self.workers, list) else [self.workers]
@@ -275,6 +278,7 @@ class ScalingConfig:
                 f"scaling.workers = {self.workers}: use an int >= 1 or [min, max] with min <= max"
             )
         _positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s, zero_ok=True)
+        _positive("scaling.resource_wait_s", self.resource_wait_s, zero_ok=True)
         if self.gpus_per_worker > 0 and not self.use_gpu:
             raise ConfigError(
                 f"scaling.gpus_per_worker = {self.gpus_per_worker} with scaling.use_gpu = false: "

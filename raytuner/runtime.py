@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import ray
 
@@ -32,3 +33,24 @@ def connect(num_cpus: int | None = None) -> None:
             logging_level=logging.WARNING,
         )
     DataContext.get_current().enable_progress_bars = False
+
+
+def wait_for_resources(need: dict[str, float], timeout_s: float, what: str) -> None:
+    """Return once the cluster has ``need`` free at the same time; after ``timeout_s`` seconds
+    (an autoscaler may be adding nodes meanwhile) fail naming what was asked and what exists,
+    instead of leaving Ray to retry the placement forever."""
+    need = {k: v for k, v in need.items() if v > 0}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = ray.available_resources()
+        if all(free.get(k, 0.0) >= v - 1e-9 for k, v in need.items()):
+            return
+        if time.monotonic() >= deadline:
+            total = ray.cluster_resources()
+            show = lambda r: ", ".join(f"{r.get(k, 0.0):g} {k}" for k in need)  # noqa: E731
+            raise RuntimeError(
+                f"{what} need {show(need)} at once; the cluster has {show(total)} in all and "
+                f"{show(free)} free after waiting {timeout_s:g} s (scaling.resource_wait_s): "
+                "lower scaling.workers / cpus_per_worker / gpus_per_worker, or add nodes"
+            )
+        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))

@@ -46,6 +46,9 @@ def _pool(pre: PreprocessConfig) -> dict:
         batch_size=pre.batch_size,
         batch_format="numpy",
         zero_copy_batch=False,
+        # bounded: an encoder that dies each time (out of memory) fails the preprocess
+        max_restarts=pre.max_restarts,
+        max_task_retries=pre.max_restarts,
     )
 
 

@@ -12,7 +12,7 @@ import pyarrow.fs as pafs
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from raytuner import storage, validate
+from raytuner import runtime, storage, validate
 from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.index import describe_change
@@ -111,6 +111,19 @@ def finished_checkpoint(run_dir: str, max_steps: int) -> ray.train.Checkpoint | 
     return None
 
 
+def _wait_for_workers(job: JobConfig) -> None:
+    """The smallest worker group (and the validation actor) must fit the cluster within
+    ``scaling.resource_wait_s``: Ray Train would otherwise retry its start every minute."""
+    s, v = job.scaling, job.validation
+    fewest = s.workers[0] if isinstance(s.workers, list) else s.workers
+    gpus = (s.gpus_per_worker or 1.0) if s.use_gpu else 0.0
+    need = {"CPU": fewest * s.cpus_per_worker, "GPU": fewest * gpus}
+    if v.every_steps:
+        need = {"CPU": need["CPU"] + v.cpus, "GPU": need["GPU"] + v.gpus}
+    what = f"{fewest} training workers" + (" and the validation actor" if v.every_steps else "")
+    runtime.wait_for_resources(need, s.resource_wait_s, what)
+
+
 def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
     s = job.scaling
     resources = {"CPU": s.cpus_per_worker} | ({"GPU": s.gpus_per_worker} if s.use_gpu else {})
@@ -191,6 +204,7 @@ def train(job: JobConfig) -> dict:
         memory=job.memory,
         validation_every=job.validation.every_steps,
     )
+    _wait_for_workers(job)
     with Version(job.data.cache, fp).lease(f"train-{name}"):  # gc leaves the version alone
         result = _fit(job, name, loop)
     if result.checkpoint is None:
