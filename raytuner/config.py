@@ -322,9 +322,15 @@ class CheckpointConfig:
     max_failures: int = 0
     resume: bool = True
     preemption_check_every: int = 10  # steps between checks for an announced preemption; 0: never
+    max_preemption_failures: int = 20  # node preemptions a run recovers from (Ray: no limit)
+    controller_failure_limit: int = 3  # Ray Train controller failures tolerated (Ray: no limit)
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every_steps", self.every_steps)
+        _positive("checkpoint.max_preemption_failures", self.max_preemption_failures, zero_ok=True)
+        _positive(
+            "checkpoint.controller_failure_limit", self.controller_failure_limit, zero_ok=True
+        )
         _positive("checkpoint.keep", self.keep)
         _positive("checkpoint.max_failures", self.max_failures, zero_ok=True)
         _positive("checkpoint.preemption_check_every", self.preemption_check_every, zero_ok=True)

@@ -47,3 +47,15 @@ def test_a_group_the_cluster_cannot_hold_fails_in_the_stated_time(ray_local, tmp
     message = str(caught.value)
     assert "3 training workers need 3 CPU" in message and "2 CPU in all" in message
     assert "scaling.resource_wait_s" in message
+
+
+def test_every_ray_train_retry_is_bounded_and_a_job_sets_the_bounds(tmp_path):
+    from raytuner.train.trainer import failure_config
+
+    (tmp_path / "job.toml").write_text(JOB.format(root=tmp_path))
+    bounded = failure_config(load_job(tmp_path / "job.toml").checkpoint)
+    limits = (bounded.max_failures, bounded.max_preemption_failures)
+    assert all(0 <= n < 1000 for n in (*limits, bounded.controller_failure_limit))
+    overrides = ["checkpoint.max_preemption_failures=5", "checkpoint.controller_failure_limit=0"]
+    chosen = failure_config(load_job(tmp_path / "job.toml", overrides).checkpoint)
+    assert (chosen.max_preemption_failures, chosen.controller_failure_limit) == (5, 0)

@@ -124,6 +124,16 @@ def _wait_for_workers(job: JobConfig) -> None:
     runtime.wait_for_resources(need, s.resource_wait_s, what)
 
 
+def failure_config(c) -> ray.train.FailureConfig:
+    """Every retry Ray Train makes is bounded (its own defaults for preemptions and controller
+    failures are unbounded); ``c``: the job's ``[checkpoint]`` section."""
+    return ray.train.FailureConfig(
+        max_failures=c.max_failures,
+        max_preemption_failures=c.max_preemption_failures,
+        controller_failure_limit=c.controller_failure_limit,
+    )
+
+
 def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
     s = job.scaling
     resources = {"CPU": s.cpus_per_worker} | ({"GPU": s.gpus_per_worker} if s.use_gpu else {})
@@ -225,7 +235,7 @@ def _fit(job: JobConfig, name: str, loop: LoopConfig) -> ray.train.Result:
             name=name,
             storage_path=storage.absolute(job.train.output),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.keep),
-            failure_config=ray.train.FailureConfig(max_failures=job.checkpoint.max_failures),
+            failure_config=failure_config(job.checkpoint),
             # Ray Train's own INFO lines (one per report and rank) drown the progress lines
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=callbacks,
