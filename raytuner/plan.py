@@ -282,7 +282,7 @@ def trace_validation(job: JobConfig, shapes: dict, size) -> dict:
     (batch 2: classifier-free guidance) and the VAE decode of one image."""
     family = get_family(job.model.family)
     source = _source(job)
-    denoiser = family.denoiser(source, "meta", weights=False)
+    denoiser = family.denoiser(source, "meta", weights=False).requires_grad_(False)
     loss_fn = family.loss(source, job.objective)
     batch = _meta_batch(shapes, 2, source.dtype, size)
     with torch.no_grad(), traced() as forward:

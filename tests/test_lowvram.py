@@ -300,3 +300,20 @@ def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_
     suggested = plan(load_job(path, rank), gpu, compare=False)["suggestions"]
     swaps = [s for s in suggested if "blocks_to_swap" in s["set"] and "float8" not in s["set"]]
     assert swaps[0]["set"].endswith("memory.blocks_to_swap = 3") and swaps[0]["fits"]
+
+
+@pytest.mark.slow
+def test_the_shipped_12gb_flux_job_fits_12gib():
+    """jobs/flux-12gb.toml (Flux.1-dev's released architecture, float8, 25 blocks streamed,
+    1024 px): plan's training worker fits the card its comment names."""
+    from pathlib import Path
+
+    from raytuner.config import load_job
+    from raytuner.plan import GiB, plan
+
+    path = Path(__file__).resolve().parents[1] / "jobs" / "flux-12gb.toml"
+    result = plan(load_job(path), 12 * GiB, compare=False)
+    assert result["fits"] and result["blocks_to_swap"] == 25, result["peak_bytes"] / GiB
+    assert "11.8 GiB" in path.read_text() or "11.9 GiB" in path.read_text()
+    by_dtype = result["worker"]["weights_by_dtype"]
+    assert by_dtype["float8_e4m3fn"] > 10 * GiB  # the transformer's linear weights
