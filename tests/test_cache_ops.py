@@ -6,9 +6,11 @@ session of its own, so that every process it started, Ray's included, can be fou
 if still alive when it should not be, killed by id. Other Ray clusters on the machine are
 never touched (no `ray stop`).
 
-Each such call costs a Ray start, so the tests share work where that changes nothing they
-check: the committed cache (and its repairs) are made once and copied, and independent
-commands run side by side.
+Each such call costs an interpreter start, a torch import and a Ray start, so the tests share
+work where that changes nothing they check: the committed cache (and its repairs) are made once
+and copied, and commands whose process is not what a test checks (making a cache, a repair, a
+re-run after a kill) run in this process through the CLI's own ``main`` (``here``), on the
+session's local Ray. Two runs at once and a driver killed midway are real subprocesses.
 """
 
 from __future__ import annotations
@@ -157,55 +159,17 @@ def finish(proc: subprocess.Popen, timeout: float = CLI_TIMEOUT_S) -> Result:
     return Result(proc.returncode, out, err)
 
 
-# Two failures of the machine, not of raytuner, get one more try:
-# - on a loaded 2-core machine a local Ray may not come up in time; every command connects
-#   before it changes anything, so running it again is safe;
-# - now and then (about 1 in 70 runs under load) the interpreter aborts while it exits, after
-#   the command printed everything: a native torch/pyarrow thread, not Python (compare
-#   apache/arrow#34314); a read-only `cache verify` is run again then.
-RAY_DID_NOT_START = "timed out during startup"
-EXIT_ABORT = "terminate called without an active exception"
-
-
-def cli(logs: Path, *args: str) -> Result:
-    read_only = args[:2] == ("cache", "verify") and "--repair" not in args
-    for _ in range(2):
-        result = finish(start_cli(logs, *args))
-        if result.code == 1 and RAY_DID_NOT_START in result.err:
-            print(f"{args}: Ray did not start; running it again")
-        elif read_only and result.code == -signal.SIGABRT and EXIT_ABORT in result.err:
-            print(f"{args}: aborted at exit ({EXIT_ABORT}); running it again")
-        else:
-            break
-    return result
-
-
 def here(*args: str) -> Result:
-    """A command that starts no Ray (``cache gc``, ``cache verify`` without ``--repair``) run
-    in this process through the CLI's own ``main``: its exit code and output, without an
-    interpreter start and a torch import per call."""
+    """A command run in this process through the CLI's own ``main``: its exit code and output,
+    without an interpreter start, a torch import and a Ray start per call. Commands that start
+    no Ray (``cache gc``, ``cache verify`` without ``--repair``), and ones that need a Ray where
+    the test holds the session's (``ray_local``): the CLI then uses that one."""
     from raytuner.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(list(args))
     return Result(code=code, out=out.getvalue(), err=err.getvalue())
-
-
-def cli_at_once(logs: Path, *commands: tuple[str, ...]) -> list[Result]:
-    """Independent commands run side by side (each with its own Ray), to save wall time; one
-    whose Ray did not start is run again on its own."""
-    procs = [start_cli(logs, *args) for args in commands]
-    try:
-        results = [finish(p) for p in procs]
-    except BaseException:  # from a fixture too: end the others (by their sessions) at once
-        for p in procs:
-            _reap(p.pid, grace_s=0)
-        raise
-    return [
-        cli(logs, *args) if r.code == 1 and RAY_DID_NOT_START in r.err else r
-        for args, r in zip(commands, results, strict=True)
-    ]
 
 
 # --- jobs and caches -----------------------------------------------------------------------
@@ -312,15 +276,17 @@ def corrupt_latent(version: cache.Version, rel: str) -> tuple[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def committed(tmp_path_factory) -> Path:
+def committed(ray_local, tmp_path_factory) -> Path:
     """A folder with images/ (6 images) and cache/ holding their committed 64 px version.
 
-    Tests copy the cache (never change this one) and point their job at these images.
+    Tests copy the cache (never change this one) and point their job at these images. It is
+    made by `raytuner preprocess` in this process on the session's Ray (see ``here``): the
+    tests start their own CLIs where a CLI's process is what they check.
     """
     root = tmp_path_factory.mktemp("committed")
     images = make_demo_images(root / "images", per_aspect=2)
     job = write_job(root / "job.toml", images, root / "cache")
-    done = cli(root / "logs", "preprocess", str(job))
+    done = here("preprocess", str(job))
     assert done.code == 0, done.err[-3000:]
     return root
 
@@ -385,7 +351,9 @@ def test_two_preprocess_runs_at_once_both_commit_a_valid_cache(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(committed, tmp_path):
+def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(
+    ray_local, committed, tmp_path
+):
     # The committed version of the 6 images, over a copy of them that can grow.
     images = shutil.copytree(committed / "images", tmp_path / "images")
     job = copy_committed(committed, tmp_path, images)
@@ -435,8 +403,10 @@ def test_killed_driver_keeps_the_committed_version_and_its_parts_are_reused(comm
     pq.read_metadata(part)  # the killed run left complete part files
     killed_run = part.parts[-4]
 
+    # the run after the kill: in this process, on the session's Ray (the killed driver's
+    # processes are all gone, checked above; which Ray encodes changes nothing here)
     report_path = tmp_path / "report.json"
-    again = cli(logs, "preprocess", str(job), "--report", str(report_path))
+    again = here("preprocess", str(job), "--report", str(report_path))
     assert again.code == 0, again.err[-3000:]
     report = json.loads(report_path.read_text())
     print("re-run after the kill:", {k: report[k] for k in ("encoded", "already_cached")})
@@ -472,10 +442,11 @@ class Repair:
 
 
 @pytest.fixture(scope="module")
-def repairs(committed, tmp_path_factory) -> dict[str, Repair]:
+def repairs(ray_local, committed, tmp_path_factory) -> dict[str, Repair]:
     """Two repaired copies of the committed cache: "part", whose first part file had a latent
     damaged (and was verified before the repair too), and "index", whose index file was lost.
-    The two repairs run side by side. Tests only read these caches, or copy them."""
+    The repairs run in this process on the session's Ray, one after the other. Tests only read
+    these caches, or copy them."""
     found = {}
     for name in ("part", "index"):
         job = copy_committed(committed, tmp_path_factory.mktemp(f"repair-{name}"))
@@ -483,13 +454,12 @@ def repairs(committed, tmp_path_factory) -> dict[str, Repair]:
         entry = manifest["latents"][0] if name == "part" else manifest["index"]
         found[name] = Repair(job, entry, len(dataset_of(job)))
     part, index = found["part"], found["index"]
-    logs = part.job.parent / "logs"
     part.key, part.original = corrupt_latent(version_of(part.job), part.entry["path"])
     Path(version_of(index.job).path(index.entry["path"])).unlink()
     part.bad = here("cache", "verify", str(part.job))
-    part.fixed, index.fixed = cli_at_once(
-        logs, *[("cache", "verify", str(r.job), "--repair") for r in (part, index)]
-    )
+    part.fixed, index.fixed = [
+        here("cache", "verify", str(r.job), "--repair") for r in found.values()
+    ]
     return found
 
 
@@ -526,7 +496,7 @@ def test_verify_finds_a_corrupt_part_and_repair_reencodes_only_its_rows(repairs,
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_preprocess_after_repair_does_not_bring_the_damaged_part_back(
-    committed, repairs, tmp_path
+    ray_local, committed, repairs, tmp_path
 ):
     """Repair must take the damaged file out for good: a later run lists part files anew,
     and a damaged file still on the list would be committed again with a fresh sha256
@@ -534,14 +504,13 @@ def test_a_preprocess_after_repair_does_not_bring_the_damaged_part_back(
     repaired = repairs["part"]
     shutil.copytree(repaired.job.parent / "cache", tmp_path / "cache")  # with the .corrupt file
     job = write_job(tmp_path / "job.toml", committed / "images", tmp_path / "cache")
-    logs = tmp_path / "logs"
     version = version_of(job)
     entry, key, original = repaired.entry, repaired.key, repaired.original
     fixed = repaired.fixed
     assert fixed.code == 0, fixed.out + fixed.err[-3000:]
     assert latent_of(job, key) == original
 
-    again = cli(logs, "preprocess", str(job))  # nothing changed: nothing to do
+    again = here("preprocess", str(job))  # nothing changed: nothing to do
     assert again.code == 0, again.err[-3000:]
     verify = here("cache", "verify", str(job))
     assert verify.code == 0, verify.out + verify.err[-2000:]
@@ -589,22 +558,22 @@ def _deleted(result: Result) -> set[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_gc_deletes_other_versions_and_unreferenced_runs_only(committed, tmp_path):
+def test_gc_deletes_other_versions_and_unreferenced_runs_only(ray_local, committed, tmp_path):
     # The version to keep: the committed 64 px one, over a copy of its images that can change.
     images = shutil.copytree(committed / "images", tmp_path / "images")
     job = copy_committed(committed, tmp_path, images)
     keep = version_of(job)
     (base,) = run_folders(keep)
-    logs = tmp_path / "logs"
     # Another version in the same cache: 96 px, over one image of each aspect.
     few = make_demo_images(tmp_path / "images96", per_aspect=1)
     job96 = write_job(tmp_path / "job96.toml", few, tmp_path / "cache", resolution=96)
     other = version_of(job96)
     assert other.fp != keep.fp
 
-    # The run that encodes 3 extra images, and the other version's first run, side by side.
+    # The run that encodes 3 extra images, and the other version's first run (in this process,
+    # on the session's Ray: these only make what gc then works on).
     make_demo_images(images / "extra", per_aspect=1, seed=5)
-    done = cli_at_once(logs, ("preprocess", str(job)), ("preprocess", str(job96)))
+    done = [here("preprocess", str(job)), here("preprocess", str(job96))]
     for r in done:
         assert r.code == 0, r.err[-3000:]
     assert other.manifest() is not None
@@ -615,21 +584,22 @@ def test_gc_deletes_other_versions_and_unreferenced_runs_only(committed, tmp_pat
     rows = len(dataset_of(job))
     assert rows == len(distinct_images(images))
 
-    # An unreferenced run folder written just now (a run may be writing it) is young: the
-    # default minimum age (1 h) leaves it alone, but not other versions; --min-age-s 0 deletes
-    # it, and never a referenced run, however young (the extra images' run).
+    # An unreferenced run folder written just now (a run may be writing it) and the other
+    # version committed just now are young: the default minimum age (1 h) leaves both alone;
+    # --min-age-s 0 deletes them, and never a referenced run, however young (the extra
+    # images' run). (Old versions, leases, foreign folders: tests/test_gc.py.)
     fresh = Path(keep.path("parts/zz-still-writing/latents/status=ok"))
     fresh.mkdir(parents=True)
     shutil.copy(keep.path(manifest["latents"][0]["path"]), fresh / "x.parquet")
     kept = here("cache", "gc", str(job))
     assert kept.code == 0, kept.out + kept.err[-2000:]
-    assert _deleted(kept) == {other.root}
-    assert not Path(other.root).exists()
-    assert (fresh / "x.parquet").is_file()
+    assert _deleted(kept) == set()
+    assert Path(other.root).is_dir() and (fresh / "x.parquet").is_file()
     assert run_folders(keep) == {base, extra, "zz-still-writing"}
     swept = here("cache", "gc", str(job), "--min-age-s", "0")
     assert swept.code == 0, swept.out + swept.err[-2000:]
-    assert _deleted(swept) == {keep.path("parts/zz-still-writing")}
+    assert _deleted(swept) == {other.root, keep.path("parts/zz-still-writing")}
+    assert not Path(other.root).exists()
     assert run_folders(keep) == {base, extra}
     verify = here("cache", "verify", str(job))
     assert verify.code == 0, verify.out + verify.err[-2000:]

@@ -143,10 +143,16 @@ def test_usage_errors_exit_2():
     assert cli("check", "no/such/job.toml").returncode == 2
 
 
-def test_runtime_failure_exits_1_with_one_line(tmp_path):
+def test_runtime_failure_exits_1_with_one_line(ray_local, tmp_path, capsys):
+    """Through the CLI's own ``main`` on the session's Ray (a subprocess costs an interpreter,
+    a torch import and a Ray start, ~20 s; main's code is what `python -m raytuner` exits
+    with, and the exit-2 tests above run it as a subprocess)."""
+    from raytuner.cli import main
+
     # a valid job whose cache was never built: training must refuse with a reason
     path = write(tmp_path, MINIMAL.replace('"cache"', f'"{tmp_path / "cache"}"'))
-    result = cli("train", str(path))
-    assert result.returncode == 1
-    assert "no committed cache" in result.stderr
-    assert "raytuner preprocess" in result.stderr
+    assert main(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "no committed cache" in err
+    assert "raytuner preprocess" in err
+    assert len(err.strip().splitlines()) == 1, err

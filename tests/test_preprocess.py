@@ -142,24 +142,50 @@ def test_text_once_per_distinct_caption_plus_empty(hostile):
     assert batch["pooled_prompt_embeds"].shape == (2, 32)
 
 
+def wide_images(folder: Path) -> Path:
+    """3 wide images: the 80x48 bucket leaves ~70 columns of each to crop."""
+    folder.mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (220, 70), (i * 90, 0, 0)).save(folder / f"wide{i}.png")
+    return folder
+
+
+def crops(dataset: CachedDataset, paths: list[str] | None = None) -> list:
+    rows = range(len(dataset)) if paths is None else map(dataset.paths.index, paths)
+    return [dataset.batch([i])["crop_top_left"].tolist() for i in rows]
+
+
+# the centre crop of each wide image: (151 - 80) // 2 (an image is scaled to 48 rows)
+CENTRED = [[[0, 35]]] * 3
+
+
 def test_incremental_reruns(ray_local, tmp_path):
+    """Also the centre crop, and the posterior std stored (``store_std``), on its first run:
+    one preprocess less than a run of their own (test_random_crop_is_reproducible below)."""
     from raytuner.demo_data import make_demo_images
 
     images = make_demo_images(tmp_path / "images", per_aspect=2)
+    wide = [f"wide/wide{i}.png" for i in range(3)]
+    wide_images(images / "wide")
     data = DataConfig(images=f"file://{images}", cache=f"file://{tmp_path / 'cache'}")
-    pre = PreprocessConfig(resolution=64, bucket_step=16)
+    pre = PreprocessConfig(resolution=64, bucket_step=16, crop="center", store_std=True)
     first = preprocess(MODEL, data, pre)
-    assert (first["encoded"], first["already_cached"]) == (6, 0)
+    assert (first["encoded"], first["already_cached"]) == (9, 0)
+    dataset = open_dataset(data.cache, cache.fingerprint(MODEL, pre))
+    assert crops(dataset, wide) == CENTRED
+    batch = dataset.batch([dataset.paths.index(wide[0])])  # the std, shaped like the latent
+    assert batch["latent_std"].shape == batch["latent"].shape
+    assert (batch["latent_std"] > 0).all()
     again = preprocess(MODEL, data, pre)
-    assert (again["encoded"], again["already_cached"]) == (0, 6)
+    assert (again["encoded"], again["already_cached"]) == (0, 9)
 
     Image.new("RGB", (96, 96), (1, 2, 3)).save(images / "square" / "square_00.png")
     (images / "portrait" / "portrait_01.png").unlink()
     (images / "portrait" / "portrait_00.txt").write_text("a brand new caption")
     edited = preprocess(MODEL, data, pre)
-    assert (edited["total"], edited["encoded"], edited["already_cached"]) == (5, 1, 4)
+    assert (edited["total"], edited["encoded"], edited["already_cached"]) == (8, 1, 7)
     rows = committed(data, "index", pre)
-    assert len(rows) == 5 and "portrait/portrait_01.png" not in [r["path"] for r in rows]
+    assert len(rows) == 8 and "portrait/portrait_01.png" not in [r["path"] for r in rows]
     assert "a brand new caption" in [r["caption"] for r in rows]
 
     # another resolution is another cache version (its re-encode is exercised by the cache-ops
@@ -169,18 +195,13 @@ def test_incremental_reruns(ray_local, tmp_path):
 
 
 def test_random_crop_is_reproducible(ray_local, tmp_path):
-    images = tmp_path / "images"
-    images.mkdir()
-    for i in range(3):  # wide images: the 80x48 bucket leaves ~70 columns to crop
-        Image.new("RGB", (220, 70), (i * 90, 0, 0)).save(images / f"wide{i}.png")
+    """The centre crops of the same images (CENTRED) are checked by test_incremental_reruns."""
+    images = wide_images(tmp_path / "images")
 
     def encode(pre: PreprocessConfig, cache_dir: Path) -> tuple[dict, CachedDataset]:
         data = DataConfig(images=str(images), cache=str(cache_dir))
         report = preprocess(MODEL, data, pre)
         return report, open_dataset(data.cache, cache.fingerprint(MODEL, pre))
-
-    def crops(dataset: CachedDataset) -> list:
-        return [dataset.batch([i])["crop_top_left"].tolist() for i in range(len(dataset))]
 
     seeded = PreprocessConfig(resolution=64, bucket_step=16, crop="random", seed=3)
     first = crops(encode(seeded, tmp_path / "a")[1])
@@ -193,15 +214,8 @@ def test_random_crop_is_reproducible(ray_local, tmp_path):
     assert report["encoded"] == 3
     second = crops(dataset)
 
-    centred = PreprocessConfig(resolution=64, bucket_step=16, crop="center", store_std=True)
-    _, dataset = encode(centred, tmp_path / "c")
-    batch = dataset.batch([0])  # the posterior std is stored too, shaped like the latent
-    assert batch["latent_std"].shape == batch["latent"].shape
-    assert (batch["latent_std"] > 0).all()
-
     assert first == second  # seeded: the same crops on every run
-    assert crops(dataset) == [[[0, 35]]] * 3  # centred: (151 - 80) // 2
-    assert first != crops(dataset)
+    assert first != CENTRED
 
 
 def test_sources_reject_missing_folders(ray_local, tmp_path):

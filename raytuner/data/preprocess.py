@@ -154,10 +154,11 @@ def preprocess(
     ``tag``: the run name the dashboard's metrics carry. The version is leased meanwhile:
     ``cache gc`` leaves it alone."""
     version = cache.Version(data.cache, cache.fingerprint(model, pre))
+    run = f"parts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
     with version.lease(f"preprocess-{tag}"):
         for attempt in range(COMMIT_ATTEMPTS):
             try:
-                return _preprocess(version, model, data, pre, tag)
+                return _preprocess(version, run, model, data, pre, tag)
             except cache.StaleCommit:
                 if attempt + 1 == COMMIT_ATTEMPTS:
                     raise
@@ -165,7 +166,8 @@ def preprocess(
     raise AssertionError("unreachable")
 
 
-def _preprocess(version, model, data, pre, tag: str) -> dict:
+def _preprocess(version, run: str, model, data, pre, tag: str) -> dict:
+    """One listing, encoding and commit into the run folder ``run`` (kept when it retries)."""
     start, generation = time.monotonic(), version.generation()
     located = index.Located(version, pre.dtype, version.manifest())
     listing = _listing(data, located)
@@ -177,7 +179,6 @@ def _preprocess(version, model, data, pre, tag: str) -> dict:
     probed = [{**r, "source_index": r["source"]} for r in _probe(listing, data)]
     located.refresh()
     p = plan(probed, set(located.latents), roots)
-    run = f"parts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
     log.info(
         "preprocess: %d files, %d cached, %d to encode -> %s/%s",
         len(listing),
