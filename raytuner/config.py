@@ -15,23 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from raytuner import config_rules as rules
-from raytuner.tables import ConfigError, build_section, parse_override
+from raytuner.tables import ConfigError, build_section, one_of, parse_override, positive
 
 __all__ = ["ConfigError", "JobConfig", "SECTIONS", "load_job", "parse_override"]
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
-
-
-def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(allowed)}")
-
-
-def _positive(key: str, value: float, *, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(f"{key} = {value}: must be {'>= 0' if zero_ok else '> 0'}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,8 +43,8 @@ class ModelConfig:
                 'model.pretrained is empty: use "tiny", "random", a local folder or a hub id'
             )
         allowed = ("auto", "bfloat16", "float16", "float32", "float8")
-        _one_of("model.dtype", self.dtype, allowed)
-        _one_of("model.trainable_dtype", self.trainable_dtype, ("float32", "bfloat16"))
+        one_of("model.dtype", self.dtype, allowed)
+        one_of("model.trainable_dtype", self.trainable_dtype, ("float32", "bfloat16"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,9 +59,9 @@ class SourceConfig:
     metadata: str = ""  # "" = auto: metadata.jsonl, .csv or .parquet in the folder, if any
 
     def __post_init__(self) -> None:
-        _positive("data.sources.repeats", self.repeats)
-        _one_of("data.sources.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
-        _one_of("data.sources.caption_errors", self.caption_errors, ("replace", "skip"))
+        positive("data.sources.repeats", self.repeats)
+        one_of("data.sources.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
+        one_of("data.sources.caption_errors", self.caption_errors, ("replace", "skip"))
         if not self.caption_extension.startswith("."):
             raise ConfigError(
                 f"caption_extension = {self.caption_extension!r}: must start with '.'"
@@ -137,18 +127,18 @@ class PreprocessConfig:
     max_restarts: int = 2  # an encoder actor that dies is restarted this often, then it fails
 
     def __post_init__(self) -> None:
-        _one_of("preprocess.crop", self.crop, ("center", "random", "none"))
-        _one_of("preprocess.aspect_policy", self.aspect_policy, ("clamp", "skip"))
-        _positive("preprocess.max_pixels", self.max_pixels)
+        one_of("preprocess.crop", self.crop, ("center", "random", "none"))
+        one_of("preprocess.aspect_policy", self.aspect_policy, ("clamp", "skip"))
+        positive("preprocess.max_pixels", self.max_pixels)
         if len(self.background) != 3 or not all(0 <= c <= 255 for c in self.background):
             raise ConfigError(f"preprocess.background = {self.background}: use [r, g, b] 0..255")
-        _one_of("preprocess.dtype", self.dtype, ("bfloat16", "float16", "float32"))
-        _positive("preprocess.resolution", self.resolution, zero_ok=True)
-        _positive("preprocess.bucket_step", self.bucket_step, zero_ok=True)
-        _positive("preprocess.batch_size", self.batch_size)
-        _positive("preprocess.min_actors", self.min_actors)
-        _positive("preprocess.max_restarts", self.max_restarts, zero_ok=True)
-        _positive("preprocess.gpus_per_actor", self.gpus_per_actor, zero_ok=True)
+        one_of("preprocess.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        positive("preprocess.resolution", self.resolution, zero_ok=True)
+        positive("preprocess.bucket_step", self.bucket_step, zero_ok=True)
+        positive("preprocess.batch_size", self.batch_size)
+        positive("preprocess.min_actors", self.min_actors)
+        positive("preprocess.max_restarts", self.max_restarts, zero_ok=True)
+        positive("preprocess.gpus_per_actor", self.gpus_per_actor, zero_ok=True)
         if self.max_actors < self.min_actors:
             raise ConfigError("preprocess.max_actors must be >= preprocess.min_actors")
         if not 0 < self.min_aspect <= 1 <= self.max_aspect:
@@ -185,20 +175,20 @@ class TrainConfig:
     lr_power: float = 1.0  # polynomial: the decay's power
 
     def __post_init__(self) -> None:
-        _positive("train.max_steps", self.max_steps)
-        _one_of("train.optimizer", self.optimizer, OPTIMIZERS)
-        _one_of("train.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
-        _positive("train.lr_cycles", self.lr_cycles)
-        _positive("train.lr_power", self.lr_power)
-        _positive("train.micro_batch_size", self.micro_batch_size, zero_ok=True)
-        _positive("train.prefetch", self.prefetch)
-        _positive("train.global_batch_size", self.global_batch_size)
-        _positive("train.learning_rate", self.learning_rate)
-        _positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
-        _positive("train.log_every", self.log_every)
-        _one_of("train.remainder", self.remainder, ("drop", "pad"))
-        _one_of("train.mode", self.mode, ("lora", "full"))
-        _one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
+        positive("train.max_steps", self.max_steps)
+        one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+        one_of("train.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        positive("train.lr_cycles", self.lr_cycles)
+        positive("train.lr_power", self.lr_power)
+        positive("train.micro_batch_size", self.micro_batch_size, zero_ok=True)
+        positive("train.prefetch", self.prefetch)
+        positive("train.global_batch_size", self.global_batch_size)
+        positive("train.learning_rate", self.learning_rate)
+        positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
+        positive("train.log_every", self.log_every)
+        one_of("train.remainder", self.remainder, ("drop", "pad"))
+        one_of("train.mode", self.mode, ("lora", "full"))
+        one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
         for key in ("ema_decay", "caption_dropout"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)}: must be in [0, 1)")
@@ -221,12 +211,12 @@ class ObjectiveConfig:
 
     def __post_init__(self) -> None:
         densities = ("uniform", "logit_normal", "mode")
-        _one_of("objective.timestep_sampling", self.timestep_sampling, densities)
-        _one_of("objective.weighting", self.weighting, ("none", "min_snr", "sigma_sqrt", "cosmap"))
-        _positive("objective.logit_std", self.logit_std)
-        _positive("objective.shift", self.shift)
-        _positive("objective.min_snr_gamma", self.min_snr_gamma)
-        _positive("objective.noise_offset", self.noise_offset, zero_ok=True)
+        one_of("objective.timestep_sampling", self.timestep_sampling, densities)
+        one_of("objective.weighting", self.weighting, ("none", "min_snr", "sigma_sqrt", "cosmap"))
+        positive("objective.logit_std", self.logit_std)
+        positive("objective.shift", self.shift)
+        positive("objective.min_snr_gamma", self.min_snr_gamma)
+        positive("objective.noise_offset", self.noise_offset, zero_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,8 +229,8 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=list)  # empty: the family's default
 
     def __post_init__(self) -> None:
-        _positive("lora.rank", self.rank)
-        _positive("lora.alpha", self.alpha)
+        positive("lora.rank", self.rank)
+        positive("lora.alpha", self.alpha)
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"lora.dropout = {self.dropout}: must be in [0, 1)")
 
@@ -256,8 +246,8 @@ class MemoryConfig:
     activation_offload: bool = False  # the checkpointed blocks' inputs wait in pinned CPU memory
 
     def __post_init__(self) -> None:
-        _positive("memory.blocks_to_swap", self.blocks_to_swap, zero_ok=True)
-        _positive("memory.swap_ring", self.swap_ring)
+        positive("memory.blocks_to_swap", self.blocks_to_swap, zero_ok=True)
+        positive("memory.swap_ring", self.swap_ring)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,8 +267,8 @@ class ScalingConfig:
             raise ConfigError(
                 f"scaling.workers = {self.workers}: use an int >= 1 or [min, max] with min <= max"
             )
-        _positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s, zero_ok=True)
-        _positive("scaling.resource_wait_s", self.resource_wait_s, zero_ok=True)
+        positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s, zero_ok=True)
+        positive("scaling.resource_wait_s", self.resource_wait_s, zero_ok=True)
         if self.gpus_per_worker > 0 and not self.use_gpu:
             raise ConfigError(
                 f"scaling.gpus_per_worker = {self.gpus_per_worker} with scaling.use_gpu = false: "
@@ -305,10 +295,10 @@ class ValidationConfig:
     gpus: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive("validation.every_steps", self.every_steps, zero_ok=True)
-        _positive("validation.steps", self.steps)
-        _positive("validation.cpus", self.cpus, zero_ok=True)
-        _positive("validation.gpus", self.gpus, zero_ok=True)
+        positive("validation.every_steps", self.every_steps, zero_ok=True)
+        positive("validation.steps", self.steps)
+        positive("validation.cpus", self.cpus, zero_ok=True)
+        positive("validation.gpus", self.gpus, zero_ok=True)
         if self.every_steps and not (self.prompts and self.seeds):
             raise ConfigError("validation.every_steps > 0 needs validation.prompts and seeds")
 
@@ -326,14 +316,12 @@ class CheckpointConfig:
     controller_failure_limit: int = 3  # Ray Train controller failures tolerated (Ray: no limit)
 
     def __post_init__(self) -> None:
-        _positive("checkpoint.every_steps", self.every_steps)
-        _positive("checkpoint.max_preemption_failures", self.max_preemption_failures, zero_ok=True)
-        _positive(
-            "checkpoint.controller_failure_limit", self.controller_failure_limit, zero_ok=True
-        )
-        _positive("checkpoint.keep", self.keep)
-        _positive("checkpoint.max_failures", self.max_failures, zero_ok=True)
-        _positive("checkpoint.preemption_check_every", self.preemption_check_every, zero_ok=True)
+        positive("checkpoint.every_steps", self.every_steps)
+        positive("checkpoint.max_preemption_failures", self.max_preemption_failures, zero_ok=True)
+        positive("checkpoint.controller_failure_limit", self.controller_failure_limit, zero_ok=True)
+        positive("checkpoint.keep", self.keep)
+        positive("checkpoint.max_failures", self.max_failures, zero_ok=True)
+        positive("checkpoint.preemption_check_every", self.preemption_check_every, zero_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True)

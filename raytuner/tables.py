@@ -14,6 +14,18 @@ class ConfigError(ValueError):
     """A job file or override the user must change (CLI exit code 2)."""
 
 
+def one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    """A value check of a section's ``__post_init__``: ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(allowed)}")
+
+
+def positive(key: str, value: float, *, zero_ok: bool = False) -> None:
+    """A value check of a section's ``__post_init__``: ``value`` > 0 (or >= 0)."""
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{key} = {value}: must be {'>= 0' if zero_ok else '> 0'}")
+
+
 def _type_name(tp: Any) -> str:
     if dataclasses.is_dataclass(tp):
         return "table"

@@ -19,7 +19,19 @@ from torch import nn
 
 from raytuner.placement.stream import BlockStreamer
 
-__all__ = ["DenoiserPlacement", "PlacementError", "batch", "blocks", "load_device", "move"]
+__all__ = [
+    "DenoiserPlacement",
+    "PlacementError",
+    "activations",
+    "batch",
+    "blocks",
+    "check",
+    "inputs",
+    "load_device",
+    "move",
+    "place_pipeline",
+    "unplace_pipeline",
+]
 
 
 class PlacementError(RuntimeError):
