@@ -7,21 +7,22 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from raytuner import runtime
 from raytuner.config import DataConfig, JobConfig
 from raytuner.data import cache
-from raytuner.data.decode import decode_row
-from raytuner.data.encode import CaptionEncoder, LatentEncoder
+from raytuner.data.encode import ENCODE, Encoder
+from raytuner.data.pipeline import probe_decode
 from raytuner.data.preprocess import decode_spec, preprocess
-from raytuner.data.sources import list_source, probe_row
+from raytuner.data.sources import list_source
 from raytuner.data.tensors import DTYPES
 
 
@@ -36,32 +37,24 @@ def _bench_data(job: JobConfig, images: int, workdir: str) -> DataConfig:
 
 
 def _bare(job: JobConfig, data: DataConfig) -> tuple[int, float]:
-    """Probe, decode and encode every image in this process, with the pipeline's own encoder
-    classes called directly (no Ray): (images encoded, seconds)."""
-    m, pre = job.model, job.preprocess
-    encode_images = LatentEncoder(m, pre.dtype, pre.store_std)
-    encode_text = CaptionEncoder(m, pre.dtype)
+    """Probe, decode and encode every image in this process, with the stream's own steps
+    (``probe_decode``, then one ``Encoder`` over the same batches) called directly, without
+    Ray: (images encoded, seconds)."""
+    pre = job.preprocess
+    encoder = Encoder(job.model, pre.dtype, pre.store_std)
     sources = data.all_sources()
     listing = [{**r, "known_key": ""} for i, s in enumerate(sources) for r in list_source(i, s)]
     spec = decode_spec(job.model, data, pre)
+    # the Encoder builds its models on first use: one image first, off the clock, builds both
+    # (as the bare loop always did before timing); then it forgets the captions it encoded
+    encoder(probe_decode(pa.Table.from_pylist(listing[:1]), sources, spec, frozenset()))
+    encoder.seen = set()
     start, done = time.perf_counter(), 0
     for i in range(0, len(listing), pre.batch_size):
-        probed = [probe_row(r, sources) for r in listing[i : i + pre.batch_size]]
-        probed = [r for r in probed if not r["reason"]]
-        rows = [decode_row(r, spec) for r in probed]
-        if rows:
-            encoded = encode_images(_columns(rows))
-            done += sum(1 for status in encoded.column("status").to_pylist() if status == "ok")
-            captions = sorted({r["caption"] for r in probed})
-            encode_text(
-                {"caption_key": np.array(captions, object), "caption": np.array(captions, object)}
-            )
+        batch = pa.Table.from_pylist(listing[i : i + pre.batch_size])
+        encoded = encoder(probe_decode(batch, sources, spec, frozenset()))
+        done += encoded.column("status").to_pylist().count(ENCODE)
     return done, time.perf_counter() - start
-
-
-def _columns(rows: list[dict]) -> dict[str, np.ndarray]:
-    """Rows as the numpy column batch Ray Data hands the encoder actors."""
-    return {k: np.array([r[k] for r in rows], dtype=object) for k in rows[0]}
 
 
 def _latent_bytes(version: cache.Version, manifest: dict) -> tuple[int, int]:
@@ -91,27 +84,93 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def bench_preprocess(job: JobConfig, images: int, as_json: bool) -> dict:
+def bench_preprocess(job: JobConfig, images: int, as_json: bool, rounds: int = 3) -> dict:
+    """``rounds`` rounds, each a whole preprocess into a fresh cache folder and then the bare
+    loop over the same images; the figures are the medians over the rounds."""
     runtime.connect()
     # one thread, like one encoder actor (Ray gives it OMP_NUM_THREADS=1)
     with torch_threads(1), tempfile.TemporaryDirectory(prefix="raytuner-bench-") as workdir:
         data = _bench_data(job, images, workdir)
-        report = preprocess(job.model, data, job.preprocess)
-        version = cache.Version(data.cache, cache.fingerprint(job.model, job.preprocess))
+
+        def pipeline(r: int) -> dict:
+            cache_r = os.path.join(workdir, f"cache-{r}")
+            return preprocess(job.model, dataclasses.replace(data, cache=cache_r), job.preprocess)
+
+        load_before = load_average()
+        sides = alternate(rounds, {"pipeline": pipeline, "bare": lambda r: _bare(job, data)})
+        load_after = load_average()
+        first = os.path.join(workdir, "cache-0")  # every round's cache holds the same rows
+        version = cache.Version(first, cache.fingerprint(job.model, job.preprocess))
         stored, tensor = _latent_bytes(version, version.manifest())
-        bare_images, bare_s = _bare(job, data)
+    reports = sides["pipeline"]
+    rates = {
+        "pipeline": [r["encoded"] / r["seconds"] for r in reports],
+        "bare": [done / seconds for done, seconds in sides["bare"]],
+    }
+    bare = statistics.median(rates["bare"])
+    startup, marginal = _startup(reports)
     result = {
-        "images": report["encoded"],
-        "pipeline_images_per_s": round(report["encoded"] / report["seconds"], 2),
-        "bare_images_per_s": round(bare_images / bare_s, 2),
+        "images": reports[0]["encoded"],
+        "pipeline_images_per_s": round(statistics.median(rates["pipeline"]), 2),
+        "bare_images_per_s": round(bare, 2),
+        "ratio": round(statistics.median(rates["pipeline"]) / bare, 3),
+        "startup_s": None if startup is None else round(startup, 2),
+        "marginal_ratio": None if marginal is None else round(marginal / bare, 3),
         "bytes_per_latent_ratio": round(stored / tensor, 4),
         "latent_bytes_stored": stored,
         "latent_tensor_bytes": tensor,
         "encoder_actors": [job.preprocess.min_actors, job.preprocess.max_actors],
         "cpus": os.cpu_count(),
+        **round_figures(rounds, rates, load_before, load_after),
     }
-    result["ratio"] = round(result["pipeline_images_per_s"] / result["bare_images_per_s"], 3)
     return print_figures(result, as_json)
+
+
+def _startup(reports: list[dict]) -> tuple[float | None, float | None]:
+    """(median seconds to the first encoded image, median marginal images/s after it) over the
+    rounds' preprocess reports; (None, None) where the reports do not carry
+    ``first_encoded_s``."""
+    firsts = [r.get("first_encoded_s") for r in reports]
+    if any(f is None for f in firsts):
+        return None, None
+    marginal = [
+        r["encoded"] / (r["seconds"] - f)
+        for r, f in zip(reports, firsts, strict=True)
+        if r["seconds"] > f
+    ]
+    return statistics.median(firsts), statistics.median(marginal) if marginal else None
+
+
+def alternate(rounds: int, sides: dict[str, Callable[[int], object]]) -> dict[str, list]:
+    """Each side called once a round, in turn (A B A B …): {side: [its result each round]}.
+    Alternating spreads the machine's slow and fast spells over both sides."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
+    out: dict[str, list] = {name: [] for name in sides}
+    for r in range(rounds):
+        for name, side in sides.items():
+            out[name].append(side(r))
+    return out
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median: how far apart the rounds of one side landed, as a fraction."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def round_figures(rounds: int, rates: dict[str, list[float]], before, after) -> dict:
+    """The figures every alternating bench adds: its rounds, each side's spread, the load."""
+    return {
+        "rounds": rounds,
+        "spread": {name: round(spread(values), 4) for name, values in rates.items()},
+        "load_before": before,
+        "load_after": after,
+    }
 
 
 def print_figures(result: dict, as_json: bool) -> dict:

@@ -26,6 +26,13 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
     )
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _sample_args(cmd: argparse.ArgumentParser) -> None:
     _job_args(cmd)
     cmd.add_argument(
@@ -120,6 +127,14 @@ def _parser() -> argparse.ArgumentParser:
                 cmd.add_argument("--images", type=int, default=192, help="synthetic image count")
             if action == "train":
                 cmd.add_argument("--steps", type=int, default=100, help="measured steps")
+            if group == "bench" and action in ("preprocess", "train"):
+                cmd.add_argument(
+                    "--rounds",
+                    type=_positive_int,
+                    default=3,
+                    help="rounds, each side once a round, alternated (default 3): the figures "
+                    "are the medians",
+                )
             if action == "step":
                 cmd.add_argument("--steps", type=int, default=10, help="measured steps")
             if action == "feed":
@@ -270,11 +285,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.action == "preprocess":
         from raytuner.bench import bench_preprocess
 
-        bench_preprocess(job, args.images, args.json)
+        bench_preprocess(job, args.images, args.json, args.rounds)
     if args.command == "bench" and args.action == "train":
         from raytuner.train.bench import bench_train
 
-        bench_train(job, args.steps, args.json)
+        bench_train(job, args.steps, args.json, args.rounds)
     if args.command == "bench" and args.action == "feed":
         from raytuner.train.feed_bench import bench_feed
 

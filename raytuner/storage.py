@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 
@@ -47,6 +48,14 @@ def listdir(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo]:
 def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
     with fs.open_input_stream(path) as f:
         return f.read()
+
+
+def read_buffer(fs: pafs.FileSystem, path: str) -> pa.Buffer:
+    """A whole file in memory Arrow owns: what to hand pyarrow's readers. (A reader over Python
+    ``bytes`` may drop its last reference from an Arrow thread after the call returns; at
+    interpreter exit that thread cannot take the GIL and the process aborts, exit code 134.)"""
+    with fs.open_input_stream(path) as f:
+        return f.read_buffer()
 
 
 def read_json(fs: pafs.FileSystem, path: str) -> Any:

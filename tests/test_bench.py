@@ -23,14 +23,29 @@ def _figures(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+def _check_rounds(figures: dict, rounds: int) -> None:
+    """The figures every alternating bench adds: the rounds asked for, each side's spread over
+    them, the load average before and after."""
+    assert figures["rounds"] == rounds
+    assert set(figures["spread"]) == {"pipeline", "bare"}
+    assert all(0 <= s < 10 for s in figures["spread"].values()), figures["spread"]
+    for key in ("load_before", "load_after"):
+        assert len(figures[key]) == 3 and all(x >= 0 for x in figures[key]), key
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_preprocess_prints_one_json_object(ray_local, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    figures = _figures(capsys, "preprocess", "jobs/tiny.toml", "--images", "12")
+    args = ("--images", "12", "--rounds", "2")
+    figures = _figures(capsys, "preprocess", "jobs/tiny.toml", *args)
     for key in ("pipeline_images_per_s", "bare_images_per_s", "ratio", "bytes_per_latent_ratio"):
         assert figures[key] > 0, key
     assert figures["images"] == 12
+    _check_rounds(figures, 2)
+    # from the preprocess report's "first_encoded_s" (the seconds to the first encoded image)
+    for key in ("startup_s", "marginal_ratio"):
+        assert isinstance(figures[key], (int, float)) and figures[key] >= 0, key
     # each latent is stored as exactly its own bytes plus its length prefix and its page's
     # header: ~30 bytes (6 % of the tiny job's 512-byte latents, 0.02 % of an SDXL one)
     stored, tensor = figures["latent_bytes_stored"], figures["latent_tensor_bytes"]
@@ -42,9 +57,10 @@ def test_bench_preprocess_prints_one_json_object(ray_local, capsys, monkeypatch)
 def test_bench_train_prints_one_json_object(ray_local, capsys, monkeypatch, tmp_path):
     shutil.copytree(REPO / "jobs", tmp_path / "jobs")  # its cache lands in tmp_path/runs
     monkeypatch.chdir(tmp_path)
-    figures = _figures(capsys, "train", "jobs/tiny.toml", "--steps", "5")
+    figures = _figures(capsys, "train", "jobs/tiny.toml", "--steps", "5", "--rounds", "2")
     for key in ("samples_per_s", "bare_samples_per_s", "ratio"):
         assert figures[key] > 0, key
+    _check_rounds(figures, 2)
     assert 0 <= figures["data_wait_fraction"] < 1
     assert figures["measured_steps"] == 5 and figures["global_batch_size"] == 4
     assert (tmp_path / "runs" / "cache").is_dir()  # the cache it trained on was made first

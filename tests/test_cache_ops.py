@@ -531,6 +531,35 @@ def test_verify_names_a_deleted_index(committed, tmp_path):
     assert f"{version.root}: 1 bad file(s)" in bad.out
 
 
+# `cache verify` and a preprocess's driver read every data file of a version into memory. A
+# reader on Arrow's worker threads could drop its last reference to that memory after the read
+# returned; at interpreter exit the worker could not take the GIL and the process aborted
+# (exit 134, about 1 run in 30 under load). The readers now start no worker thread at all.
+ARROW_THREADS = """
+import os, sys
+from raytuner.data import cache, verify
+version = cache.Version(sys.argv[1], sys.argv[2])
+before = len(os.listdir("/proc/self/task"))
+bad = verify.verify(version)
+for rel in version.part_files(cache.LATENTS) + version.part_files(cache.TEXT):
+    version.describe(rel, version.manifest()["dtype"])
+print(before, len(os.listdir("/proc/self/task")), len(bad))
+"""
+
+
+@pytest.mark.slow  # only for the committed cache it reads; no Ray
+@pytest.mark.timeout(300)
+def test_verify_and_locate_read_on_no_arrow_worker_thread(committed, tmp_path):
+    job = copy_committed(committed, tmp_path)
+    version = version_of(job)
+    args = [sys.executable, "-c", ARROW_THREADS, str(Path(version.root).parent), version.fp]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after, bad = map(int, done.stdout.split())
+    assert bad == 0
+    assert after == before, f"reading the cache started {after - before} native thread(s)"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_repair_rebuilds_a_deleted_index(repairs, tmp_path):

@@ -7,9 +7,8 @@ Layout under ``data.cache``::
     <fingerprint>/manifest.json     what readers trust: every live file with rows and sha256
     <fingerprint>/report.json       the report of the run that committed it
     <fingerprint>/leases/*.json     heartbeats of the jobs using the version (``lease.py``)
-    <fingerprint>/parts/<run>/latents/status=ok/*.parquet       rows keyed by image-content hash
-    <fingerprint>/parts/<run>/latents/status=skipped/*.parquet  why a file could not be used
-    <fingerprint>/parts/<run>/text/*.parquet                   one row per distinct caption
+    <fingerprint>/parts/<run>/latents/status=ok/*.parquet  rows keyed by image-content hash
+    <fingerprint>/parts/<run>/text/*.parquet               one row per distinct caption
     <fingerprint>/parts/<run>/index.parquet     one row per trained image: path, caption, repeats,
                                                 bucket, conditioning and where its latent lies
     <fingerprint>/parts/<run>/captions.parquet  one row per caption: where its text tensors lie
@@ -44,10 +43,11 @@ FORMAT_VERSION = 3
 MANIFEST, REPORT = "manifest.json", "report.json"
 INDEX, CAPTIONS = "index.parquet", "captions.parquet"
 LATENTS, TEXT = "latents", "text"
-# How every data file is written (by Ray Data in preprocess, by pyarrow in the synthetic bench
-# cache). Tensor bytes do not compress, each cell is unique, and min/max statistics of a binary
-# column would store two whole tensors per page: plain pages keep every latent within a few
-# bytes of its tensor size. One row per row group puts each cell at the tail of its chunk.
+# How every data file is written (``write_part``: the preprocess's Ray Data sink, the
+# synthetic bench cache). Tensor bytes do not compress, each cell is unique, and min/max
+# statistics of a binary column would store two whole tensors per page: plain pages keep every
+# latent within a few bytes of its tensor size. One row per row group puts each cell at the
+# tail of its chunk.
 PARQUET = {
     "use_dictionary": False,
     "compression": "none",
@@ -104,22 +104,43 @@ def itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=DTYPES[dtype]).element_size()
 
 
+def part_file(run: str, kind: str, name: str) -> str:
+    """Where a data file of ``kind`` (``latents`` or ``text``) written by ``run`` lies, relative
+    to its version folder."""
+    return (
+        f"{run}/{LATENTS}/status=ok/{name}.parquet"
+        if kind == LATENTS
+        else (f"{run}/{TEXT}/{name}.parquet")
+    )
+
+
 def write_part(fs: pafs.FileSystem, path: str, table: pa.Table) -> None:
-    """A data file in the cache's layout (the synthetic bench cache; preprocess writes the same
-    options through Ray Data)."""
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    pq.write_table(table, path, filesystem=fs, **PARQUET)
+    """A data file in the cache's layout, atomically and durably (the preprocess's sink and the
+    synthetic bench cache)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, **PARQUET)
+    storage.write_atomic(fs, path, sink.getvalue().to_pybytes())
 
 
-def locate(data: bytes, dtype: str) -> tuple[pa.Table, list[str]]:
+def read_parquet(data: pa.Buffer, columns: list[str] | None = None) -> pa.Table:
+    """A data file held in memory (``storage.read_buffer``), read in the calling thread.
+
+    ``pq.read_table`` scans on Arrow's worker threads, which may drop their last reference to
+    the file's memory after the call returns; when that memory was Python's and the interpreter
+    was exiting, the thread could not take the GIL and the process aborted (exit code 134 of
+    ``raytuner cache verify``). Here no worker thread is started and none holds the memory."""
+    reader = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False)
+    return reader.read(columns=columns, use_threads=False)
+
+
+def locate(data: pa.Buffer, dtype: str) -> tuple[pa.Table, list[str]]:
     """The file's small columns plus ``<tensor>_at``, the byte offset of every tensor cell,
     checked against its length prefix; and the tensor column names."""
-    source = pa.BufferReader(data)
-    meta = pq.read_metadata(source)
+    meta = pq.read_metadata(pa.BufferReader(data))
     schema = meta.schema.to_arrow_schema()
     tensors = tensor_columns(schema)
     small = [n for n in schema.names if n not in tensors]
-    table = pq.read_table(pa.BufferReader(data), columns=small)
+    table = read_parquet(data, small)
     leaf = {meta.row_group(0).column(j).path_in_schema: j for j in range(meta.num_columns)}
     size = itemsize(dtype)
     for name in tensors:
@@ -133,7 +154,7 @@ def locate(data: bytes, dtype: str) -> tuple[pa.Table, list[str]]:
             end += chunk.total_compressed_size
             n = math.prod(shapes[g]) * size
             offsets[g] = at = end - n
-            if int.from_bytes(data[at - LENGTH_PREFIX : at], "little") != n:
+            if int.from_bytes(bytes(data[at - LENGTH_PREFIX : at]), "little") != n:
                 raise ValueError(f"row {g}: the {name} cell is not the tail of its column chunk")
         table = table.append_column(f"{name}_at", pa.array(offsets))
     return table, tensors
@@ -160,7 +181,7 @@ class Version:
     def describe(self, rel: str, dtype: str) -> tuple[dict, pa.Table]:
         """A data file's manifest entry (rows, bytes, sha256 of its content) and its located
         rows (``locate``, with ``file`` = ``rel``), from one read of the file."""
-        data = storage.read_bytes(self.fs, self.path(rel))
+        data = storage.read_buffer(self.fs, self.path(rel))
         try:
             located, _ = locate(data, dtype)
         except (OSError, ValueError, pa.ArrowInvalid) as e:
@@ -168,7 +189,7 @@ class Version:
         entry = {
             "path": rel,
             "rows": located.num_rows,
-            "bytes": len(data),
+            "bytes": data.size,
             "sha256": hashlib.sha256(data).hexdigest(),
         }
         return entry, located.append_column("file", pa.array([rel] * located.num_rows))

@@ -40,12 +40,13 @@ def _row(row: dict, status: str = "ok", reason: str = "") -> dict:
     }
 
 
-def _load(row: dict, spec: DecodeSpec) -> Image.Image:
-    fs, root = storage.resolve(spec.roots[row["source"]])
-    try:
-        data = storage.read_bytes(fs, storage.join(root, row["path"]))
-    except OSError as e:
-        raise SkipImage(f"unreadable: {e}") from None
+def _load(row: dict, spec: DecodeSpec, data: bytes | None) -> Image.Image:
+    if data is None:
+        fs, root = storage.resolve(spec.roots[row["source"]])
+        try:
+            data = storage.read_bytes(fs, storage.join(root, row["path"]))
+        except OSError as e:
+            raise SkipImage(f"unreadable: {e}") from None
     image = load_image(data, spec.image)
     aspect = image.width / image.height
     if spec.aspect_policy == "skip" and not spec.min_aspect <= aspect <= spec.max_aspect:
@@ -56,10 +57,11 @@ def _load(row: dict, spec: DecodeSpec) -> Image.Image:
     return image
 
 
-def decode_row(row: dict, spec: DecodeSpec) -> dict:
-    """One new image -> a row with bucket-sized RGB pixels, or a skipped row with a reason."""
+def decode_row(row: dict, spec: DecodeSpec, data: bytes | None = None) -> dict:
+    """One new image -> a row with bucket-sized RGB pixels, or a skipped row with a reason.
+    ``data``: the file's bytes when the caller has read them already."""
     try:
-        rgb = _load(row, spec)
+        rgb = _load(row, spec, data)
     except SkipImage as e:
         return _row(row, "skipped", str(e))
     bucket = nearest_bucket(rgb.width, rgb.height, spec.buckets)

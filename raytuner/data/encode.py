@@ -1,12 +1,21 @@
-"""Encoder actors for Ray Data ``map_batches``: the VAE over bucketed pixels, the text encoders
-over distinct captions. Each actor loads its model once and keeps it."""
+"""The encoder actor of the preprocess stream (a Ray Data ``map_batches`` actor pool): the VAE
+over the decoded images of a batch and the text encoders over the captions of that batch that
+no one has encoded yet. Each actor loads each model on its first use and keeps it, so a run with
+nothing new loads nothing, and a run with only new captions loads only the text encoders.
+
+Rows in, the same rows out with the pixels replaced by their latent; the text tensors of each
+newly seen caption are appended as rows of their own (``status == TEXT``). The sink
+(``data/pipeline.py``) splits them into the cache's latents and text files.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
+from raytuner.data.sources import caption_key
 from raytuner.data.tensors import to_cells
 from raytuner.families import get_family, parts
 
@@ -24,6 +33,11 @@ LATENT_SCHEMA = {
     "latent": pa.binary(),
     "latent_shape": SHAPE,
 }
+# The row kinds of the stream (its ``status`` column).
+ENCODE = "encode"  # decoded pixels: VAE-encode them
+FAILED = "failed"  # the decode refused the file (``failure`` says why)
+PROBED = "probed"  # nothing to encode: skipped at probe, already cached, or a duplicate above
+TEXT = "text"  # a caption's text tensors, appended by the encoder
 
 
 def _column(values, kind: pa.DataType) -> pa.Array:
@@ -42,56 +56,84 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class LatentEncoder:
-    """Adds ``latent`` / ``latent_shape`` to every ok row and drops the pixels."""
+class Encoder:
+    """``Encoder(model, dtype, store_std, known_captions, progress)(batch) -> batch``.
 
-    def __init__(self, model, dtype: str, store_std: bool, progress=None):
-        """``model``: the job's ModelConfig; ``dtype``: the cache's storage dtype."""
-        source = parts.source(model.pretrained, model.revision, model.dtype, _device())
-        self.encode = get_family(model.family).image_encoder(source, _device())
-        self.dtype, self.store_std, self.progress = dtype, store_std, progress
-        self.schema = LATENT_SCHEMA | ({"latent_std": pa.binary()} if store_std else {})
+    ``model``: the job's ModelConfig; ``dtype``: the cache's storage dtype; ``known_captions``:
+    the caption keys the cache holds already (never encoded again); ``progress``: a counting
+    actor told how many images each batch encoded."""
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
-        n = len(batch["path"])
-        latents: list[bytes] = [b""] * n
-        stds: list[bytes] = [b""] * n
-        shapes = np.zeros((n, 3), np.int32)
-        ok = [i for i in range(n) if batch["status"][i] == "ok"]
-        sizes = {(int(batch["height"][i]), int(batch["width"][i])) for i in ok}
-        for h, w in sorted(sizes):  # one forward per bucket: a batch may mix buckets
-            rows = [i for i in ok if (batch["height"][i], batch["width"][i]) == (h, w)]
-            pixels = np.stack(
-                [np.frombuffer(batch["pixels"][i], np.uint8).reshape(h, w, 3) for i in rows]
+    def __init__(self, model, dtype: str, store_std: bool, known_captions=(), progress=None):
+        self.model, self.dtype, self.store_std, self.progress = model, dtype, store_std, progress
+        self.family = get_family(model.family)
+        self.seen = set(known_captions)  # caption keys encoded by the cache or by this actor
+        self._image = self._text = None
+
+    def _source(self):
+        return parts.source(self.model.pretrained, self.model.revision, self.model.dtype, _device())
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        images = self.encode_images(batch)
+        text = self.encode_captions(batch)
+        if text is None:
+            return images
+        return pa.concat_tables([images, text], promote_options="default")
+
+    def encode_images(self, batch: pa.Table) -> pa.Table:
+        """The batch without its pixels, with ``latent`` / ``latent_shape`` (and ``latent_std``)
+        cells on its ENCODE rows (empty on the others); one VAE forward per bucket."""
+        n, status = batch.num_rows, batch.column("status").to_pylist()
+        latents, stds = [b""] * n, [b""] * n
+        shapes: list[list[int]] = [[] for _ in range(n)]
+        todo = [i for i in range(n) if status[i] == ENCODE]
+        if todo and self._image is None:
+            self._image = self.family.image_encoder(self._source(), _device())
+        width, height = batch.column("width").to_pylist(), batch.column("height").to_pylist()
+        pixels = batch.column("pixels")
+        for w, h in sorted({(width[i], height[i]) for i in todo}):  # a batch may mix buckets
+            rows = [i for i in todo if (width[i], height[i]) == (w, h)]
+            stack = np.stack(
+                [np.frombuffer(pixels[i].as_py(), np.uint8).reshape(h, w, 3) for i in rows]
             )
-            x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-            mean, std = self.encode(x)
+            x = torch.from_numpy(stack).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+            mean, std = self._image(x)
             cells, cell_shapes = to_cells(mean, self.dtype)
             std_cells = to_cells(std, self.dtype)[0] if self.store_std else [b""] * len(rows)
             for j, i in enumerate(rows):
-                latents[i], shapes[i], stds[i] = cells[j], cell_shapes[j], std_cells[j]
-        if self.progress is not None:  # counted, not waited for
-            self.progress.add.remote(len(ok))
-        columns = {**batch, "latent": latents, "latent_shape": shapes, "latent_std": stds}
-        return to_table(columns, self.schema)
+                latents[i], shapes[i], stds[i] = cells[j], cell_shapes[j].tolist(), std_cells[j]
+        if self.progress is not None and todo:  # counted, not waited for
+            self.progress.add.remote(len(todo))
+        out = batch.drop_columns(["pixels"])
+        out = out.append_column("latent", pa.array(latents, pa.binary()))
+        out = out.append_column("latent_shape", pa.array(shapes, SHAPE))
+        if self.store_std:
+            out = out.append_column("latent_std", pa.array(stds, pa.binary()))
+        return out
 
-
-class CaptionEncoder:
-    """One cell + shape column per text tensor the family produces (e.g. prompt_embeds), and
-    whether the tokenizer truncated the caption."""
-
-    def __init__(self, model, dtype: str, progress=None):
-        source = parts.source(model.pretrained, model.revision, model.dtype, _device())
-        self.encode = get_family(model.family).text_encoder(source, _device())
-        self.dtype, self.progress = dtype, progress
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
-        captions = [str(c) for c in batch["caption"]]
-        columns: dict = {**batch, "truncated": self.encode.truncated(captions)}
-        schema = {"caption_key": pa.string(), "caption": pa.string(), "truncated": pa.bool_()}
-        for name, tensor in self.encode(captions).items():
-            columns[name], columns[f"{name}_shape"] = to_cells(tensor, self.dtype)
-            schema |= {name: pa.binary(), f"{name}_shape": SHAPE}
-        if self.progress is not None:
-            self.progress.add.remote(len(captions))
-        return to_table(columns, schema)
+    def encode_captions(self, batch: pa.Table) -> pa.Table | None:
+        """TEXT rows for the captions of this batch's usable rows (and the empty caption, for
+        caption dropout) that neither the cache nor this actor has encoded; None if none."""
+        usable = pc.and_(
+            pc.equal(batch.column("reason"), ""), pc.not_equal(batch["status"], FAILED)
+        )
+        rows = batch.filter(usable).select(["caption_key", "caption"]).to_pylist()
+        new = {r["caption_key"]: r["caption"] for r in rows if r["caption_key"] not in self.seen}
+        if caption_key("") not in self.seen:
+            new[caption_key("")] = ""
+        if not new:
+            return None
+        if self._text is None:
+            self._text = self.family.text_encoder(self._source(), _device())
+        keys, captions = list(new), list(new.values())
+        columns = {
+            "caption_key": pa.array(keys, pa.string()),
+            "caption": pa.array(captions, pa.string()),
+            "truncated": pa.array(self._text.truncated(captions), pa.bool_()),
+            "status": pa.array([TEXT] * len(keys), pa.string()),
+        }
+        for name, tensor in self._text(captions).items():
+            cells, cell_shapes = to_cells(tensor, self.dtype)
+            columns[name] = pa.array(cells, pa.binary())
+            columns[f"{name}_shape"] = pa.array(cell_shapes.tolist(), SHAPE)
+        self.seen.update(keys)
+        return pa.table(columns)

@@ -1,8 +1,7 @@
-"""The preprocess job, in three Ray Data passes and a commit:
+"""The preprocess job: one Ray Data stream and a commit.
 
-1. probe (tasks): content hash and caption of every listed file;
-2. encode (decode tasks -> VAE actor pool -> Parquet): only images whose key is not cached yet;
-3. text (text-encoder actor pool -> Parquet): only captions not cached yet, plus "";
+The stream (``data/pipeline.py``) probes every listed file (content hash, caption), decodes the
+new ones, and encodes their latents and the captions not cached yet in one encoder actor pool;
 then the index of trained rows (where each one's bytes lie) and the manifest, written last
 (``index.commit``). Training ranks never write here.
 """
@@ -13,20 +12,16 @@ import logging
 import time
 import uuid
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-import ray
-
 from raytuner import metrics, storage
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
-from raytuner.data import cache, index
+from raytuner.data import cache, index, pipeline
 from raytuner.data.buckets import make_buckets
-from raytuner.data.decode import DecodeSpec, decode_row
-from raytuner.data.encode import CaptionEncoder, LatentEncoder
+from raytuner.data.decode import DecodeSpec
+from raytuner.data.encode import FAILED
 from raytuner.data.images import ImagePolicy
 from raytuner.data.plan import plan, report
 from raytuner.data.progress import ProgressLine
-from raytuner.data.sources import caption_key, list_source, probe_row
+from raytuner.data.sources import caption_key, list_source
 from raytuner.families import get_family
 
 log = logging.getLogger(__name__)
@@ -37,19 +32,6 @@ def bucket_sizes(family_name: str, pre: PreprocessConfig) -> list[tuple[int, int
     resolution = pre.resolution or family.default_resolution
     step = pre.bucket_step or family.pixel_multiple
     return make_buckets(resolution, step, pre.min_aspect, pre.max_aspect)
-
-
-def _pool(pre: PreprocessConfig) -> dict:
-    return dict(
-        compute=ray.data.ActorPoolStrategy(min_size=pre.min_actors, max_size=pre.max_actors),
-        num_gpus=pre.gpus_per_actor or None,
-        batch_size=pre.batch_size,
-        batch_format="numpy",
-        zero_copy_batch=False,
-        # bounded: an encoder that dies each time (out of memory) fails the preprocess
-        max_restarts=pre.max_restarts,
-        max_task_retries=pre.max_restarts,
-    )
 
 
 def _listing(data: DataConfig, located: index.Located) -> list[dict]:
@@ -67,52 +49,6 @@ def _listing(data: DataConfig, located: index.Located) -> list[dict]:
     return rows
 
 
-def _probe_batch(batch, sources) -> list[dict]:
-    return pa.Table.from_pylist([probe_row(r, sources) for r in batch.to_pylist()])
-
-
-def _decode_batch(batch, spec: DecodeSpec) -> pa.Table:
-    return pa.Table.from_pylist([decode_row(r, spec) for r in batch.to_pylist()])
-
-
-def _probe(listing: list[dict], data: DataConfig) -> list[dict]:
-    ds = ray.data.from_items(listing).map_batches(
-        _probe_batch,
-        fn_kwargs={"sources": data.all_sources()},
-        batch_size=64,
-        batch_format="pyarrow",
-    )
-    return ds.take_all()
-
-
-def _encode_images(rows, spec: DecodeSpec, model, pre, out: str, fs, progress) -> None:
-    args = (model, pre.dtype, pre.store_std, progress)
-    items = [{"source": r["source_index"], "path": r["path"], "key": r["key"]} for r in rows]
-    (
-        ray.data.from_items(items)
-        # half a CPU: decode tasks run beside the encoder actors, not fused into them
-        .map_batches(
-            _decode_batch,
-            fn_kwargs={"spec": spec},
-            batch_size=pre.batch_size,
-            batch_format="pyarrow",
-            num_cpus=0.5,
-        )
-        .map_batches(LatentEncoder, fn_constructor_args=args, **_pool(pre))
-        .write_parquet(out, filesystem=fs, partition_cols=["status"], **cache.PARQUET)
-    )
-
-
-def _encode_captions(captions: dict[str, str], model, pre, out: str, fs, progress) -> None:
-    rows = [{"caption_key": k, "caption": c} for k, c in sorted(captions.items())]
-    args = (model, pre.dtype, progress)
-    (
-        ray.data.from_items(rows)
-        .map_batches(CaptionEncoder, fn_constructor_args=args, **_pool(pre))
-        .write_parquet(out, filesystem=fs, **cache.PARQUET)
-    )
-
-
 def decode_spec(model: ModelConfig, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:
     return DecodeSpec(
         roots=[storage.absolute(s.path) for s in data.all_sources()],
@@ -126,19 +62,6 @@ def decode_spec(model: ModelConfig, data: DataConfig, pre: PreprocessConfig) -> 
             max_pixels=pre.max_pixels, min_size=pre.min_size, background=tuple(pre.background)
         ),
     )
-
-
-def _encode_new(p, spec, model, pre, version, run: str, tag: str) -> None:
-    """Pass 2: decode and VAE-encode the new images; their decode failures join p.skipped."""
-    if not p.new:
-        return
-    out = version.path(f"{run}/latents")
-    with ProgressLine("images encoded", len(p.new), tag, "raytuner_images_encoded") as progress:
-        _encode_images(p.new, spec, model, pre, out, version.fs, progress)
-    bad = version.path(f"{run}/latents/status=skipped")
-    if storage.exists(version.fs, bad):
-        rows = pq.read_table(bad, columns=["key", "reason"], filesystem=version.fs).to_pylist()
-        p.failed({r["key"]: r["reason"] for r in rows})
 
 
 COMMIT_ATTEMPTS = 3  # a run that finds another's commit lists again (reusing every file)
@@ -166,44 +89,49 @@ def preprocess(
     raise AssertionError("unreachable")
 
 
+def _stream(version, run: str, listing, located, model, data, pre, tag) -> tuple[list, float]:
+    """The stream over every listed file: its rows (see ``pipeline.run``) and the wall time of
+    the first encoded image (None: nothing was encoded)."""
+    known = (set(located.latents), set(located.captions))
+    todo = sum(1 for r in listing if r["known_key"] not in known[0])  # at most this many new
+    line = ProgressLine("images encoded", todo, tag, "raytuner_images_encoded")
+    with line as progress:
+        spec, sources = decode_spec(model, data, pre), data.all_sources()
+        rows = pipeline.run(listing, sources, known, spec, model, pre, version, run, progress)
+    return rows, line.first_at
+
+
 def _preprocess(version, run: str, model, data, pre, tag: str) -> dict:
     """One listing, encoding and commit into the run folder ``run`` (kept when it retries)."""
-    start, generation = time.monotonic(), version.generation()
+    start, wall, generation = time.monotonic(), time.time(), version.generation()
     located = index.Located(version, pre.dtype, version.manifest())
+    located.refresh()
     listing = _listing(data, located)
     if not listing:
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
     sources = data.all_sources()
     roots = [storage.absolute(s.path) for s in sources]
     repeats = [s.repeats for s in sources]
-    probed = [{**r, "source_index": r["source"]} for r in _probe(listing, data)]
-    located.refresh()
-    p = plan(probed, set(located.latents), roots)
-    log.info(
-        "preprocess: %d files, %d cached, %d to encode -> %s/%s",
-        len(listing),
-        len(p.cached),
-        len(p.new),
-        version.root,
-        run,
-    )
-    _encode_new(p, decode_spec(model, data, pre), model, pre, version, run, tag)
+    log.info("preprocess: %d files -> %s/%s", len(listing), version.root, run)
+    available = set(located.latents)
+    rows, first_at = _stream(version, run, listing, located, model, data, pre, tag)
+    p = plan([{**r, "source_index": r["source"]} for r in rows], available, roots)
+    p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
     located.refresh()
     indexed = []
     for r in p.cached + p.new:
         if (latent := located.latents.get(r["key"])) is not None:
             bucket = f"{latent['width']}x{latent['height']}"
-            extra = {"caption_key": caption_key(r["caption"]), "bucket": bucket}
-            indexed.append({**r, **extra, "repeats": repeats[r["source_index"]]})
-    need = {r["caption_key"]: r["caption"] for r in indexed} | {caption_key(""): ""}
-    missing = {k: c for k, c in need.items() if k not in located.captions}
-    if missing:
-        with ProgressLine("captions encoded", len(missing), tag) as progress:
-            out = version.path(f"{run}/text")
-            _encode_captions(missing, model, pre, out, version.fs, progress)
-        located.refresh()
+            indexed.append({**r, "bucket": bucket, "repeats": repeats[r["source_index"]]})
+    need = {r["caption_key"] for r in indexed} | {caption_key("")}
+    if missing := sorted(need - set(located.captions)):
+        raise RuntimeError(
+            f"{len(missing)} caption(s) were not encoded (their text file is damaged or gone, "
+            f"e.g. {missing[0]}): run the preprocess again, it encodes only what is missing"
+        )
     truncated = sum(located.captions[k]["truncated"] for k in need)
     rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
+    rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
     index.commit(
         version, run, indexed, located, generation, family=model.family, dtype=pre.dtype, report=rep
     )

@@ -21,14 +21,19 @@ class Counting:
 
     def __init__(self, run: str, metric: str | None) -> None:
         self.n, self.run, self.metric = 0, run, metric
+        self.first: float | None = None  # wall time of the first count
 
     def add(self, n: int) -> None:
         self.n += n
+        self.first = self.first or time.time()
         if self.metric:
             metrics.count(self.metric, n, self.run)
 
     def value(self) -> int:
         return self.n
+
+    def first_at(self) -> float | None:
+        return self.first
 
 
 class ProgressLine:
@@ -38,6 +43,7 @@ class ProgressLine:
     def __init__(self, what: str, total: int, run: str, metric: str | None = None, every_s=10.0):
         self.what, self.total, self.run, self.metric = what, total, run, metric
         self.every_s, self.stop = every_s, threading.Event()
+        self.first_at: float | None = None
         self.counter = ray.remote(Counting).options(num_cpus=0).remote(run, metric)
 
     def __enter__(self):
@@ -50,6 +56,10 @@ class ProgressLine:
         self.stop.set()
         self.thread.join()
         self._report(final=True)
+        try:  # ``first_at``: when the first item was counted (wall time; None: none was)
+            self.first_at = ray.get(self.counter.first_at.remote())
+        except ray.exceptions.RayError:
+            self.first_at = None
         ray.kill(self.counter)
 
     def _loop(self) -> None:

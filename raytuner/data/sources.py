@@ -161,14 +161,17 @@ def _caption(fs, root: str, row: dict, source: SourceConfig) -> tuple[str | None
     return None, "", "no caption (data caption_fallback = skip)"
 
 
-def _hash(fs: pafs.FileSystem, path: str) -> tuple[str, int]:
-    """sha256 of a file's content and its size, read in pieces."""
-    digest, size = hashlib.sha256(), 0
+def _hash(fs: pafs.FileSystem, path: str, keep: bool) -> tuple[str, int, bytes | None]:
+    """sha256 of a file's content and its size, read in pieces; and the content when ``keep``
+    (the image is decoded next: one read serves both)."""
+    digest, size, pieces = hashlib.sha256(), 0, []
     with fs.open_input_stream(path) as f:
         while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
             size += len(chunk)
-    return digest.hexdigest(), size
+            if keep:
+                pieces.append(chunk)
+    return digest.hexdigest(), size, b"".join(pieces) if keep else None
 
 
 def probe_row(row: dict, sources: list[SourceConfig]) -> dict:
@@ -177,6 +180,12 @@ def probe_row(row: dict, sources: list[SourceConfig]) -> dict:
     When the file's size and mtime equal those of the last committed index, its known key is
     kept without reading the image again.
     """
+    return probe_and_read(row, sources, keep=False)[0]
+
+
+def probe_and_read(row: dict, sources: list[SourceConfig], keep: bool) -> tuple[dict, bytes | None]:
+    """``probe_row``, and with ``keep`` the file's bytes as read for the hash (the known key
+    is then not trusted: the file is read and hashed again)."""
     source = sources[row["source"]]
     fs, root = storage.resolve(source.path)
     out = {
@@ -190,16 +199,17 @@ def probe_row(row: dict, sources: list[SourceConfig]) -> dict:
         "reason": row["refused"],
     }
     if out["reason"]:
-        return out
+        return out, None
+    data = None
     try:
-        if row.get("known_key"):
+        if row.get("known_key") and not keep:
             out["key"] = row["known_key"]
         else:
-            digest, size = _hash(fs, storage.join(root, row["path"]))
+            digest, size, data = _hash(fs, storage.join(root, row["path"]), keep)
             out["key"] = digest if size else ""
             out["reason"] = "" if size else "empty file"
         caption, where, why = _caption(fs, root, row, source)
     except OSError as e:
-        return {**out, "reason": f"unreadable: {e}"}
+        return {**out, "reason": f"unreadable: {e}"}, None
     out["reason"] = out["reason"] or why
-    return {**out, "caption": caption or "", "caption_from": where}
+    return {**out, "caption": caption or "", "caption_from": where}, data

@@ -50,7 +50,7 @@ def _write_latents(version, buckets, shapes: Shapes, dtype: str, per_file: int) 
             columns["crop_top_left"].append([0, 0])
             columns["latent"] += _fill(shape, float(i % 251), dtype, 1)
             columns["latent_shape"].append(list(shape))
-        rel = f"{RUN}/{cache.LATENTS}/status=ok/part-{n:07d}.parquet"
+        rel = cache.part_file(RUN, cache.LATENTS, f"part-{n:07d}")
         cache.write_part(version.fs, version.path(rel), to_table(columns, schema))
     return keys
 
@@ -68,7 +68,7 @@ def _write_text(version, captions: list[str], text: dict, dtype: str, per_file: 
             columns[name] = [_fill(shape, v, dtype, 1)[0] for v in values]
             columns[f"{name}_shape"] = [list(shape)] * len(rows)
             schema |= {name: pa.binary(), f"{name}_shape": SHAPE}
-        rel = f"{RUN}/{cache.TEXT}/part-{n:07d}.parquet"
+        rel = cache.part_file(RUN, cache.TEXT, f"part-{n:07d}")
         cache.write_part(version.fs, version.path(rel), to_table(columns, schema))
 
 

@@ -10,11 +10,10 @@ import time
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import torch
 
 from raytuner import storage
-from raytuner.data.cache import MANIFEST, Version, shape_column
+from raytuner.data.cache import MANIFEST, Version, read_parquet, shape_column
 from raytuner.data.tensors import DTYPES
 
 
@@ -39,10 +38,10 @@ def _file_problem(version: Version, entry: dict, tensors: list[str], dtype: str)
     path = version.path(entry["path"])
     if not storage.exists(version.fs, path):
         return "missing"
-    data = storage.read_bytes(version.fs, path)
+    data = storage.read_buffer(version.fs, path)
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         return "sha256 differs from the manifest"
-    table = pq.read_table(pa.BufferReader(data))
+    table = read_parquet(data)
     if table.num_rows != entry["rows"]:
         return f"{table.num_rows} rows, the manifest says {entry['rows']}"
     return _tensor_problems(table, [n for n in tensors if n in table.column_names], dtype)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import tempfile
 import time
 
 import torch
 
 from raytuner import runtime
-from raytuner.bench import print_figures, torch_threads
+from raytuner.bench import alternate, load_average, print_figures, round_figures, torch_threads
 from raytuner.config import JobConfig, ValidationConfig
 from raytuner.data.cache import fingerprint, read_manifest
 from raytuner.data.preprocess import preprocess
@@ -74,10 +75,13 @@ def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
     return out
 
 
-def bare_loop(job: JobConfig, steps: int, threads: int) -> float:
-    """Samples/s of a plain single-process loop over the same batches (no Ray)."""
+def bare_loop(job: JobConfig, steps: int, threads: int, batches: list | None = None) -> float:
+    """Samples/s of a plain single-process loop over the same batches (no Ray); ``batches``:
+    those of ``_batches(job, 2 * steps)`` when already read."""
+    if batches is None:
+        batches = _batches(job, 2 * steps)
     with torch_threads(threads):
-        return _bare_loop(job, steps)
+        return _bare_loop(job, steps, batches)
 
 
 class _Slice:
@@ -87,7 +91,7 @@ class _Slice:
         self.tensors, self.seeds = tensors, seeds
 
 
-def _bare_loop(job: JobConfig, steps: int) -> float:
+def _bare_loop(job: JobConfig, steps: int, batches: list[tuple[dict, list[int]]]) -> float:
     """The loop ``bare_loop`` times: the worker's own model setup and step function on this
     machine's device (a GPU when there is one), without Ray, the cache reads or the feed."""
     family, t = get_family(job.model.family), job.train
@@ -98,7 +102,6 @@ def _bare_loop(job: JobConfig, steps: int) -> float:
     )
     opt, _ = optim.for_run(t, weights.params)
     loss_fn, offload = family.loss(source, job.objective), job.memory.activation_offload
-    batches = _batches(job, 2 * steps)
     start = 0.0
     for i, (tensors, seeds) in enumerate(batches):
         if i == steps:
@@ -120,25 +123,45 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench_train(job: JobConfig, steps: int, as_json: bool) -> dict:
+def bench_train(job: JobConfig, steps: int, as_json: bool, rounds: int = 3) -> dict:
+    """``rounds`` rounds, each one ``train()`` run (one worker, a fresh output folder) and then
+    the bare loop; the figures are the medians over the rounds."""
     from raytuner.train.trainer import train
 
     runtime.connect()
     if read_manifest(job.data.cache, fingerprint(job.model, job.preprocess)) is None:
         preprocess(job.model, job.data, job.preprocess)
+    batches = _batches(job, 2 * steps)  # read once: the bare loop's clock never sees them
+    threads: list[int] = []
     with tempfile.TemporaryDirectory(prefix="raytuner-bench-train-") as output:
-        metrics = train(_one_worker_job(job, steps, output))["metrics"]
-    threads = int(metrics["threads"])
-    bare = bare_loop(job, steps, threads)
+
+        def pipeline(r: int) -> dict:
+            run = _one_worker_job(job, steps, os.path.join(output, f"round-{r}"))
+            metrics = train(run)["metrics"]
+            threads.append(int(metrics["threads"]))
+            return metrics
+
+        def bare(r: int) -> float:  # with the torch thread count its round's worker had
+            return bare_loop(job, steps, threads[-1], batches)
+
+        load_before = load_average()
+        sides = alternate(rounds, {"pipeline": pipeline, "bare": bare})
+        load_after = load_average()
+    metrics = sides["pipeline"]
+    rates = {"pipeline": [m["samples_per_s"] for m in metrics], "bare": sides["bare"]}
+    keys = ("samples_per_s", "data_wait_fraction", "step_time_s")
+    median = {k: statistics.median(m[k] for m in metrics) for k in keys}
+    bare_rate = statistics.median(rates["bare"])
     result = {
-        "samples_per_s": round(metrics["samples_per_s"], 2),
-        "bare_samples_per_s": round(bare, 2),
-        "ratio": round(metrics["samples_per_s"] / bare, 3),
-        "data_wait_fraction": round(metrics["data_wait_fraction"], 4),
-        "step_time_s": round(metrics["step_time_s"], 4),
+        "samples_per_s": round(median["samples_per_s"], 2),
+        "bare_samples_per_s": round(bare_rate, 2),
+        "ratio": round(median["samples_per_s"] / bare_rate, 3),
+        "data_wait_fraction": round(median["data_wait_fraction"], 4),
+        "step_time_s": round(median["step_time_s"], 4),
         "global_batch_size": job.train.global_batch_size,
         "measured_steps": steps,
-        "threads": threads,
+        "threads": threads[0],
         "cpus": os.cpu_count(),
+        **round_figures(rounds, rates, load_before, load_after),
     }
     return print_figures(result, as_json)
