@@ -19,8 +19,8 @@ import torch
 from raytuner import runtime
 from raytuner.config import DataConfig, JobConfig
 from raytuner.data import cache
-from raytuner.data.encode import ENCODE, Encoder
-from raytuner.data.pipeline import probe_decode
+from raytuner.data.decode import ENCODE, probe_decode
+from raytuner.data.encode import Encoder
 from raytuner.data.preprocess import decode_spec, preprocess
 from raytuner.data.sources import list_source
 from raytuner.data.tensors import DTYPES

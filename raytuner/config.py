@@ -118,6 +118,7 @@ class PreprocessConfig:
     min_actors: int = 1
     max_actors: int = 1
     gpus_per_actor: float = 0.0
+    cpus_per_actor: float = 0.5  # reserved: with 1 each, 2 actors on 2 CPUs starved the decode
     seed: int = 0
     aspect_policy: str = "clamp"  # images outside [min_aspect, max_aspect]: clamp or skip
     min_size: int = 64  # skip images whose short side is smaller (pixels)
@@ -139,6 +140,7 @@ class PreprocessConfig:
         positive("preprocess.min_actors", self.min_actors)
         positive("preprocess.max_restarts", self.max_restarts, zero_ok=True)
         positive("preprocess.gpus_per_actor", self.gpus_per_actor, zero_ok=True)
+        positive("preprocess.cpus_per_actor", self.cpus_per_actor)
         if self.max_actors < self.min_actors:
             raise ConfigError("preprocess.max_actors must be >= preprocess.min_actors")
         if not 0 < self.min_aspect <= 1 <= self.max_aspect:

@@ -33,11 +33,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import torch
 
 from raytuner import storage
 from raytuner.config import ModelConfig, PreprocessConfig
-from raytuner.data.tensors import DTYPES
 
 FORMAT_VERSION = 3
 MANIFEST, REPORT = "manifest.json", "report.json"
@@ -55,6 +53,9 @@ PARQUET = {
     "row_group_size": 1,
 }
 LENGTH_PREFIX = 4  # PLAIN byte arrays: a little-endian uint32 length before the bytes
+# Bytes per element of each storage dtype (``data/tensors.py`` maps them to torch dtypes; this
+# module stays free of torch: the preprocess's write tasks import it).
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Preprocess keys that change the encoded bytes or which images are used; pool sizing does not.
 ENCODING_KEYS = (
     "resolution",
@@ -101,7 +102,7 @@ def tensor_columns(schema: pa.Schema) -> list[str]:
 
 
 def itemsize(dtype: str) -> int:
-    return torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    return ITEMSIZE[dtype]
 
 
 def part_file(run: str, kind: str, name: str) -> str:

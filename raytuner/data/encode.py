@@ -10,16 +10,18 @@ newly seen caption are appended as rows of their own (``status == TEXT``). The s
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from raytuner.data.decode import ENCODE, FAILED, SHAPE, TEXT
 from raytuner.data.sources import caption_key
 from raytuner.data.tensors import to_cells
 from raytuner.families import get_family, parts
 
-SHAPE = pa.list_(pa.int32())
 # Latent rows as written to Parquet: plain Arrow types, readable without Ray.
 LATENT_SCHEMA = {
     "key": pa.string(),
@@ -33,11 +35,6 @@ LATENT_SCHEMA = {
     "latent": pa.binary(),
     "latent_shape": SHAPE,
 }
-# The row kinds of the stream (its ``status`` column).
-ENCODE = "encode"  # decoded pixels: VAE-encode them
-FAILED = "failed"  # the decode refused the file (``failure`` says why)
-PROBED = "probed"  # nothing to encode: skipped at probe, already cached, or a duplicate above
-TEXT = "text"  # a caption's text tensors, appended by the encoder
 
 
 def _column(values, kind: pa.DataType) -> pa.Array:
@@ -57,20 +54,31 @@ def _device() -> str:
 
 
 class Encoder:
-    """``Encoder(model, dtype, store_std, known_captions, progress)(batch) -> batch``.
+    """``Encoder(model, dtype, store_std, known_captions, progress, preload)(batch) -> batch``.
 
     ``model``: the job's ModelConfig; ``dtype``: the cache's storage dtype; ``known_captions``:
     the caption keys the cache holds already (never encoded again); ``progress``: a counting
-    actor told how many images each batch encoded."""
+    actor told how many images each batch encoded; ``preload``: start loading both encoders
+    now, on a thread, while the first blocks are still being decoded."""
 
-    def __init__(self, model, dtype: str, store_std: bool, known_captions=(), progress=None):
+    def __init__(self, model, dtype: str, store_std: bool, known=(), progress=None, preload=False):
         self.model, self.dtype, self.store_std, self.progress = model, dtype, store_std, progress
         self.family = get_family(model.family)
-        self.seen = set(known_captions)  # caption keys encoded by the cache or by this actor
-        self._image = self._text = None
+        self.seen = set(known)  # caption keys encoded by the cache or by this actor
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="raytuner-encoder-load")
+        self._loading: dict[str, Future] = {}
+        if preload:
+            self._start("image"), self._start("text")
 
-    def _source(self):
-        return parts.source(self.model.pretrained, self.model.revision, self.model.dtype, _device())
+    def _start(self, part: str) -> Future:
+        """The encoder ``part`` ("image" or "text"), loading or loaded."""
+        if part not in self._loading:
+            make = self.family.image_encoder if part == "image" else self.family.text_encoder
+            source = parts.source(
+                self.model.pretrained, self.model.revision, self.model.dtype, _device()
+            )
+            self._loading[part] = self._loader.submit(make, source, _device())
+        return self._loading[part]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         images = self.encode_images(batch)
@@ -86,8 +94,7 @@ class Encoder:
         latents, stds = [b""] * n, [b""] * n
         shapes: list[list[int]] = [[] for _ in range(n)]
         todo = [i for i in range(n) if status[i] == ENCODE]
-        if todo and self._image is None:
-            self._image = self.family.image_encoder(self._source(), _device())
+        encode = self._start("image").result() if todo else None
         width, height = batch.column("width").to_pylist(), batch.column("height").to_pylist()
         pixels = batch.column("pixels")
         for w, h in sorted({(width[i], height[i]) for i in todo}):  # a batch may mix buckets
@@ -96,7 +103,7 @@ class Encoder:
                 [np.frombuffer(pixels[i].as_py(), np.uint8).reshape(h, w, 3) for i in rows]
             )
             x = torch.from_numpy(stack).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-            mean, std = self._image(x)
+            mean, std = encode(x)
             cells, cell_shapes = to_cells(mean, self.dtype)
             std_cells = to_cells(std, self.dtype)[0] if self.store_std else [b""] * len(rows)
             for j, i in enumerate(rows):
@@ -122,16 +129,15 @@ class Encoder:
             new[caption_key("")] = ""
         if not new:
             return None
-        if self._text is None:
-            self._text = self.family.text_encoder(self._source(), _device())
+        encode = self._start("text").result()
         keys, captions = list(new), list(new.values())
         columns = {
             "caption_key": pa.array(keys, pa.string()),
             "caption": pa.array(captions, pa.string()),
-            "truncated": pa.array(self._text.truncated(captions), pa.bool_()),
+            "truncated": pa.array(encode.truncated(captions), pa.bool_()),
             "status": pa.array([TEXT] * len(keys), pa.string()),
         }
-        for name, tensor in self._text(captions).items():
+        for name, tensor in encode(captions).items():
             cells, cell_shapes = to_cells(tensor, self.dtype)
             columns[name] = pa.array(cells, pa.binary())
             columns[f"{name}_shape"] = pa.array(cell_shapes.tolist(), SHAPE)
