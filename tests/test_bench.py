@@ -57,10 +57,12 @@ def test_bench_preprocess_prints_one_json_object(ray_local, capsys, monkeypatch)
 def test_bench_train_prints_one_json_object(ray_local, capsys, monkeypatch, tmp_path):
     shutil.copytree(REPO / "jobs", tmp_path / "jobs")  # its cache lands in tmp_path/runs
     monkeypatch.chdir(tmp_path)
-    figures = _figures(capsys, "train", "jobs/tiny.toml", "--steps", "5", "--rounds", "2")
+    # one round: the alternation is the preprocess bench's (``bench.alternate``), tested above
+    # with two; a second train() run here would add ~25 s to the suite
+    figures = _figures(capsys, "train", "jobs/tiny.toml", "--steps", "5", "--rounds", "1")
     for key in ("samples_per_s", "bare_samples_per_s", "ratio"):
         assert figures[key] > 0, key
-    _check_rounds(figures, 2)
+    _check_rounds(figures, 1)
     assert 0 <= figures["data_wait_fraction"] < 1
     assert figures["measured_steps"] == 5 and figures["global_batch_size"] == 4
     assert (tmp_path / "runs" / "cache").is_dir()  # the cache it trained on was made first

@@ -223,3 +223,25 @@ def test_sources_reject_missing_folders(ray_local, tmp_path):
     with pytest.raises(ValueError, match="is not a folder"):
         preprocess(MODEL, data, PRE)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("files", "batch", "side", "actors"),
+    [
+        (2000, 8, 64, 1),
+        (12, 8, 64, 1),
+        (100_000, 8, 1024, 8),
+        (100_000, 4, 2048, 32),
+        (7, 3, 64, 2),
+    ],
+)
+def test_stream_blocks_hold_whole_batches_and_keep_every_actor_fed(files, batch, side, actors):
+    """Blocks of several encoder batches (each block costs a task per step), never more pixels
+    than about 64 MiB, and enough blocks that decoding overlaps encoding on every actor."""
+    from raytuner.data.pipeline import BLOCK_PIXEL_BYTES, rows_per_block
+
+    rows = rows_per_block(files, batch, side, actors)
+    assert rows % batch == 0 and rows >= batch
+    if rows > batch:  # a single batch may exceed the targets; a larger block never does
+        assert rows * side * side * 3 <= BLOCK_PIXEL_BYTES + batch * side * side * 3
+        assert math.ceil(files / rows) >= min(2 * actors + 2, math.ceil(files / batch))
