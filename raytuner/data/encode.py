@@ -22,32 +22,6 @@ from raytuner.data.sources import caption_key
 from raytuner.data.tensors import to_cells
 from raytuner.families import get_family, parts
 
-# Latent rows as written to Parquet: plain Arrow types, readable without Ray.
-LATENT_SCHEMA = {
-    "key": pa.string(),
-    "path": pa.string(),
-    "status": pa.string(),
-    "reason": pa.string(),
-    "width": pa.int32(),
-    "height": pa.int32(),
-    "original_size": SHAPE,
-    "crop_top_left": SHAPE,
-    "latent": pa.binary(),
-    "latent_shape": SHAPE,
-}
-
-
-def _column(values, kind: pa.DataType) -> pa.Array:
-    if pa.types.is_list(kind):
-        return pa.array([[int(x) for x in v] for v in values], kind)
-    if pa.types.is_binary(kind):
-        return pa.array([bytes(v) for v in values], kind)
-    return pa.array(np.asarray(values).tolist(), kind)
-
-
-def to_table(columns: dict, schema: dict[str, pa.DataType]) -> pa.Table:
-    return pa.table({name: _column(columns[name], kind) for name, kind in schema.items()})
-
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,14 +11,42 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pyarrow as pa
 import torch
 
 from raytuner.data import cache, index
-from raytuner.data.encode import LATENT_SCHEMA, SHAPE, to_table
+from raytuner.data.decode import SHAPE
 from raytuner.data.plan import Plan, report
 from raytuner.data.sources import caption_key
 from raytuner.data.tensors import DTYPES, to_cells
+
+# Latent rows as the cache stores them: plain Arrow types, readable without Ray.
+LATENT_SCHEMA = {
+    "key": pa.string(),
+    "path": pa.string(),
+    "status": pa.string(),
+    "reason": pa.string(),
+    "width": pa.int32(),
+    "height": pa.int32(),
+    "original_size": SHAPE,
+    "crop_top_left": SHAPE,
+    "latent": pa.binary(),
+    "latent_shape": SHAPE,
+}
+
+
+def _column(values, kind: pa.DataType) -> pa.Array:
+    if pa.types.is_list(kind):
+        return pa.array([[int(x) for x in v] for v in values], kind)
+    if pa.types.is_binary(kind):
+        return pa.array([bytes(v) for v in values], kind)
+    return pa.array(np.asarray(values).tolist(), kind)
+
+
+def to_table(columns: dict, schema: dict[str, pa.DataType]) -> pa.Table:
+    return pa.table({name: _column(columns[name], kind) for name, kind in schema.items()})
+
 
 RUN = "parts/synthetic"
 Shapes = Callable[[int, int], dict[str, tuple[int, ...]]]  # (width, height) -> name -> shape
