@@ -23,7 +23,6 @@ from raytuner.data.decode import ENCODE, probe_decode
 from raytuner.data.encode import Encoder
 from raytuner.data.preprocess import decode_spec, preprocess
 from raytuner.data.sources import list_source
-from raytuner.data.tensors import DTYPES
 
 
 def _bench_data(job: JobConfig, images: int, workdir: str) -> DataConfig:
@@ -60,7 +59,7 @@ def _bare(job: JobConfig, data: DataConfig) -> tuple[int, float]:
 def _latent_bytes(version: cache.Version, manifest: dict) -> tuple[int, int]:
     """(bytes the latent column takes in the Parquet files, bytes of the tensors it holds)."""
     stored = tensor = 0
-    itemsize = torch.empty(0, dtype=DTYPES[manifest["dtype"]]).element_size()
+    itemsize = cache.itemsize(manifest["dtype"])
     for entry in manifest["latents"]:
         meta = pq.read_metadata(version.path(entry["path"]), filesystem=version.fs)
         names = [meta.schema.column(j).name for j in range(meta.num_columns)]

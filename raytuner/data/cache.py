@@ -108,11 +108,8 @@ def itemsize(dtype: str) -> int:
 def part_file(run: str, kind: str, name: str) -> str:
     """Where a data file of ``kind`` (``latents`` or ``text``) written by ``run`` lies, relative
     to its version folder."""
-    return (
-        f"{run}/{LATENTS}/status=ok/{name}.parquet"
-        if kind == LATENTS
-        else (f"{run}/{TEXT}/{name}.parquet")
-    )
+    folder = f"{LATENTS}/status=ok" if kind == LATENTS else TEXT
+    return f"{run}/{folder}/{name}.parquet"
 
 
 def write_part(fs: pafs.FileSystem, path: str, table: pa.Table) -> None:

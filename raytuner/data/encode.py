@@ -1,11 +1,12 @@
 """The encoder actor of the preprocess stream (a Ray Data ``map_batches`` actor pool): the VAE
 over the decoded images of a batch and the text encoders over the captions of that batch that
-no one has encoded yet. Each actor loads each model on its first use and keeps it, so a run with
-nothing new loads nothing, and a run with only new captions loads only the text encoders.
+no one has encoded yet. Each actor loads each model once, on a thread: from its start when the
+run has images to encode (``preload``), else on first use, so a run with nothing new loads
+nothing and a run with only new captions loads only the text encoders.
 
 Rows in, the same rows out with the pixels replaced by their latent; the text tensors of each
 newly seen caption are appended as rows of their own (``status == TEXT``). The sink
-(``data/pipeline.py``) splits them into the cache's latents and text files.
+(``data/sink.py``) splits them into the cache's latents and text files.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ def _device() -> str:
 
 
 class Encoder:
-    """``Encoder(model, dtype, store_std, known_captions, progress, preload)(batch) -> batch``.
+    """``Encoder(model, dtype, store_std, known, progress, preload)(batch) -> batch``.
 
-    ``model``: the job's ModelConfig; ``dtype``: the cache's storage dtype; ``known_captions``:
+    ``model``: the job's ModelConfig; ``dtype``: the cache's storage dtype; ``known``:
     the caption keys the cache holds already (never encoded again); ``progress``: a counting
     actor told how many images each batch encoded; ``preload``: start loading both encoders
     now, on a thread, while the first blocks are still being decoded."""

@@ -13,20 +13,20 @@ import pyarrow.fs as pafs
 import torch
 
 from raytuner import storage
-from raytuner.data.cache import MANIFEST, Version, read_parquet, shape_column
+from raytuner.data.cache import MANIFEST, Version, itemsize, read_parquet, shape_column
 from raytuner.data.tensors import DTYPES
 
 
 def _tensor_problems(table: pa.Table, names: list[str], dtype: str) -> str:
     """Wrong sizes, or NaN / Inf in any tensor cell of these columns ("" if none)."""
-    itemsize = torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    size = itemsize(dtype)
     for name in names:
         cells, shapes = table.column(name).to_pylist(), table.column(shape_column(name)).to_pylist()
         for i, (cell, shape) in enumerate(zip(cells, shapes, strict=True)):
-            if len(cell) != math.prod(shape) * itemsize:
+            if len(cell) != math.prod(shape) * size:
                 return (
                     f"row {i}: {name} has {len(cell)} bytes, shape {shape} needs "
-                    f"{math.prod(shape) * itemsize}"
+                    f"{math.prod(shape) * size}"
                 )
             values = torch.frombuffer(bytearray(cell), dtype=DTYPES[dtype])
             if not torch.isfinite(values).all():
