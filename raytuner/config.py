@@ -15,136 +15,24 @@ from pathlib import Path
 from typing import Any
 
 from raytuner import config_rules as rules
+from raytuner.config_data import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
 from raytuner.tables import ConfigError, build_section, one_of, parse_override, positive
 
-__all__ = ["ConfigError", "JobConfig", "SECTIONS", "load_job", "parse_override"]
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "JobConfig",
+    "ModelConfig",
+    "PreprocessConfig",
+    "SECTIONS",
+    "SourceConfig",
+    "load_job",
+    "parse_override",
+]
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Which model to fine-tune."""
-
-    family: str  # a key of raytuner.families.FAMILIES (checked where the family is looked up)
-    pretrained: str = "tiny"  # "tiny", "random" (full size, random weights), a folder, a hub id
-    revision: str = ""
-    # frozen weights (the denoiser in LoRA mode, VAE, text encoders, validation and sample
-    # pipelines); "auto": bfloat16 on GPUs, float32 on CPUs; "float8": the frozen denoiser's
-    # linear weights stored in float8 (e4m3) and computed in bfloat16, the rest in bfloat16
-    dtype: str = "auto"
-    trainable_dtype: str = "float32"  # LoRA weights, or the denoiser in full mode
-
-    def __post_init__(self) -> None:
-        if not self.pretrained:
-            raise ConfigError(
-                'model.pretrained is empty: use "tiny", "random", a local folder or a hub id'
-            )
-        allowed = ("auto", "bfloat16", "float16", "float32", "float8")
-        one_of("model.dtype", self.dtype, allowed)
-        one_of("model.trainable_dtype", self.trainable_dtype, ("float32", "bfloat16"))
-
-
-@dataclass(frozen=True, kw_only=True)
-class SourceConfig:
-    """One image folder of the dataset (``[[data.sources]]``)."""
-
-    path: str
-    repeats: int = 1
-    caption_extension: str = ".txt"
-    caption_fallback: str = "stem"
-    caption_errors: str = "replace"
-    metadata: str = ""  # "" = auto: metadata.jsonl, .csv or .parquet in the folder, if any
-
-    def __post_init__(self) -> None:
-        positive("data.sources.repeats", self.repeats)
-        one_of("data.sources.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
-        one_of("data.sources.caption_errors", self.caption_errors, ("replace", "skip"))
-        if not self.caption_extension.startswith("."):
-            raise ConfigError(
-                f"caption_extension = {self.caption_extension!r}: must start with '.'"
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """Where the images are and where their encoded cache lives."""
-
-    images: str = ""  # shorthand for one source with the caption options below
-    cache: str
-    caption_extension: str = ".txt"
-    caption_fallback: str = "stem"
-    caption_errors: str = "replace"
-    sources: list[SourceConfig] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        SourceConfig(  # validates the shorthand's caption options
-            path=self.images,
-            caption_extension=self.caption_extension,
-            caption_fallback=self.caption_fallback,
-            caption_errors=self.caption_errors,
-        )
-        if not self.images and not self.sources:
-            raise ConfigError("set data.images or at least one [[data.sources]]")
-
-    def all_sources(self) -> list[SourceConfig]:
-        """``data.images`` (if set) as the first source, then ``[[data.sources]]``."""
-        shorthand = []
-        if self.images:
-            shorthand = [
-                SourceConfig(
-                    path=self.images,
-                    caption_extension=self.caption_extension,
-                    caption_fallback=self.caption_fallback,
-                    caption_errors=self.caption_errors,
-                )
-            ]
-        return shorthand + list(self.sources)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PreprocessConfig:
-    """The Ray Data encode job: bucketing, cropping and the encoder actor pools."""
-
-    resolution: int = 0  # 0: the family's default
-    bucket_step: int = 0  # 0: the family's pixel multiple
-    min_aspect: float = 0.5
-    max_aspect: float = 2.0
-    crop: str = "center"
-    dtype: str = "bfloat16"
-    batch_size: int = 8
-    min_actors: int = 1
-    max_actors: int = 1
-    gpus_per_actor: float = 0.0
-    cpus_per_actor: float = 0.5  # reserved: with 1 each, 2 actors on 2 CPUs starved the decode
-    seed: int = 0
-    aspect_policy: str = "clamp"  # images outside [min_aspect, max_aspect]: clamp or skip
-    min_size: int = 64  # skip images whose short side is smaller (pixels)
-    max_pixels: int = 178_956_970  # decompression-bomb limit (width * height)
-    background: list[int] = field(default_factory=lambda: [255, 255, 255])  # under alpha
-    store_std: bool = False  # also store the VAE posterior std, so training can resample
-    max_restarts: int = 2  # an encoder actor that dies is restarted this often, then it fails
-
-    def __post_init__(self) -> None:
-        one_of("preprocess.crop", self.crop, ("center", "random", "none"))
-        one_of("preprocess.aspect_policy", self.aspect_policy, ("clamp", "skip"))
-        positive("preprocess.max_pixels", self.max_pixels)
-        if len(self.background) != 3 or not all(0 <= c <= 255 for c in self.background):
-            raise ConfigError(f"preprocess.background = {self.background}: use [r, g, b] 0..255")
-        one_of("preprocess.dtype", self.dtype, ("bfloat16", "float16", "float32"))
-        positive("preprocess.resolution", self.resolution, zero_ok=True)
-        positive("preprocess.bucket_step", self.bucket_step, zero_ok=True)
-        positive("preprocess.batch_size", self.batch_size)
-        positive("preprocess.min_actors", self.min_actors)
-        positive("preprocess.max_restarts", self.max_restarts, zero_ok=True)
-        positive("preprocess.gpus_per_actor", self.gpus_per_actor, zero_ok=True)
-        positive("preprocess.cpus_per_actor", self.cpus_per_actor)
-        if self.max_actors < self.min_actors:
-            raise ConfigError("preprocess.max_actors must be >= preprocess.min_actors")
-        if not 0 < self.min_aspect <= 1 <= self.max_aspect:
-            raise ConfigError("preprocess.min_aspect must be in (0, 1] and max_aspect >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +117,7 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=list)  # empty: the family's default
+    init_from: str = ""  # a LoRA file (diffusers or kohya keys) training starts from
 
     def __post_init__(self) -> None:
         positive("lora.rank", self.rank)
@@ -293,6 +182,9 @@ class ValidationConfig:
     steps: int = 20  # denoising steps per image
     width: int = 0  # 0: the job's resolution
     height: int = 0
+    prompts_file: str = ""  # one prompt per line, kohya style: "a cat --w 512 --s 20 --n ugly"
+    negative_prompt: str = ""
+    guidance_scale: float = 0.0  # classifier-free guidance; 0: the family's default
     cpus: float = 0.0  # resources the validation actor reserves (0: none, it shares)
     gpus: float = 0.0
 
@@ -301,8 +193,24 @@ class ValidationConfig:
         positive("validation.steps", self.steps)
         positive("validation.cpus", self.cpus, zero_ok=True)
         positive("validation.gpus", self.gpus, zero_ok=True)
-        if self.every_steps and not (self.prompts and self.seeds):
-            raise ConfigError("validation.every_steps > 0 needs validation.prompts and seeds")
+        positive("validation.guidance_scale", self.guidance_scale, zero_ok=True)
+        if self.every_steps and not ((self.prompts or self.prompts_file) and self.seeds):
+            raise ConfigError(
+                "validation.every_steps > 0 needs validation.prompts (or prompts_file) and seeds"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    """Experiment trackers rank 0 reports to besides TensorBoard (``train.tensorboard``)."""
+
+    wandb: bool = False  # Weights & Biases: scalars, validation grids, the job as run config
+    wandb_project: str = "raytuner"
+    wandb_entity: str = ""  # "": the logged-in user's default
+    wandb_mode: str = "online"  # online | offline (runs saved locally; `wandb sync` later)
+
+    def __post_init__(self) -> None:
+        one_of("tracking.wandb_mode", self.wandb_mode, ("online", "offline"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,6 +248,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         if self.train.global_batch_size < self.scaling.max_workers:
