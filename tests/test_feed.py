@@ -185,3 +185,41 @@ def test_caption_dropout_uses_the_empty_caption_the_same_way_on_any_world_size(d
     assert half == dropped(2, 0.5)  # the decision belongs to the sample, not to the rank
     share = sum(map(sum, half)) / sum(map(len, half))
     assert 0.2 < share < 0.8
+
+
+def test_a_cache_with_posterior_std_trains_on_a_draw_of_the_sample_the_same_on_any_rank(
+    tmp_path,
+):
+    """preprocess.store_std: each sample's latent is mean + std * eps, eps from the sample's
+    own seed: the same draw on any world size and after a resume, another draw next epoch."""
+    version = cache.Version(str(tmp_path), "synthetic")
+    synthetic.write_cache(
+        version,
+        buckets=[(16, 16)] * 4,
+        captions=[0, 1, 0, 1],
+        repeats=[1] * 4,
+        shapes=lambda w, h: {"latent": (4, h // 8, w // 8), "prompt_embeds": (3, 8)},
+        family="test",
+        dtype="float32",
+        std=0.5,
+    )
+    data = open_dataset(str(tmp_path), "synthetic")
+
+    def latents(world: int, epoch: int) -> torch.Tensor:
+        feeds = [
+            Feed(data, seed=3, global_batch_size=4, remainder="pad", rank=r, world=world,
+                 prefetch=1, pin=False)
+            for r in range(world)
+        ]  # fmt: skip
+        batches = feeds[0].epoch(epoch)
+        parts = [f.assemble(epoch, 0, batches) for f in feeds]
+        assert all("latent_std" not in p.tensors for p in parts)
+        means = torch.tensor([float(data.paths.index(i) % 251) for p in parts for i in p.ids])
+        return torch.cat([p.tensors["latent"] for p in parts]), means
+
+    drawn, means = latents(1, 0)
+    again, _ = latents(2, 0)
+    torch.testing.assert_close(again, drawn)  # a resume or another world: the same draw
+    residual = (drawn - means.view(-1, 1, 1, 1)) / 0.5  # the eps of each sample
+    assert 0.6 < residual.std() < 1.4 and residual.abs().max() > 0.1
+    assert not torch.allclose(latents(1, 1)[0], drawn)  # next epoch: another draw

@@ -61,9 +61,13 @@ def _fill(shape: tuple[int, ...], value: float, dtype: str, count: int) -> list[
     return to_cells(torch.full((count, *shape), value, dtype=DTYPES[dtype]), dtype)[0]
 
 
-def _write_latents(version, buckets, shapes: Shapes, dtype: str, per_file: int) -> list[str]:
+def _write_latents(
+    version, buckets, shapes: Shapes, dtype: str, per_file: int, std: float
+) -> list[str]:
     keys = [hashlib.sha256(f"synthetic/{i}".encode()).hexdigest() for i in range(len(buckets))]
     schema = {k: t for k, t in LATENT_SCHEMA.items() if k != "status"}
+    if std:
+        schema["latent_std"] = pa.binary()
     for n, rows in enumerate(_chunks(len(buckets), per_file)):
         columns: dict[str, list] = {name: [] for name in schema}
         for i in rows:
@@ -78,6 +82,8 @@ def _write_latents(version, buckets, shapes: Shapes, dtype: str, per_file: int) 
             columns["crop_top_left"].append([0, 0])
             columns["latent"] += _fill(shape, float(i % 251), dtype, 1)
             columns["latent_shape"].append(list(shape))
+            if std:
+                columns["latent_std"] += _fill(shape, std, dtype, 1)
         rel = cache.part_file(RUN, cache.LATENTS, f"part-{n:07d}")
         cache.write_part(version.fs, version.path(rel), to_table(columns, schema))
     return keys
@@ -110,11 +116,12 @@ def write_cache(
     family: str,
     dtype: str = "bfloat16",
     rows_per_file: int = 8,
+    std: float = 0.0,
 ) -> dict:
     """Commit one row per entry of ``buckets`` ((width, height) of row i), with caption number
-    ``captions[i]`` and ``repeats[i]``; ``shapes``: the tensors' shapes at a bucket. Returns the
-    manifest."""
-    keys = _write_latents(version, buckets, shapes, dtype, rows_per_file)
+    ``captions[i]`` and ``repeats[i]``; ``shapes``: the tensors' shapes at a bucket; ``std``
+    > 0: every latent also stores a posterior std of that value. Returns the manifest."""
+    keys = _write_latents(version, buckets, shapes, dtype, rows_per_file, std)
     texts = [f"synthetic caption {c}" for c in sorted(set(captions))] + [""]
     text_shapes = {k: v for k, v in shapes(*buckets[0]).items() if k != "latent"}
     _write_text(version, texts, text_shapes, dtype, rows_per_file)

@@ -23,6 +23,19 @@ from raytuner.data.reader import CachedDataset, open_dataset
 from raytuner.train.schedule import caption_dropped, epoch_batches, rank_slice, sample_seed
 
 
+def latent_draw(mean: torch.Tensor, std: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+    """``mean + std * eps``: a draw from each sample's cached VAE posterior, ``eps`` from a
+    stream of the sample's own seed (not its noise's): the same on any rank and after a
+    resume. Drawn in float32, returned in the cache's dtype."""
+    eps = torch.stack(
+        [
+            torch.randn(mean.shape[1:], generator=torch.Generator().manual_seed(s ^ 0x5EED))
+            for s in seeds
+        ]
+    )
+    return (mean.float() + std.float() * eps).to(mean.dtype)
+
+
 @dataclass(frozen=True)
 class Batch:
     """One step's inputs on this rank, and where in the schedule they came from."""
@@ -81,6 +94,8 @@ class Feed:
         seeds = [sample_seed(self.seed, epoch, index, p) for p in range(start, stop)]
         dropped = [caption_dropped(s, self.caption_dropout) for s in seeds]
         tensors = self.data.batch([self.rows[j] for j in mine], empty_caption=dropped)
+        if "latent_std" in tensors:  # preprocess.store_std: train on a draw, not the mean
+            tensors["latent"] = latent_draw(tensors["latent"], tensors.pop("latent_std"), seeds)
         if self.pin:
             tensors = {k: v.pin_memory() for k, v in tensors.items()}
         return Batch(epoch, index, len(batches), tensors, seeds, [self.paths[j] for j in mine])
