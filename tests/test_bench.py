@@ -86,3 +86,23 @@ def test_bench_feed_prints_one_json_object(ray_local, capsys, monkeypatch):
     # a latent and a caption per row; the measured window may also hold the reads of the
     # batches assembled ahead (train.prefetch = 2): up to 2 more of the 10 steps' batches
     assert figures["requests_per_batch"] <= 2 * per_rank * (10 + 2) / 10
+
+
+def test_the_benches_time_the_training_step_itself():
+    """`bench train`'s bare loop, `bench step` and the worker's loop build one step object from
+    one function; no bench takes a step of its own (backward, clipping, optimizer calls)."""
+    import ast
+    import inspect
+
+    from raytuner.train import bench, loop, step, step_bench
+
+    assert loop.train_step is bench.train_step is step.train_step
+    assert step_bench.step is step
+    for module in (bench, step_bench, loop):
+        calls = {
+            node.func.attr
+            for node in ast.walk(ast.parse(inspect.getsource(module)))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        }
+        own = calls & {"backward", "clip_grad_norm_", "zero_grad", "autocast"}
+        assert not own, f"{module.__name__} takes a step of its own: {own}"

@@ -13,8 +13,8 @@ from torch import nn
 from raytuner.data import cache, synthetic
 from raytuner.data.reader import CachedDataset, open_dataset
 from raytuner.train.feed import Feed
-from raytuner.train.loop import _step
 from raytuner.train.schedule import epoch_batches
+from raytuner.train.step import forward_backward
 
 # bucket -> rows; 7 + 3 + 1 rows, one source row repeated twice
 SIZES = {(16, 16): 7, (24, 16): 3, (16, 32): 1}
@@ -142,7 +142,7 @@ def test_gradient_accumulation_matches_one_pass(micro, data):
     for size in (0, micro):
         torch.manual_seed(0)
         model = Tiny()
-        loss = _step(model, tiny_loss, batch, torch.device("cpu"), size, scale=1 / 5)
+        loss = forward_backward(model, tiny_loss, batch, torch.device("cpu"), size, scale=1 / 5)
         grads.append((loss, model.proj.weight.grad.clone()))
     (one_loss, one_grad), (acc_loss, acc_grad) = grads
     torch.testing.assert_close(acc_loss, one_loss)

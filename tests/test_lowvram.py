@@ -18,7 +18,7 @@ from raytuner.config import LoraConfig, MemoryConfig, ModelConfig, TrainConfig
 from raytuner.families import FAMILIES
 from raytuner.train import optim
 from raytuner.train import state as ckpt
-from raytuner.train.loop import _step
+from raytuner.train.step import forward_backward
 from raytuner.train.weights import trainable_model
 
 CPU = torch.device("cpu")
@@ -59,7 +59,7 @@ def _loss_and_grads(name: str, memory: MemoryConfig, probe=None):
     loss_fn = FAMILIES[name].loss(trained.source, _objective())
     batch = _Slice(_batch(name), [3, 4])
     offload = memory.activation_offload
-    loss = _step(trained.denoiser, loss_fn, batch, CPU, 0, 0.5, trained.amp, offload)
+    loss = forward_backward(trained.denoiser, loss_fn, batch, CPU, 0, 0.5, trained.amp, offload)
     grads = {
         n: p.grad.clone()
         for n, p in zip(trained.weights.names, trained.weights.params, strict=True)
@@ -111,7 +111,9 @@ def test_an_evicted_block_cannot_be_used_and_resident_weights_stay_bounded():
     for block in placed.blocks:
         block.register_forward_pre_hook(lambda *_: seen.append(placed.resident_frozen_bytes()))
     loss_fn = FAMILIES["sana"].loss(trained.source, _objective())
-    _step(trained.denoiser, loss_fn, _Slice(_batch("sana"), [3, 4]), CPU, 0, 0.5, trained.amp)
+    forward_backward(
+        trained.denoiser, loss_fn, _Slice(_batch("sana"), [3, 4]), CPU, 0, 0.5, trained.amp
+    )
     assert len(seen) == 2 * len(placed.blocks) and max(seen) <= bound
     assert min(seen) < frozen - streamed + 1  # blocks left: nothing streamed was kept
 
@@ -119,13 +121,17 @@ def test_an_evicted_block_cannot_be_used_and_resident_weights_stay_bounded():
     for hook in placed.streamer.hooks:
         hook.remove()
     with pytest.raises(RuntimeError):
-        _step(trained.denoiser, loss_fn, _Slice(_batch("sana"), [3, 4]), CPU, 0, 0.5, None)
+        forward_backward(
+            trained.denoiser, loss_fn, _Slice(_batch("sana"), [3, 4]), CPU, 0, 0.5, None
+        )
 
 
 def _steps(trained, opt, sched, seeds: list[int]):
     loss_fn = FAMILIES["sana"].loss(trained.source, _objective())
     for seed in seeds:
-        _step(trained.denoiser, loss_fn, _Slice(_batch("sana"), [seed, seed + 1]), CPU, 0, 0.5)
+        forward_backward(
+            trained.denoiser, loss_fn, _Slice(_batch("sana"), [seed, seed + 1]), CPU, 0, 0.5
+        )
         torch.nn.utils.clip_grad_norm_(trained.weights.params, 1.0)
         opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
 
@@ -242,7 +248,7 @@ def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(
     trained = _trained(name, MemoryConfig(blocks_to_swap=2))
     loss_fn = family.loss(trained.source, _objective())
     opt, _ = optim.for_run(_train(), trained.weights.params)
-    _step(trained.denoiser, loss_fn, _Slice(_batch(name), [3, 4]), CPU, 0, 0.5)
+    forward_backward(trained.denoiser, loss_fn, _Slice(_batch(name), [3, 4]), CPU, 0, 0.5)
     opt.step()
     trained.weights.export(str(tmp_path), family, {})
     lora = find_weights(str(tmp_path))
@@ -257,7 +263,7 @@ def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(
     for a, b in zip(images[0], images[2], strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
-    _step(trained.denoiser, loss_fn, _Slice(_batch(name), [5, 6]), CPU, 0, 0.5)
+    forward_backward(trained.denoiser, loss_fn, _Slice(_batch(name), [5, 6]), CPU, 0, 0.5)
     opt.step()
     trained.placement.check(opt)
 

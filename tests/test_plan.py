@@ -16,7 +16,7 @@ from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.plan import GiB, plan
 from raytuner.plan_output import parse_size
-from raytuner.train.loop import _step
+from raytuner.train.step import forward_backward
 from raytuner.train.weights import Weights, autocast_dtype
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,7 +130,7 @@ def test_bfloat16_frozen_weights_train_and_export_a_lora_that_loads(name, tmp_pa
     class _Batch:  # what the feed hands the step
         tensors, seeds = batch, [1, 2]
 
-    loss = _step(denoiser, loss_fn, _Batch(), torch.device("cpu"), 0, 0.5, amp)
+    loss = forward_backward(denoiser, loss_fn, _Batch(), torch.device("cpu"), 0, 0.5, amp)
     assert torch.isfinite(loss)
     opt.step()
     assert any(not torch.equal(a, b) for a, b in zip(before, weights.params, strict=True))

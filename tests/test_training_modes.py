@@ -10,7 +10,7 @@ import torch
 from raytuner.config import LoraConfig, ObjectiveConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.train.loop import _step
+from raytuner.train.step import forward_backward
 
 TINY = Source("tiny")
 
@@ -80,7 +80,9 @@ def test_bf16_autocast_keeps_float32_weights_and_a_close_loss(name):
         torch.manual_seed(0)
         denoiser = family.denoiser(TINY).to(device).train()
         loss_fn = family.loss(TINY, ObjectiveConfig())
-        losses[precision] = _step(denoiser, loss_fn, Slice, device, 0, 0.5, precision).item()
+        losses[precision] = forward_backward(
+            denoiser, loss_fn, Slice, device, 0, 0.5, precision
+        ).item()
         assert all(p.dtype == torch.float32 for p in denoiser.parameters())
         assert all(p.grad is None or torch.isfinite(p.grad).all() for p in denoiser.parameters())
     assert losses["bf16"] == pytest.approx(losses["no"], rel=0.05)

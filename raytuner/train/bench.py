@@ -25,8 +25,8 @@ from raytuner.data.preprocess import preprocess
 from raytuner.data.reader import open_dataset
 from raytuner.families import get_family
 from raytuner.train import optim
-from raytuner.train.feed import Feed
-from raytuner.train.loop import _step
+from raytuner.train.feed import Batch, Feed
+from raytuner.train.step import train_step
 from raytuner.train.weights import trainable_model
 
 
@@ -84,36 +84,23 @@ def bare_loop(job: JobConfig, steps: int, threads: int, batches: list | None = N
         return _bare_loop(job, steps, batches)
 
 
-class _Slice:
-    """A global batch as the loop's step takes it (what the feed hands a worker)."""
-
-    def __init__(self, tensors: dict, seeds: list[int]):
-        self.tensors, self.seeds = tensors, seeds
-
-
 def _bare_loop(job: JobConfig, steps: int, batches: list[tuple[dict, list[int]]]) -> float:
-    """The loop ``bare_loop`` times: the worker's own model setup and step function on this
-    machine's device (a GPU when there is one), without Ray, the cache reads or the feed."""
+    """The loop ``bare_loop`` times: the worker's own model setup and step (``TrainStep``, the
+    same object the loop calls) on this machine's device (a GPU when there is one), without
+    Ray, the cache reads or the feed."""
     family, t = get_family(job.model.family), job.train
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(t.seed)
-    denoiser, weights, source, amp, _ = trainable_model(
-        job.model, t, job.lora, family, device, job.memory
-    )
-    opt, _ = optim.for_run(t, weights.params)
-    loss_fn, offload = family.loss(source, job.objective), job.memory.activation_offload
+    trained = trainable_model(job.model, t, job.lora, family, device, job.memory)
+    opt, sched = optim.for_run(t, trained.weights.params)
+    loss_fn = family.loss(trained.source, job.objective)
+    step = train_step(trained, trained.denoiser, loss_fn, opt, sched, t, job.memory, device)
     start = 0.0
     for i, (tensors, seeds) in enumerate(batches):
         if i == steps:
             _synchronize(device)
             start = time.perf_counter()
-        batch = _Slice(tensors, seeds)
-        scale = 1 / t.global_batch_size
-        _step(denoiser, loss_fn, batch, device, t.micro_batch_size, scale, amp, offload)
-        torch.nn.utils.clip_grad_norm_(weights.params, t.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        weights.step()
+        step(Batch(0, i, len(batches), tensors, seeds, []))
     _synchronize(device)
     return steps * t.global_batch_size / (time.perf_counter() - start)
 

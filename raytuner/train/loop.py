@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import shutil
@@ -15,22 +14,24 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from raytuner import placement, storage
+from raytuner import storage
 from raytuner.config import (
     CheckpointConfig,
     LoraConfig,
     MemoryConfig,
     ModelConfig,
     ObjectiveConfig,
+    TrackingConfig,
     TrainConfig,
 )
 from raytuner.families import get_family
 from raytuner.train import export, optim
 from raytuner.train import state as ckpt
-from raytuner.train.feed import Batch, open_feed
+from raytuner.train.feed import open_feed
 from raytuner.train.memory import PeakMemory
 from raytuner.train.observe import Observer
 from raytuner.train.samples import SampleLog, attempt_id
+from raytuner.train.step import train_step
 from raytuner.train.weights import trainable_model
 
 log = logging.getLogger("raytuner.train")
@@ -53,6 +54,7 @@ class LoopConfig:
     job: dict  # the whole resolved job, written into every checkpoint as a record only
     memory: MemoryConfig = MemoryConfig()
     validation_every: int = 0  # validation renders need a checkpoint every N steps
+    tracking: TrackingConfig = TrackingConfig()  # rank 0's W&B run (the job as its config)
 
 
 class Meter:
@@ -86,39 +88,6 @@ class Meter:
         }
         self._reset()
         return out
-
-
-def _step(
-    model,
-    loss_fn,
-    batch: Batch,
-    device,
-    micro_batch_size: int,
-    scale: float,
-    amp=None,
-    offload=False,
-):
-    """Forward and backward over this rank's slice, in micro-batches (gradient accumulation,
-    synchronised across ranks on the last one only), under autocast to ``amp`` when set, the
-    checkpointed blocks' inputs in host memory when ``offload``; returns the slice's loss sum."""
-    tensors = placement.batch(batch.tensors, device)
-    torch.manual_seed(batch.seeds[0])  # dropout: a redone step draws the same masks
-    n = len(batch.seeds)
-    size = micro_batch_size or n
-    total = torch.zeros((), device=device)
-    for a in range(0, n, size):
-        last = a + size >= n
-        no_sync = getattr(model, "no_sync", None)
-        sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
-        generators = [torch.Generator().manual_seed(s) for s in batch.seeds[a : a + size]]
-        with sync, placement.activations(offload, device):
-            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                micro = {k: v[a : a + size] for k, v in tensors.items()}
-                per_sample = loss_fn(model, micro, generators)
-            # DDP averages gradients over ranks: scaled, the update is the global batch's mean
-            (per_sample.sum() * scale).backward()
-        total += per_sample.detach().sum()
-    return total
 
 
 def _report(cfg: LoopConfig, st, metrics: dict, weights, opt, sched, family, jit: bool) -> None:
@@ -230,27 +199,25 @@ def train_loop(config: dict) -> None:
     family, device, t = get_family(cfg.model.family), ray.train.torch.get_device(), cfg.train
     torch.manual_seed(t.seed)  # the same LoRA init on every rank
     trained = trainable_model(cfg.model, t, cfg.lora, family, device, cfg.memory)
-    weights, placed, amp = trained.weights, trained.placement, trained.amp
+    weights, placed = trained.weights, trained.placement
     opt, sched = optim.for_run(t, weights.params)
     st = _restore(cfg, weights, opt, sched, rank)
     placed.check(opt)  # restored optimizer state beside its parameter, every block in its place
     model = placed.distributed(ray.train.torch.prepare_model)
-    loss_fn, offload = family.loss(trained.source, cfg.objective), cfg.memory.activation_offload
+    loss_fn = family.loss(trained.source, cfg.objective)
+    step = train_step(trained, model, loss_fn, opt, sched, t, cfg.memory, device, world)
     pin = device.type == "cuda"
     feed = open_feed(cfg.train, cfg.cache, cfg.fingerprint, cfg.manifest, rank, world, pin)
     feed.start(st.epoch, st.index)
     samples = SampleLog(cfg.run_dir if t.sample_log else None, attempt_id(), rank, world)
     meter, warned = Meter(device), False
-    observer = Observer(cfg.run_dir, t.max_steps, t.tensorboard) if rank == 0 else None
-    scale = world / t.global_batch_size  # DDP's average over ranks becomes the per-sample mean
+    observer = None
+    if rank == 0:
+        observer = Observer(cfg.run_dir, t.max_steps, t.tensorboard, cfg.tracking, cfg.job)
     try:
         while st.step < t.max_steps:
             batch = feed.next(st.epoch, st.index)
-            loss = _step(model, loss_fn, batch, device, t.micro_batch_size, scale, amp, offload)
-            meter.add(loss)
-            torch.nn.utils.clip_grad_norm_(weights.params, t.max_grad_norm)
-            opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
-            weights.step()
+            meter.add(step(batch))
             st.step, (st.epoch, st.index) = st.step + 1, batch.after()
             samples.add(st.step, batch.epoch, batch.index, batch.ids)
             # a spot reclaim announced to any rank: every rank checkpoints now (once), so the

@@ -4,15 +4,17 @@ what ``raytuner plan`` traces for the same step. On a CPU it runs the same code 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import torch
 
-from raytuner import placement, plan
+from raytuner import plan
 from raytuner.config import JobConfig
 from raytuner.families import get_family
-from raytuner.train import optim
+from raytuner.train import optim, step
+from raytuner.train.feed import Batch
 from raytuner.train.weights import trainable_model
 
 
@@ -27,37 +29,30 @@ def bench_step(job: JobConfig, steps: int, as_json: bool) -> dict:
     micro = plan.micro_batch(job)
     planned = plan.trace_step(job, shapes, size, micro, job.train.gradient_checkpointing)
     started = time.perf_counter()
-    denoiser, weights, source, amp, _ = trainable_model(
-        job.model, job.train, job.lora, family, device, job.memory
-    )
-    loss_fn, dtype = family.loss(source, job.objective), source.dtype
+    trained = trainable_model(job.model, job.train, job.lora, family, device, job.memory)
+    loss_fn, dtype = family.loss(trained.source, job.objective), trained.source.dtype
     load_s = time.perf_counter() - started
-    opt, _ = optim.for_run(job.train, weights.params)
-    offload = job.memory.activation_offload
+    opt, sched = optim.for_run(job.train, trained.weights.params)
+    one = dataclasses.replace(job.train, global_batch_size=micro, micro_batch_size=0)
+    args = (trained, trained.denoiser, loss_fn, opt, sched, one, job.memory, device)
+    train_step = step.train_step(*args)
     batch = {k: torch.randn(micro, *s, device=device) for k, s in shapes.items()}
     for key in plan.CONDITIONING:
         batch[key] = torch.full((micro, 2), float(max(size)), device=device)
     if "prompt_attention_mask" in batch:
         batch["prompt_attention_mask"] = torch.ones_like(batch["prompt_attention_mask"])
 
-    def step(i: int) -> None:
-        generators = [torch.Generator().manual_seed(i * micro + j) for j in range(micro)]
-        with placement.activations(offload, device):
-            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                loss = loss_fn(denoiser, batch, generators).mean()
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(weights.params, job.train.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def run(i: int) -> None:  # the training step itself, on one micro-batch of random inputs
+        train_step(Batch(0, i, 1, batch, [i * micro + j for j in range(micro)], []))
 
     for i in range(2):  # warm-up: kernels chosen, optimizer state made
-        step(i)
+        run(i)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     for i in range(steps):
-        step(2 + i)
+        run(2 + i)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started

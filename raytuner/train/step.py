@@ -1,0 +1,105 @@
+"""One training step: the worker's loop and both benches (`bench train`'s bare loop, `bench
+step`) call this very code, so a bench times what training runs and nothing else.
+
+``forward_backward``: a rank's slice in micro-batches (gradient accumulation, DDP synchronised on
+the last one only), under autocast, the checkpointed blocks' inputs in host memory when asked.
+``TrainStep``: that, then gradient clipping, the optimizer, the learning-rate schedule (warm-up
+included) and the EMA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from raytuner import placement
+
+
+class Slice(Protocol):
+    """What a step takes: this rank's tensors and a noise seed per sample (``feed.Batch``)."""
+
+    tensors: dict[str, torch.Tensor]
+    seeds: list[int]
+
+
+def forward_backward(
+    model,
+    loss_fn,
+    batch: Slice,
+    device,
+    micro_batch_size: int,
+    scale: float,
+    amp=None,
+    offload=False,
+) -> torch.Tensor:
+    """Forward and backward over this rank's slice, in micro-batches (gradient accumulation,
+    synchronised across ranks on the last one only), under autocast to ``amp`` when set, the
+    checkpointed blocks' inputs in host memory when ``offload``; returns the slice's loss sum."""
+    tensors = placement.batch(batch.tensors, device)
+    torch.manual_seed(batch.seeds[0])  # dropout: a redone step draws the same masks
+    n = len(batch.seeds)
+    size = micro_batch_size or n
+    total = torch.zeros((), device=device)
+    for a in range(0, n, size):
+        last = a + size >= n
+        no_sync = getattr(model, "no_sync", None)
+        sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
+        generators = [torch.Generator().manual_seed(s) for s in batch.seeds[a : a + size]]
+        with sync, placement.activations(offload, device):
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                micro = {k: v[a : a + size] for k, v in tensors.items()}
+                per_sample = loss_fn(model, micro, generators)
+            # DDP averages gradients over ranks: scaled, the update is the global batch's mean
+            (per_sample.sum() * scale).backward()
+        total += per_sample.detach().sum()
+    return total
+
+
+@dataclass(kw_only=True)
+class TrainStep:
+    """``step(batch) -> loss sum``: one optimizer step of the model on this rank's slice."""
+
+    model: torch.nn.Module  # the denoiser, DDP-wrapped on a multi-worker run
+    loss_fn: object  # the family's Loss
+    weights: object  # train.weights.Weights: the trained parameters and their EMA
+    opt: torch.optim.Optimizer
+    sched: object  # the learning-rate schedule, stepped after each optimizer step
+    device: torch.device
+    micro_batch_size: int  # train.micro_batch_size
+    max_grad_norm: float  # train.max_grad_norm
+    scale: float  # world / global batch size: the update is the global batch's mean
+    amp: torch.dtype | None = None  # autocast dtype
+    offload: bool = False  # memory.activation_offload
+
+    def __call__(self, batch: Slice) -> torch.Tensor:
+        loss = forward_backward(
+            self.model, self.loss_fn, batch, self.device, self.micro_batch_size,
+            self.scale, self.amp, self.offload,
+        )  # fmt: skip
+        torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.weights.step()
+        return loss
+
+
+def train_step(trained, model, loss_fn, opt, sched, train, memory, device, world: int = 1):
+    """The step of a run: ``trained`` from ``weights.trainable_model``, ``model`` the denoiser
+    as the step calls it (DDP-wrapped or not), ``train``/``memory`` the job's sections."""
+    return TrainStep(
+        model=model,
+        loss_fn=loss_fn,
+        weights=trained.weights,
+        opt=opt,
+        sched=sched,
+        device=device,
+        micro_batch_size=train.micro_batch_size,
+        max_grad_norm=train.max_grad_norm,
+        scale=world / train.global_batch_size,
+        amp=trained.amp,
+        offload=memory.activation_offload,
+    )
