@@ -176,8 +176,12 @@ def test_incremental_reruns(ray_local, tmp_path):
     batch = dataset.batch([dataset.paths.index(wide[0])])  # the std, shaped like the latent
     assert batch["latent_std"].shape == batch["latent"].shape
     assert (batch["latent_std"] > 0).all()
-    again = preprocess(MODEL, data, pre)
+    again = preprocess(MODEL, data, pre)  # nothing changed: probed only, no encoder starts
     assert (again["encoded"], again["already_cached"]) == (0, 9)
+    (images / "wide" / "wide0.txt").write_text("only this caption is new")  # images unchanged
+    captioned = preprocess(MODEL, data, pre)
+    assert (captioned["encoded"], captioned["already_cached"]) == (0, 9)
+    assert "only this caption is new" in [r["caption"] for r in committed(data, "index", pre)]
 
     Image.new("RGB", (96, 96), (1, 2, 3)).save(images / "square" / "square_00.png")
     (images / "portrait" / "portrait_01.png").unlink()

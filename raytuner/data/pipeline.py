@@ -15,9 +15,10 @@ import math
 
 import ray
 
-from raytuner.data.decode import DecodeSpec, probe_decode
+from raytuner.data.decode import ENCODE, DecodeSpec, probe_decode
 from raytuner.data.encode import Encoder
-from raytuner.data.sink import PartSink
+from raytuner.data.sink import PROBE_COLUMNS, PartSink
+from raytuner.data.sources import caption_key
 
 BLOCK_PIXEL_BYTES = 64 * 1024**2  # decoded pixels per stream block, at most (about)
 BLOCK_ROWS = 512  # rows per stream block, at most
@@ -44,18 +45,15 @@ def run(
     side = max(max(w, h) for w, h in spec.buckets)
     rows = rows_per_block(len(listing), pre.batch_size, side, pre.max_actors)
     preload = any(r["known_key"] not in latent_keys for r in listing)  # images to encode, likely
+    probe = {"sources": sources, "spec": spec, "known": frozenset(latent_keys)}
+    if not preload:  # every image unchanged: probe alone, no encoder starts unless a caption is new
+        probed = _probed(listing, rows, probe)
+        if _nothing_new(probed, caption_keys):
+            return probed
     sink = PartSink(version.fs, version.root, run_rel)
     args = (model, pre.dtype, pre.store_std, set(caption_keys), progress, preload)
     (
-        ray.data.from_items(listing, override_num_blocks=math.ceil(len(listing) / rows))
-        # half a CPU: decode tasks run beside the encoder actors, not fused into them
-        .map_batches(
-            probe_decode,
-            fn_kwargs={"sources": sources, "spec": spec, "known": frozenset(latent_keys)},
-            batch_size=None,  # one call per block
-            batch_format="pyarrow",
-            num_cpus=0.5,
-        )
+        _probe_stream(listing, rows, probe)
         .map_batches(
             Encoder,
             fn_constructor_args=args,
@@ -71,3 +69,28 @@ def run(
         .write_datasink(sink, ray_remote_args={"num_cpus": 0.25})
     )
     return sink.rows
+
+
+def _probe_stream(listing: list[dict], rows: int, probe: dict) -> ray.data.Dataset:
+    # half a CPU: decode tasks run beside the encoder actors, not fused into them
+    return ray.data.from_items(
+        listing, override_num_blocks=math.ceil(len(listing) / rows)
+    ).map_batches(
+        probe_decode,
+        fn_kwargs=probe,
+        batch_size=None,  # one call per block
+        batch_format="pyarrow",
+        num_cpus=0.5,
+    )
+
+
+def _probed(listing: list[dict], rows: int, probe: dict) -> list[dict]:
+    """The probe step alone (a rerun over unchanged images): every file's probe columns."""
+    refs = _probe_stream(listing, rows, probe).select_columns(PROBE_COLUMNS).to_arrow_refs()
+    return [r for ref in refs for r in ray.get(ref).to_pylist()]
+
+
+def _nothing_new(probed: list[dict], caption_keys) -> bool:
+    """No image to decode (a file changed since it was listed) and every caption cached."""
+    need = {r["caption_key"] for r in probed if not r["reason"]} | {caption_key("")}
+    return all(r["status"] != ENCODE for r in probed) and need <= set(caption_keys)
