@@ -37,12 +37,13 @@ def _check_rounds(figures: dict, rounds: int) -> None:
 @pytest.mark.timeout(300)
 def test_bench_preprocess_prints_one_json_object(ray_local, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    args = ("--images", "12", "--rounds", "2")
+    # one round: the alternation itself is tested below without a bench around it
+    args = ("--images", "12", "--rounds", "1")
     figures = _figures(capsys, "preprocess", "jobs/tiny.toml", *args)
     for key in ("pipeline_images_per_s", "bare_images_per_s", "ratio", "bytes_per_latent_ratio"):
         assert figures[key] > 0, key
     assert figures["images"] == 12
-    _check_rounds(figures, 2)
+    _check_rounds(figures, 1)
     # from the preprocess report's "first_encoded_s" (the seconds to the first encoded image)
     for key in ("startup_s", "marginal_ratio"):
         assert isinstance(figures[key], (int, float)) and figures[key] >= 0, key
@@ -57,8 +58,8 @@ def test_bench_preprocess_prints_one_json_object(ray_local, capsys, monkeypatch)
 def test_bench_train_prints_one_json_object(ray_local, capsys, monkeypatch, tmp_path):
     shutil.copytree(REPO / "jobs", tmp_path / "jobs")  # its cache lands in tmp_path/runs
     monkeypatch.chdir(tmp_path)
-    # one round: the alternation is the preprocess bench's (``bench.alternate``), tested above
-    # with two; a second train() run here would add ~25 s to the suite
+    # one round: the alternation (``bench.alternate``) is tested below; a second train() run
+    # here would add ~25 s to the suite
     figures = _figures(capsys, "train", "jobs/tiny.toml", "--steps", "5", "--rounds", "1")
     for key in ("samples_per_s", "bare_samples_per_s", "ratio"):
         assert figures[key] > 0, key
@@ -106,3 +107,16 @@ def test_the_benches_time_the_training_step_itself():
         }
         own = calls & {"backward", "clip_grad_norm_", "zero_grad", "autocast"}
         assert not own, f"{module.__name__} takes a step of its own: {own}"
+
+
+def test_rounds_alternate_the_two_sides_and_report_their_spread():
+    from raytuner.bench import alternate, round_figures
+
+    calls = []
+    rates = alternate(3, {"pipeline": lambda r: calls.append(("A", r)) or 10.0 + r,
+                          "bare": lambda r: calls.append(("B", r)) or 20.0})  # fmt: skip
+    assert calls == [("A", 0), ("B", 0), ("A", 1), ("B", 1), ("A", 2), ("B", 2)]
+    figures = round_figures(3, rates, [1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
+    assert figures["spread"] == {"pipeline": round(2 / 11, 4), "bare": 0.0}
+    with pytest.raises(ValueError, match="at least 1"):
+        alternate(0, {"a": lambda r: r})
