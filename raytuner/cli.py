@@ -41,7 +41,12 @@ def _sample_args(cmd: argparse.ArgumentParser) -> None:
         help="latest (the run's newest checkpoint), base (no trained weights), or a path: a "
         "checkpoint folder, a run's lora/ or model/ folder, a LoRA .safetensors file",
     )
-    cmd.add_argument("--prompt", action="append", required=True, help="repeat for several")
+    cmd.add_argument("--prompt", action="append", default=[], help="repeat for several")
+    cmd.add_argument(
+        "--prompts-file",
+        help="a text file of prompts, one a line, with kohya's per-line options "
+        "(--w --h --s --d --l --g --n); rendered after the --prompt ones",
+    )
     cmd.add_argument("--seed", type=int, action="append", help="repeat for several (default 0)")
     cmd.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
     cmd.add_argument("--width", type=int, help="pixels (default: the job's resolution)")
@@ -60,8 +65,37 @@ def _feed_args(cmd: argparse.ArgumentParser) -> None:
     )
 
 
+VERSIONED = ("raytuner", "torch", "ray", "diffusers", "transformers", "peft")
+
+
+def versions() -> str:
+    """``raytuner --version``: the installed versions of raytuner and of what it runs on (read
+    from the packages' metadata: nothing is imported)."""
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    first, *rest = VERSIONED
+    return f"{first} {version(first)} (" + ", ".join(f"{n} {version(n)}" for n in rest) + ")"
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        text = "print the versions of raytuner, torch, ray, diffusers, transformers, peft"
+        super().__init__(option_strings, dest, nargs=0, help=text)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(versions())
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytuner", description=__doc__)
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="make a small image set, preprocess and train on it")
     demo.add_argument("--workdir", default="raytuner-demo", help="where the demo writes")
@@ -159,6 +193,10 @@ def print_report(report: dict) -> None:
         f"{report['images_per_s']:.1f} images/s encoded"
     )
     print("  buckets: " + ", ".join(f"{b}: {n}" for b, n in report["buckets"].items()))
+    for f in report.get("folders", []):  # sources with repeats_from_folder
+        named = f", {f['name_captions']} captioned by its name" if f["name_captions"] else ""
+        folder = f["folder"] or "(no N_ prefix)"
+        print(f"  folder {folder}: {f['images']} images x {f['repeats']} repeats{named}")
     for s in skipped[:20]:
         print(f"  skipped {s['path']}: {s['reason']}")
     if len(skipped) > 20:
@@ -216,13 +254,30 @@ def do_cache(job: JobConfig, args: argparse.Namespace) -> int:
 
 
 def do_sample(job: JobConfig, args: argparse.Namespace) -> None:
+    from raytuner import prompts
     from raytuner.families import get_family
     from raytuner.sample import default_size, sample
 
-    width, height = default_size(job, get_family(job.model.family))
-    size = (args.width or width, args.height or height)
-    seeds = args.seed or [0]
-    for path in sample(job, args.checkpoint, args.prompt, seeds, args.steps, size, args.out):
+    family = get_family(job.model.family)
+    lines = [prompts.PromptLine(prompt=p) for p in args.prompt]
+    try:
+        lines += prompts.read_prompts_file(args.prompts_file) if args.prompts_file else []
+        for line in lines:
+            prompts.check_line(line, family)
+    except prompts.PromptsError as e:
+        raise ConfigError(f"--prompts-file {args.prompts_file}: {e}") from None
+    if not lines:
+        raise ConfigError("raytuner sample: give --prompt TEXT (repeatable) or --prompts-file")
+    width, height = default_size(job, family)
+    v = job.validation  # its negative prompt and guidance scale apply here too
+    defaults = prompts.Defaults(
+        size=(args.width or width, args.height or height),
+        seeds=tuple(args.seed or [0]),
+        steps=args.steps,
+        guidance_scale=v.guidance_scale,
+        negative_prompt=v.negative_prompt,
+    )
+    for path in sample(job, args.checkpoint, lines, defaults, args.out):
         print(f"wrote {path}")
 
 
@@ -252,7 +307,7 @@ def runnable(job: JobConfig, family, where: str) -> None:
             "pip install 'raytuner[lowvram]', or use adamw or adafactor"
         )
     m = job.model
-    source = parts.Source(parts.released(m.family, m.pretrained) or m.pretrained, m.revision)
+    source = parts.model_source(m, "cpu")  # a released repo: its architecture from the package
     try:
         check_job(job, family)
         placement.check(job.memory, family, source)

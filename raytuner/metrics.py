@@ -1,6 +1,10 @@
 """raytuner's metrics on the Ray dashboard and the Prometheus endpoint (`ray start
 --metrics-export-port=N`): Ray prefixes each name with ``ray_`` and counters also end in
-``_total``. Every series carries the run name as its ``run`` tag."""
+``_total``. Every series carries the run name as its ``run`` tag.
+
+``GAUGES`` and ``COUNTERS`` declare every metric raytuner emits: ``gauge`` and ``count`` refuse
+any other name, and cluster/grafana/raytuner-dashboard.json has a panel for each (its test
+compares the two)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,22 @@ COUNTERS = {"raytuner_images_encoded": "images encoded into the cache"}
 _made: dict[str, Gauge | Counter] = {}
 
 
+def prometheus_name(name: str) -> str:
+    """The series name Prometheus scrapes from Ray for a declared metric."""
+    return f"ray_{name}_total" if name in COUNTERS else f"ray_{name}"
+
+
+def exported() -> set[str]:
+    """Every series name raytuner's metrics appear under in Prometheus."""
+    return {prometheus_name(name) for name in GAUGES | COUNTERS}
+
+
 def _metric(name: str) -> Gauge | Counter:
+    if name not in GAUGES and name not in COUNTERS:
+        raise ValueError(
+            f"metric {name!r} is not declared: add it to GAUGES or COUNTERS in "
+            "raytuner/metrics.py and a panel to cluster/grafana/raytuner-dashboard.json"
+        )
     if name not in _made:
         kind, doc = (Gauge, GAUGES[name]) if name in GAUGES else (Counter, COUNTERS[name])
         _made[name] = kind(name, doc, tag_keys=("run",))

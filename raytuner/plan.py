@@ -136,8 +136,9 @@ def _source(job: JobConfig, full: bool = False) -> parts.Source:
     dtype = parts.resolve_dtype(m.dtype, "cuda")
     if full:
         dtype = parts.DTYPES[m.trainable_dtype]
-    pretrained = parts.released(m.family, m.pretrained) or m.pretrained
-    return parts.Source(pretrained, m.revision, dtype)
+    source = parts.model_source(m, "cuda")  # a single file: described by its config repo
+    pretrained = parts.released(m.family, source.repo) or m.pretrained
+    return dataclasses.replace(source, pretrained=pretrained, dtype=dtype)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from raytuner import placement, storage
+from raytuner.prompts import Defaults, PromptLine, Render, resolve
 from raytuner.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.train.state import EXPORT, STATE, checkpoint_folders
 from raytuner.train.weights import LORA_DIR, MODEL_DIR
@@ -109,39 +110,36 @@ def apply_weights(
     placement.place_pipeline(pipe, family, device, blocks_to_swap)
 
 
-def render(
-    pipe, options: dict, prompts: list[str], seeds: list[int], steps, size: tuple[int, int]
-) -> list[list[Image.Image]]:
-    """One image per prompt and seed (rows: prompts); the same seed gives the same noise for
-    every prompt, so rows compare. ``steps`` None: the pipeline's default."""
-    width, height = size
+def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image]]:
+    """One image per render (a prompt with its settled options, ``raytuner.prompts``) and seed
+    (rows: renders); the same seed gives the same noise for every prompt of a size, so rows
+    compare. ``options``: the family's ``pipeline_options``."""
     device = pipe.device
-    if steps:
-        options = options | {"num_inference_steps": steps}
     return [
         [
             pipe(
-                prompt,
-                width=width,
-                height=height,
+                r.prompt,
                 generator=torch.Generator(device).manual_seed(seed),
                 output_type="pil",
+                **r.call(),
                 **options,
             ).images[0]
-            for seed in seeds
+            for seed in r.seeds
         ]
-        for prompt in prompts
+        for r in renders
     ]
 
 
 def grid(rows: list[list[Image.Image]]) -> Image.Image:
-    """The images as a grid, a row per prompt."""
-    w, h = rows[0][0].size
+    """The images as a grid, a row per prompt. Every cell is as large as the largest image;
+    a smaller one (a prompt line of another size) is centred in its cell on white."""
+    w = max(image.width for row in rows for image in row)
+    h = max(image.height for row in rows for image in row)
     columns = max(len(r) for r in rows)
     sheet = Image.new("RGB", (w * columns, h * len(rows)), "white")
     for y, row in enumerate(rows):
         for x, image in enumerate(row):
-            sheet.paste(image, (x * w, y * h))
+            sheet.paste(image, (x * w + (w - image.width) // 2, y * h + (h - image.height) // 2))
     return sheet
 
 
@@ -156,28 +154,32 @@ def _slug(text: str) -> str:
     return "-".join(part for part in kept.split("-") if part)[:40] or "prompt"
 
 
-def write_samples(rows, prompts: list[str], seeds: list[int], out: Path, record: dict) -> list:
+def write_samples(rows, renders: list[Render], out: Path, record: dict) -> list:
     """``<i>-<prompt>-seed<s>.png`` per image, ``grid.png`` when there are several, and
-    ``samples.json`` (what was rendered with which weights); returns the PNG paths."""
+    ``samples.json`` (what was rendered with which weights, and each prompt's options under
+    ``lines``); returns the PNG paths."""
     local, out = pafs.LocalFileSystem(), out.resolve()
     paths = []
-    for i, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
-        for seed, image in zip(seeds, row, strict=True):
-            paths.append(out / f"{i:02d}-{_slug(prompt)}-seed{seed}.png")
+    for i, (r, row) in enumerate(zip(renders, rows, strict=True)):
+        for seed, image in zip(r.seeds, row, strict=True):
+            paths.append(out / f"{i:02d}-{_slug(r.prompt)}-seed{seed}.png")
             storage.write_atomic(local, str(paths[-1]), png_bytes(image))
     if len(paths) > 1:
         paths.append(out / "grid.png")
         storage.write_atomic(local, str(paths[-1]), png_bytes(grid(rows)))
-    record = record | {"prompts": prompts, "seeds": seeds, "files": [p.name for p in paths]}
+    record |= {"prompts": [r.prompt for r in renders], "lines": [r.record() for r in renders]}
+    record["files"] = [p.name for p in paths]
     storage.write_json_atomic(local, str(out / "samples.json"), record)
     return paths
 
 
-def sample(job, checkpoint: str, prompts, seeds, steps, size, out: str) -> list:
-    """`raytuner sample`: render ``prompts`` x ``seeds`` with the job's trained weights."""
+def sample(job, checkpoint: str, lines: list[PromptLine], defaults: Defaults, out: str) -> list:
+    """`raytuner sample`: render each prompt line with its options (else ``defaults``: every
+    seed, the size, the steps) with the job's trained weights."""
     from raytuner.families import get_family, parts
 
     family = get_family(job.model.family)
+    renders = resolve(lines, family, defaults)  # refuses what the family cannot render
     run_dir = storage.join(storage.absolute(job.train.output), job.train.name)
     if checkpoint == LATEST:
         fs, source = latest_checkpoint(run_dir)
@@ -187,13 +189,13 @@ def sample(job, checkpoint: str, prompts, seeds, steps, size, out: str) -> list:
     with tempfile.TemporaryDirectory() as scratch:
         weights = None if checkpoint == BASE else find_weights(local_copy(fs, source, scratch))
         m = job.model
-        model = parts.source(m.pretrained, m.revision, m.dtype, device)
+        model = parts.model_source(m, device)
         pipe = load_pipeline(family, model, weights, device, job.memory.blocks_to_swap)
         options = family.pipeline_options(pipe)
-        rows = render(pipe, options, prompts, seeds, steps, size)
-    record = {"checkpoint": BASE if checkpoint == BASE else source, "steps": steps}
-    record["size"] = list(size)
-    return write_samples(rows, prompts, seeds, Path(out), record)
+        rows = render(pipe, options, renders)
+    record = {"checkpoint": BASE if checkpoint == BASE else source, "steps": defaults.steps}
+    record |= {"size": list(defaults.size), "seeds": list(defaults.seeds)}
+    return write_samples(rows, renders, Path(out), record)
 
 
 def default_size(job, family) -> tuple[int, int]:

@@ -18,21 +18,23 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow.fs as pafs
 import ray
 from ray.train import UserCallback
 
-from raytuner import metrics, sample, storage
-from raytuner.train.observe import summary_writer
+from raytuner import metrics, prompts, sample, storage
+from raytuner.config import ConfigError, TrackingConfig
+from raytuner.train.observe import ValidationReport
 from raytuner.train.state import EXPORT
 
 log = logging.getLogger("raytuner.validate")
 VALIDATION = "validation"  # <run>/validation/step_<N>.png
 DRAIN_TIMEOUT_S = 900.0  # after training: how long the driver waits for the last renders
 QUEUE_TIMEOUT_S = 10.0  # how long the controller waits for the actor to take a checkpoint
+CLOSE_TIMEOUT_S = 120.0  # how long the driver waits for the actor's TensorBoard/W&B files
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +52,30 @@ class RenderSpec:
     run_dir: str
     tensorboard: bool
     blocks_to_swap: int = 0  # memory.blocks_to_swap: the denoiser streams as in training
+    # validation.prompts_file's lines (``prompts.PromptLine`` as dicts), rendered after
+    # ``prompts`` with their own options
+    prompt_lines: list[dict] = field(default_factory=list)
+    negative_prompt: str = ""  # validation.negative_prompt
+    guidance_scale: float = 0.0  # validation.guidance_scale; 0: the family's default
+    single_file_config: str = ""  # model.single_file_config (a single-file pretrained)
+    tracking: dict | None = None  # the job's [tracking] when tracking.wandb: grids to W&B too
+
+
+def _prompt_lines(spec: RenderSpec) -> list[prompts.PromptLine]:
+    """``validation.prompts``, then the prompts file's lines."""
+    lines = [prompts.PromptLine(prompt=p) for p in spec.prompts]
+    return lines + [prompts.PromptLine(**d) for d in spec.prompt_lines]
+
+
+def _defaults(spec: RenderSpec) -> prompts.Defaults:
+    """What a prompt takes where its line sets nothing: the job's [validation] keys."""
+    return prompts.Defaults(
+        size=tuple(spec.size),
+        seeds=tuple(spec.seeds),
+        steps=spec.steps,
+        guidance_scale=spec.guidance_scale,
+        negative_prompt=spec.negative_prompt,
+    )
 
 
 class Validator:
@@ -82,6 +108,12 @@ class Validator:
         self.jobs.join()
         return self.results
 
+    def close(self) -> None:
+        """The TensorBoard and W&B writers closed (their files complete, remote copies made)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
     def _work(self) -> None:
         while True:
             step, path, copied = self.jobs.get()
@@ -99,15 +131,25 @@ class Validator:
         started, started_at, s = time.perf_counter(), time.time(), self.spec
         family, device = get_family(s.family), sample.default_device()
         if self.pipe is None:
-            source = parts.source(s.pretrained, s.revision, s.dtype, device)
+            source = parts.source(
+                s.pretrained,
+                s.revision,
+                s.dtype,
+                device,
+                family=s.family,
+                single_file_config=s.single_file_config,
+            )
             swap = s.blocks_to_swap
             self.pipe = sample.load_pipeline(family, source, None, device, swap)
-            self.writer = summary_writer(s.run_dir, ".validation") if s.tensorboard else None
+        if self.writer is None:
+            tracked = TrackingConfig(**s.tracking) if s.tracking else None
+            self.writer = ValidationReport(s.run_dir, s.tensorboard, tracked)
         try:
             weights = sample.find_weights(local)
             sample.apply_weights(self.pipe, family, weights, device, None, s.blocks_to_swap)
             options = family.pipeline_options(self.pipe)
-            rows = sample.render(self.pipe, options, s.prompts, s.seeds, s.steps, s.size)
+            renders = prompts.resolve(_prompt_lines(s), family, _defaults(s))
+            rows = sample.render(self.pipe, options, renders)
         finally:
             shutil.rmtree(local, ignore_errors=True)
         sheet = sample.grid(rows)
@@ -115,12 +157,11 @@ class Validator:
         seconds = time.perf_counter() - started
         record = {"step": step, "checkpoint": path, "seconds": seconds}
         record |= {"started_at": started_at, "finished_at": time.time()}
-        record |= {"prompts": s.prompts, "seeds": s.seeds, "steps": s.steps}
+        record |= {"prompts": [r.prompt for r in renders], "seeds": s.seeds, "steps": s.steps}
+        record["lines"] = [r.record() for r in renders]  # each prompt's options, as rendered
         storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", sample.png_bytes(sheet))
         storage.write_json_atomic(fs, f"{folder}/step_{step:06d}.json", record)
-        if self.writer is not None:
-            self.writer.add_image("validation", np.asarray(sheet), step, dataformats="HWC")
-            self.writer.flush()
+        self.writer.image(step, np.asarray(sheet), seconds)
         metrics.gauge("raytuner_validation_time_s", seconds, self.run)
         log.info("validation at step %d: %s/step_%06d.png (%.1f s)", step, folder, step, seconds)
         return record | {"path": f"{folder}/step_{step:06d}.png"}
@@ -151,6 +192,16 @@ class ValidationCallback(UserCallback):
             log.warning("validation at step %d not queued: %s", step, e)
 
 
+def _file_lines(path: str) -> list[dict]:
+    """validation.prompts_file's lines, read on the driver (the actor may run elsewhere)."""
+    if not path:
+        return []
+    try:
+        return [asdict(p) for p in prompts.read_prompts_file(path)]
+    except prompts.PromptsError as e:  # raytuner check refuses it before a run starts
+        raise ConfigError(f"validation.prompts_file = {path!r}: {e}") from None
+
+
 def start(job, run_dir: str):
     """The validation actor and its Ray Train callback, or (None, []) when validation is off."""
     v = job.validation
@@ -164,13 +215,18 @@ def start(job, run_dir: str):
         pretrained=job.model.pretrained,
         revision=job.model.revision,
         dtype=job.model.dtype,
+        single_file_config=job.model.single_file_config,
         prompts=list(v.prompts),
         seeds=list(v.seeds),
         steps=v.steps,
         size=(v.width or width, v.height or height),
         run_dir=run_dir,
         tensorboard=job.train.tensorboard,
+        tracking=asdict(job.tracking) if job.tracking.wandb else None,
         blocks_to_swap=job.memory.blocks_to_swap,
+        prompt_lines=_file_lines(v.prompts_file),
+        negative_prompt=v.negative_prompt,
+        guidance_scale=v.guidance_scale,
     )
     actor = ray.remote(Validator).options(num_cpus=v.cpus, num_gpus=v.gpus or None)
     validator = actor.remote(asdict(spec))
@@ -189,6 +245,8 @@ def finish(validator, completed: bool) -> None:
             for r in ray.get(validator.drain.remote(), timeout=DRAIN_TIMEOUT_S):
                 if "error" in r:
                     log.warning("validation at step %d failed: %s", r["step"], r["error"])
+        if ready:
+            ray.get(validator.close.remote(), timeout=CLOSE_TIMEOUT_S)
     except ray.exceptions.RayError as e:
         log.warning("validation did not finish: %s", e)
     finally:

@@ -2,13 +2,15 @@
 
 Every file gets the secret scan; a Dockerfile, README, launcher YAML (with `provider:`) or
 RayCluster / RayJob manifest gets its own checks (Ray's own validation plus ours, see
-cluster_launcher.py, cluster_kuberay.py and cluster_files.py), and a YAML file is loaded strictly
-(a key given twice fails). A file under cluster/ that none of this covers fails, so a new kind of
-file cannot slip in unchecked: its check belongs here.
+cluster_launcher.py, cluster_kuberay.py and cluster_files.py), a Grafana dashboard (`*.json`)
+those of cluster_grafana.py, and a YAML file is loaded strictly (a key given twice fails). A
+file under cluster/ that none of this covers fails, so a new kind of file cannot slip in
+unchecked: its check belongs here.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from cluster_files import (
     readme_problems,
     secret_problems,
 )
+from cluster_grafana import dashboard_problems
 from cluster_keys import MANIFESTS
 from cluster_kuberay import kuberay_problems
 from cluster_launcher import launcher_problems
@@ -40,6 +43,11 @@ def validate_file(path: Path) -> None:
         problems += dockerfile_problems(text)
     elif path.suffix == ".md":
         problems += readme_problems(text)
+    elif path.suffix == ".json":
+        try:
+            problems += dashboard_problems(json.loads(text))
+        except ValueError as e:
+            problems.append(f"not valid JSON: {e}")
     elif path.suffix in (".yaml", ".yml"):
         try:
             problems += yaml_problems(load_yaml(text))

@@ -82,6 +82,15 @@ def fingerprint(model: ModelConfig, pre: PreprocessConfig) -> str:
     encoders = {k: getattr(model, k) for k in ("family", "pretrained", "revision", "dtype")}
     if model.dtype == "float8":  # only the denoiser is stored in float8: encoders in bfloat16
         encoders["dtype"] = "bfloat16"
+    if model.pretrained.lower().endswith(".safetensors"):
+        # a single file is more than its path (it may be replaced in place), and its config
+        # repo may hold encoders the file lacks (Flux's VAE and text encoders)
+        from raytuner.families import parts
+
+        encoders["single_file"] = parts.single_file_identity(model.pretrained)
+        encoders["single_file_config"] = model.single_file_config or parts.default_config(
+            model.family
+        )
     payload = {"format": FORMAT_VERSION, "model": encoders, "encoding": encoding}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -49,9 +49,7 @@ class Encoder:
         """The encoder ``part`` ("image" or "text"), loading or loaded."""
         if part not in self._loading:
             make = self.family.image_encoder if part == "image" else self.family.text_encoder
-            source = parts.source(
-                self.model.pretrained, self.model.revision, self.model.dtype, _device()
-            )
+            source = parts.model_source(self.model, _device())
             self._loading[part] = self._loader.submit(make, source, _device())
         return self._loading[part]
 

@@ -162,7 +162,8 @@ def _caption_row(caption: dict, tensors: list[str]) -> dict:
 
 
 def appearances(rows: list[dict]) -> dict[str, int]:
-    """Samples per bucket in one epoch of the schedule: every row times its source's repeats."""
+    """Samples per bucket in one epoch of the schedule: every row times its repeats (its
+    source's, or its kohya folder's with ``repeats_from_folder``)."""
     counts: dict[str, int] = {}
     for row in rows:
         bucket = f"{row['width']}x{row['height']}"

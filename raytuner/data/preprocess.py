@@ -21,7 +21,7 @@ from raytuner.data.encode import FAILED
 from raytuner.data.images import ImagePolicy
 from raytuner.data.plan import plan, report
 from raytuner.data.progress import ProgressLine
-from raytuner.data.sources import caption_key, list_source
+from raytuner.data.sources import caption_key, folder_report, image_repeats, list_source
 from raytuner.families import get_family
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,6 @@ def _preprocess(version, run: str, model, data, pre, tag: str) -> dict:
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
     sources = data.all_sources()
     roots = [storage.absolute(s.path) for s in sources]
-    repeats = [s.repeats for s in sources]
     log.info("preprocess: %d files -> %s/%s", len(listing), version.root, run)
     available = set(located.latents)
     rows, first_at = _stream(version, run, listing, located, model, data, pre, tag)
@@ -122,7 +121,8 @@ def _preprocess(version, run: str, model, data, pre, tag: str) -> dict:
     for r in p.cached + p.new:
         if (latent := located.latents.get(r["key"])) is not None:
             bucket = f"{latent['width']}x{latent['height']}"
-            indexed.append({**r, "bucket": bucket, "repeats": repeats[r["source_index"]]})
+            repeats = image_repeats(sources[r["source_index"]], r["path"])
+            indexed.append({**r, "bucket": bucket, "repeats": repeats})
     need = {r["caption_key"] for r in indexed} | {caption_key("")}
     if missing := sorted(need - set(located.captions)):
         raise RuntimeError(
@@ -132,6 +132,7 @@ def _preprocess(version, run: str, model, data, pre, tag: str) -> dict:
     truncated = sum(located.captions[k]["truncated"] for k in need)
     rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
     rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
+    rep["folders"] = folder_report(indexed, sources)  # repeats_from_folder sources only
     index.commit(
         version, run, indexed, located, generation, family=model.family, dtype=pre.dtype, report=rep
     )

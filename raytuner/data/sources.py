@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import posixpath
+import re
+from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
@@ -19,6 +21,54 @@ HASH_CHUNK = 8 * 1024 * 1024  # images are hashed in pieces of this, never read 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
 JUNK_NAMES = {"__MACOSX", "Thumbs.db", "desktop.ini", "@eaDir", "$RECYCLE.BIN"}
+# a kohya sd-scripts dataset folder: "<repeats>_<class tokens>" ("10_ohwx person"); sd-scripts
+# splits the name at its first "_" and reads the rest as the class tokens
+KOHYA_FOLDER = re.compile(r"([0-9]+)_(.*)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class KohyaFolder:
+    """The folder an image takes its repeats (and, without a caption, its caption) from."""
+
+    path: str  # relative to the source, e.g. "img/10_ohwx person"
+    repeats: int
+    name: str  # the class tokens after the prefix: "ohwx person"
+
+
+def kohya_folder(rel: str) -> KohyaFolder | None:
+    """The nearest folder above ``rel`` (a file's path in its source) named ``<N>_<name>``;
+    the source folder itself never counts."""
+    folders = rel.split("/")[:-1]
+    for end in range(len(folders), 0, -1):
+        if m := KOHYA_FOLDER.fullmatch(folders[end - 1]):
+            return KohyaFolder("/".join(folders[:end]), int(m.group(1)), m.group(2))
+    return None
+
+
+def image_repeats(source: SourceConfig, rel: str) -> int:
+    """How often the image at ``rel`` appears per epoch: its kohya folder's N when the source
+    has ``repeats_from_folder``, else (and outside such folders) the source's ``repeats``."""
+    folder = kohya_folder(rel) if source.repeats_from_folder else None
+    return source.repeats if folder is None else folder.repeats
+
+
+def folder_report(rows: list[dict], sources: list[SourceConfig]) -> list[dict]:
+    """Per kohya folder of the sources that take repeats from folder names: its trained
+    images, their repeats, and how many are captioned by the folder's name (no caption file or
+    metadata). ``rows``: indexed rows (``source``, ``source_index``, ``path``, ``repeats``,
+    ``caption_from``); ``folder`` "" gathers the images under no ``<N>_`` folder."""
+    groups: dict[tuple[int, str], dict] = {}
+    for r in rows:
+        if not sources[r["source_index"]].repeats_from_folder:
+            continue
+        folder = kohya_folder(r["path"])
+        key = (r["source_index"], folder.path if folder else "")
+        group = groups.setdefault(
+            key, {"source": r["source"], "folder": key[1], "images": 0, "repeats": r["repeats"]}
+        )
+        group["images"] += 1
+        group["name_captions"] = group.get("name_captions", 0) + (r["caption_from"] == "folder")
+    return [groups[k] for k in sorted(groups)]
 
 
 def caption_key(caption: str) -> str:
@@ -119,7 +169,9 @@ def list_source(index: int, source: SourceConfig) -> list[dict]:
         txt = stem + source.caption_extension
         size, mtime_ns = files[rel]
         refused = ""
-        if _escapes(fs, root, storage.join(root, rel)):
+        if source.repeats_from_folder and image_repeats(source, rel) == 0:
+            refused = f"folder {kohya_folder(rel).path!r} says 0 repeats (sd-scripts leaves it out)"
+        elif _escapes(fs, root, storage.join(root, rel)):
             refused = "symlink outside the dataset folder"
         elif txt in files and _escapes(fs, root, storage.join(root, txt)):
             refused = "caption file is a symlink outside the dataset folder"
@@ -153,6 +205,9 @@ def _caption(fs, root: str, row: dict, source: SourceConfig) -> tuple[str | None
             text = raw.decode("utf-8", errors="replace")
         if text.strip():
             return " ".join(text.split()), "file", ""
+    folder = kohya_folder(row["path"]) if source.repeats_from_folder else None
+    if folder is not None and folder.name.strip():  # sd-scripts' class tokens
+        return " ".join(folder.name.split()), "folder", ""
     if source.caption_fallback == "stem":
         stem = posixpath.splitext(posixpath.basename(row["path"]))[0]
         return stem.replace("_", " ").strip(), "fallback", ""

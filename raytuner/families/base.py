@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -26,6 +27,18 @@ ImageEncoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 Loss = Callable[[nn.Module, Batch, Sequence[torch.Generator]], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class LoraFiles:
+    """What a family's LoRA export holds besides the diffusers file, and how its files describe
+    themselves to the UIs: the values kohya's sd-scripts writes for the same base model."""
+
+    kohya: str = ""  # raytuner.train.kohya layout of lora_kohya.safetensors; "": none (no tool)
+    base_model_version: str = ""  # ss_base_model_version: A1111 / Forge classify a LoRA by it
+    network_module: str = "networks.lora"  # ss_network_module: sd-scripts' LoRA module
+    architecture: str = ""  # modelspec.architecture of the base model; "": no modelspec keys
+    implementation: str = ""  # modelspec.implementation
+
+
 class TextEncoder(Protocol):
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]: ...  # name -> [B, ...]
     def truncated(self, captions: list[str]) -> list[bool]: ...  # longer than the tokenizer limit
@@ -37,13 +50,23 @@ class Family(Protocol):
     pixel_multiple: int  # bucket sides are multiples of this (VAE factor x denoiser factor)
     lora_targets: tuple[str, ...]  # default peft target_modules on the denoiser
     denoiser_part: str  # "unet" / "transformer": its pipeline attribute, its name in LoRA keys
+    lora_files: LoraFiles  # which LoRA layouts it exports, and how they describe themselves
     # the denoiser's block lists in the order they run (``memory.blocks_to_swap`` streams the
     # last of them); empty: the family does not stream blocks
     swap_blocks: tuple[str, ...]
     objective_kind: str  # "ddpm" or "flow": which [objective] keys its loss reads
     guidance_embedding: bool  # its denoiser can take objective.guidance (guidance-distilled)
+    # the pipeline's guidance_scale when the job and the prompt line set none: the classifier-free
+    # guidance scale, or the guidance embedding's value for guidance-distilled families
+    default_guidance_scale: float
+    # its pipeline takes a negative prompt (classifier-free guidance: kohya's --n and --l)
+    negative_prompt: bool
     # image sides must be multiples of this for its parts to run (pixel_multiple is one)
     pixel_grid: int
+    # the parts a single-file checkpoint (model.pretrained = "….safetensors") holds, each with
+    # the key prefix of its tensors there ("" = every key); its other parts, tokenizers and
+    # scheduler come from model.single_file_config. Empty: single files are refused
+    single_file_parts: tuple[tuple[str, str], ...]
 
     # its parts: name (also the subfolder in a diffusers folder) -> "module.Class"
     def part_classes(self) -> dict[str, str]: ...
@@ -61,6 +84,9 @@ class Family(Protocol):
     # shapes of the tensors the cache stores per image of a bucket, for the released full-size
     # model ("latent" and each text tensor): what `raytuner bench feed` writes
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]: ...
+    # a single file's tensors of ``part`` (the keys under its prefix) in the layout diffusers'
+    # ``from_single_file`` converts (most families: as they are)
+    def single_file_state(self, part: str, state: dict[str, torch.Tensor]) -> dict: ...
 
 
 def preset_pipeline(pipe):
@@ -70,6 +96,13 @@ def preset_pipeline(pipe):
         if isinstance(part, nn.Module):
             part.eval()
     return pipe
+
+
+def file_parts(load_part, source: Source, parts: tuple[tuple[str, str], ...]) -> dict:
+    """The pipeline components a single-file checkpoint holds, loaded from it (``{}`` for a
+    folder or hub repo): passed to ``from_pretrained`` of the config repo, which then loads
+    only the rest (tokenizers, scheduler, the parts the file lacks)."""
+    return {name: load_part(source, name) for name, _ in parts} if source.single_file else {}
 
 
 def save_lora(pipeline_cls, part: str, directory: str, lora_state: dict, adapter_config: dict):
@@ -214,11 +247,12 @@ def ddpm_scheduler(source: Source):
 
     if source.preset:
         return DDPMScheduler(**sd_scheduler_config())
-    return DDPMScheduler.from_pretrained(source.pretrained, **source.hub("scheduler"))
+    return DDPMScheduler.from_pretrained(source.repo, **source.hub("scheduler"))
 
 
 def hub_kwargs(source: Source) -> dict:
-    """``from_pretrained`` keyword arguments for a whole pipeline folder or hub repo."""
+    """``from_pretrained`` keyword arguments for a whole pipeline folder or hub repo
+    (``source.repo``)."""
     return source.hub() | {"torch_dtype": source.dtype}
 
 

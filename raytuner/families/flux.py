@@ -23,6 +23,82 @@ PARTS = {
 
 _part = parts.loader("flux", PARTS)  # (source, part name, device="cpu", weights=True)
 
+# Black Forest Labs' names of the Flux transformer's tensors (its releases, ComfyUI and kohya's
+# sd-scripts save them so) -> diffusers' names; fused q/k/v and the single blocks' fused
+# projections are split below, by the width the tensors have
+_BFL = {
+    "time_in.in_layer": "time_text_embed.timestep_embedder.linear_1",
+    "time_in.out_layer": "time_text_embed.timestep_embedder.linear_2",
+    "vector_in.in_layer": "time_text_embed.text_embedder.linear_1",
+    "vector_in.out_layer": "time_text_embed.text_embedder.linear_2",
+    "guidance_in.in_layer": "time_text_embed.guidance_embedder.linear_1",
+    "guidance_in.out_layer": "time_text_embed.guidance_embedder.linear_2",
+    "txt_in": "context_embedder",
+    "img_in": "x_embedder",
+    "final_layer.linear": "proj_out",
+}
+_BFL_DOUBLE = {
+    "img_mod.lin": "norm1.linear",
+    "txt_mod.lin": "norm1_context.linear",
+    "img_attn.norm.query_norm.scale": "attn.norm_q.weight",
+    "img_attn.norm.key_norm.scale": "attn.norm_k.weight",
+    "txt_attn.norm.query_norm.scale": "attn.norm_added_q.weight",
+    "txt_attn.norm.key_norm.scale": "attn.norm_added_k.weight",
+    "img_mlp.0": "ff.net.0.proj",
+    "img_mlp.2": "ff.net.2",
+    "txt_mlp.0": "ff_context.net.0.proj",
+    "txt_mlp.2": "ff_context.net.2",
+    "img_attn.proj": "attn.to_out.0",
+    "txt_attn.proj": "attn.to_add_out",
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+}
+_BFL_SINGLE = {
+    "modulation.lin": "norm.linear",
+    "norm.query_norm.scale": "attn.norm_q.weight",
+    "norm.key_norm.scale": "attn.norm_k.weight",
+    "linear2": "proj_out",
+    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+}
+
+
+def _from_bfl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Flux transformer in BFL's layout (bare, or under ComfyUI's ``model.diffusion_model.``
+    beside other parts) in diffusers' names, its width read from ``img_in``. diffusers' own
+    converter assumes Flux.1's width (3072); this one is checked against it at that width in
+    ``tests/test_single_file.py``."""
+    comfy = "model.diffusion_model."
+    if any(k.startswith(comfy) for k in state):
+        state = {k.removeprefix(comfy): v for k, v in state.items() if k.startswith(comfy)}
+    if "img_in.weight" not in state:
+        return state  # not BFL's layout: diffusers' (or a broken file, which loading names)
+    width = state["img_in.weight"].shape[0]
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        head, _, rest = key.partition(".")
+        table, prefix, inner = _BFL, "", key
+        if head in ("double_blocks", "single_blocks"):
+            index, _, inner = rest.partition(".")
+            table = _BFL_DOUBLE if head == "double_blocks" else _BFL_SINGLE
+            block = "transformer_blocks" if head == "double_blocks" else "single_transformer_blocks"
+            prefix = f"{block}.{index}."
+        stem, _, leaf = inner.rpartition(".")
+        target = table.get(inner) or table.get(stem)
+        if inner in table:  # a norm's scale: the whole name maps
+            out[prefix + target] = tensor
+        elif isinstance(target, tuple):  # fused q, k, v (and the single blocks' MLP input)
+            sizes = [width] * 3 + [tensor.shape[0] - 3 * width] * (len(target) - 3)
+            for name, piece in zip(target, torch.split(tensor, sizes), strict=True):
+                out[f"{prefix}{name}.{leaf}"] = piece
+        elif target:
+            out[f"{prefix}{target}.{leaf}"] = tensor
+        elif stem == "final_layer.adaLN_modulation.1":  # (shift, scale) -> (scale, shift)
+            shift, scale = tensor.chunk(2)
+            out[f"norm_out.linear.{leaf}"] = torch.cat([scale, shift])
+        else:
+            raise ValueError(f"{key!r} is no tensor of a Flux transformer in BFL's layout")
+    return out
+
 
 def _tiny_t5_tokenizer(max_length: int):
     """A character-level T5 tokenizer built in code (Unigram over single characters)."""
@@ -42,7 +118,7 @@ def _tokenizers(source: parts.Source) -> list:
     from transformers import AutoTokenizer
 
     names = ("tokenizer", "tokenizer_2")
-    return [AutoTokenizer.from_pretrained(source.pretrained, **source.hub(n)) for n in names]
+    return [AutoTokenizer.from_pretrained(source.repo, **source.hub(n)) for n in names]
 
 
 class _FluxText(base.FrozenTextEncoders):
@@ -63,10 +139,22 @@ class Flux:
     pixel_multiple: int = 16  # VAE factor 8 x the 2x2 packing
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "transformer"
+    lora_files: base.LoraFiles = base.LoraFiles(
+        "flux",
+        "flux1",
+        "networks.lora_flux",
+        "flux-1-dev",
+        "https://github.com/black-forest-labs/flux",
+    )
     swap_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
     objective_kind: str = "flow"
     guidance_embedding: bool = True
+    default_guidance_scale: float = 3.5  # FluxPipeline's default: the guidance embedding's value
+    negative_prompt: bool = False  # guidance-distilled: no classifier-free guidance
     pixel_grid: int = 16  # the VAE's 8 x the 2x2 packing
+    # a Flux single file holds the transformer (BFL's layout); VAE, CLIP and T5 come from
+    # model.single_file_config
+    single_file_parts: tuple[tuple[str, str], ...] = (("transformer", ""),)
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What Flux.1's encoders store per image of a bucket: 16-channel latents at 1/8 of the
@@ -76,6 +164,10 @@ class Flux:
 
     def part_classes(self) -> dict[str, str]:
         return dict(PARTS)
+
+    def single_file_state(self, part: str, state: dict) -> dict:
+        """BFL's transformer layout in diffusers' names (see ``_from_bfl``)."""
+        return _from_bfl(state)
 
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
         vae = _part(source, "vae", device, weights).requires_grad_(False)
@@ -146,7 +238,11 @@ class Flux:
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
         if not source.preset:
-            return FluxPipeline.from_pretrained(source.pretrained, **base.hub_kwargs(source))
+            return FluxPipeline.from_pretrained(
+                source.repo,
+                **base.hub_kwargs(source),
+                **base.file_parts(_part, source, self.single_file_parts),
+            )
         clip_tok, t5_tok = _tokenizers(source)
         scheduler = FlowMatchEulerDiscreteScheduler(
             use_dynamic_shifting=True,

@@ -1,20 +1,30 @@
 """Where a family's parts come from, in which precision: the one loader of every model part.
 
-``model.pretrained`` names a diffusers folder or hub repo, or one of two presets shipped in the
-package (``configs/<family>.<preset>.json``): ``tiny`` (a few thousand parameters, for tests and
-demos) and ``random`` (the released architecture at full size: for planning, benchmarks and GPU
-checks without the hub). A preset is the family's part configs; both presets are built by the
-same code, with seeded random weights, directly in the requested dtype and on the requested
-device (the meta device for ``raytuner plan``), so no float32 copy of a half-precision model is
-ever made. A folder or repo loads with ``from_pretrained(..., torch_dtype=dtype)``.
+``model.pretrained`` names a diffusers folder or hub repo, a single-file checkpoint
+(``.safetensors`` in the original LDM/SGM or BFL key layout, as model sites ship them), or one
+of two presets shipped in the package (``configs/<family>.<preset>.json``): ``tiny`` (a few
+thousand parameters, for tests and demos) and ``random`` (the released architecture at full
+size: for planning, benchmarks and GPU checks without the hub). A preset is the family's part
+configs; both presets are built by the same code, with seeded random weights, directly in the
+requested dtype and on the requested device (the meta device for ``raytuner plan``), so no
+float32 copy of a half-precision model is ever made. A folder or repo loads with
+``from_pretrained(..., torch_dtype=dtype)``. A single file's parts (the family's
+``single_file_parts``) load with diffusers' ``from_single_file`` and its LDM CLIP conversion,
+their configs taken from ``model.single_file_config`` (a diffusers folder: no network); the parts
+the file lacks (Flux's VAE and text encoders), the tokenizers and the scheduler come from that
+repo as from any other.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import json
+import logging
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,23 +33,52 @@ import torch
 
 from raytuner import placement
 
+log = logging.getLogger("raytuner.model")
+
 PRESETS = ("tiny", "random")
+SINGLE_FILE_SUFFIX = ".safetensors"  # single-file checkpoints raytuner loads (no pickle: .ckpt)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CONFIGS = Path(__file__).parent / "configs"
 
 
+def is_single_file(pretrained: str) -> bool:
+    """Whether ``model.pretrained`` names a single-file checkpoint rather than a folder, a hub
+    id or a preset."""
+    return pretrained.lower().endswith(SINGLE_FILE_SUFFIX)
+
+
 @dataclass(frozen=True)
 class Source:
-    """Which weights to load (a preset name, a folder or a hub id) and the dtype of the frozen
-    ones (``model.dtype`` resolved for the device that runs them)."""
+    """Which weights to load (a preset name, a folder, a hub id or a single ``.safetensors``
+    file) and the dtype of the frozen ones (``model.dtype`` resolved for the device that runs
+    them). ``single_file_config``: a single file's diffusers folder or hub id (resolved: never
+    empty for a single file built by :func:`source`)."""
 
     pretrained: str
     revision: str = ""
     dtype: torch.dtype = torch.float32
+    single_file_config: str = ""
 
     @property
     def preset(self) -> str | None:
         return self.pretrained if self.pretrained in PRESETS else None
+
+    @property
+    def single_file(self) -> bool:
+        return is_single_file(self.pretrained)
+
+    @property
+    def repo(self) -> str:
+        """The diffusers folder or hub id ``from_pretrained`` reads: ``pretrained`` itself, or a
+        single file's config repo (its part configs, tokenizers, scheduler, the parts it lacks)."""
+        if not self.single_file:
+            return self.pretrained
+        if not self.single_file_config:
+            raise ValueError(
+                f"model.pretrained = {self.pretrained!r} is a single file: set "
+                "model.single_file_config to the diffusers folder or hub id that describes it"
+            )
+        return self.single_file_config
 
     def hub(self, subfolder: str | None = None) -> dict:
         """``from_pretrained`` keyword arguments for a subfolder (or the whole folder / repo)."""
@@ -95,9 +134,57 @@ def float8_storage(module: torch.nn.Module, compute: torch.dtype = torch.bfloat1
     return len(layers)
 
 
-def source(pretrained: str, revision: str, dtype: str, device) -> Source:
-    """The job's ``[model]`` keys as a Source for parts run on ``device``."""
-    return Source(pretrained, revision, resolve_dtype(dtype, device))
+def source(
+    pretrained: str,
+    revision: str,
+    dtype: str,
+    device,
+    *,
+    family: str = "",
+    single_file_config: str = "",
+) -> Source:
+    """The job's ``[model]`` keys as a Source for parts run on ``device``; a single file's
+    config repo defaults to the ``family``'s (:func:`default_config`)."""
+    if is_single_file(pretrained) and not single_file_config and family:
+        single_file_config = default_config(family)
+    return Source(pretrained, revision, resolve_dtype(dtype, device), single_file_config)
+
+
+def model_source(model, device) -> Source:
+    """A job's ``[model]`` (a ModelConfig) as a Source for parts run on ``device``."""
+    return source(
+        model.pretrained,
+        model.revision,
+        model.dtype,
+        device,
+        family=model.family,
+        single_file_config=model.single_file_config,
+    )
+
+
+def default_config(family: str) -> str:
+    """The hub repo whose configs describe a family's single file when
+    ``model.single_file_config`` is empty: the released repo its ``random`` preset holds."""
+    repos = preset(family, "random").get("_repos", [])
+    if not repos:
+        raise ValueError(f"family {family!r} names no default repo for a single-file checkpoint")
+    return repos[0]
+
+
+def single_file_identity(path: str) -> dict:
+    """What tells a single-file checkpoint from another without reading its gigabytes: its size,
+    modification time and the sha256 of its safetensors header (tensor names, dtypes, shapes,
+    offsets, metadata). A file replaced or rewritten gets another identity."""
+    stat = os.stat(path)
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if not 0 < length <= min(stat.st_size - 8, 100 << 20):
+            raise ValueError(
+                f"model.pretrained = {path!r} is not a safetensors file (header length {length})"
+            )
+        header = f.read(length)
+    digest = hashlib.sha256(header).hexdigest()
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "header_sha256": digest}
 
 
 @functools.cache
@@ -149,12 +236,12 @@ def released(family: str, pretrained: str) -> str | None:
 def config(family: str, source: Source, part: str, cls_path: str) -> dict:
     """A part's architecture config, without its weights: a preset's, a released repo's (from
     the package), else the folder's or hub repo's own."""
-    if name := source.preset or released(family, source.pretrained):
+    if name := source.preset or released(family, source.repo):
         return preset(family, name)[part]["config"]
     cls = _class(cls_path)
     if cls.__module__.startswith("transformers"):
-        return cls.config_class.from_pretrained(source.pretrained, **source.hub(part)).to_dict()
-    return dict(cls.load_config(source.pretrained, **source.hub(part)))
+        return cls.config_class.from_pretrained(source.repo, **source.hub(part)).to_dict()
+    return dict(cls.load_config(source.repo, **source.hub(part)))
 
 
 def load(
@@ -176,9 +263,77 @@ def load(
             with torch.device(device):
                 model = _construct(cls, architecture)
         return model.eval()
-    key = "dtype" if cls.__module__.startswith("transformers") else "torch_dtype"
-    model = cls.from_pretrained(source.pretrained, **source.hub(part), **{key: source.dtype})
-    return placement.move(model, device).eval()
+    started = time.perf_counter()
+    _log_where_nobody_configured_logging()
+    where = f"{source.pretrained} ({source.repo})" if source.single_file else source.repo
+    log.info("loading %s %s from %s in %s", family, part, where, _dtype_name(source.dtype))
+    prefixes = dict(_family(family).single_file_parts) if source.single_file else {}
+    if part in prefixes:
+        model = _from_single_file(family, source, part, cls, prefixes[part])
+    else:
+        key = "dtype" if cls.__module__.startswith("transformers") else "torch_dtype"
+        model = cls.from_pretrained(source.repo, **source.hub(part), **{key: source.dtype})
+    model = placement.move(model, device).eval()
+    log.info("loaded %s %s in %.1f s", family, part, time.perf_counter() - started)
+    return model
+
+
+def _log_where_nobody_configured_logging() -> None:
+    """Model loads are logged in every process, also where nothing set logging up (Ray Data's
+    encoder actors): a load of a full-size model takes minutes, and its line tells why."""
+    if not log.isEnabledFor(logging.INFO):
+        log.setLevel(logging.INFO)
+    if not log.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(handler)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _family(name: str):
+    from raytuner.families import get_family
+
+    return get_family(name)
+
+
+def _from_single_file(family: str, source: Source, part: str, cls, prefix: str):
+    """``part`` from a single-file checkpoint: its tensors (the keys under ``prefix``) in the
+    family's ``single_file_state`` layout, then diffusers' ``from_single_file`` (diffusers
+    models) or its LDM CLIP conversion (transformers text encoders), the architecture from the
+    config repo's ``<part>/config.json`` (no model type is guessed from the file)."""
+    from safetensors import safe_open
+
+    with safe_open(source.pretrained, framework="pt") as f:
+        names = [k for k in f.keys() if k.startswith(prefix)]  # noqa: SIM118 (not a dict)
+        state = {k: f.get_tensor(k) for k in names}
+    if not state:
+        raise ValueError(
+            f"model.pretrained = {source.pretrained!r} holds no {part} weights (no tensor named "
+            f"{prefix}…): is it a {family} checkpoint in the original layout?"
+        )
+    state = _family(family).single_file_state(part, state)
+    if hasattr(cls, "from_single_file"):
+        revision = {"config_revision": source.revision} if source.revision else {}
+        model = cls.from_single_file(
+            state, config=source.repo, subfolder=part, torch_dtype=source.dtype, **revision
+        )
+    else:
+        from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
+
+        model = create_diffusers_clip_model_from_ldm(
+            cls, state, subfolder=part, config=source.repo, torch_dtype=source.dtype
+        )
+    missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if missing:
+        raise ValueError(
+            f"model.pretrained = {source.pretrained!r}: its {part} lacks {len(missing)} tensors "
+            f"of the architecture in {source.repo!r} (e.g. {missing[0]}): does "
+            "model.single_file_config describe this file?"
+        )
+    return model
 
 
 def loader(family: str, classes: dict[str, str]):

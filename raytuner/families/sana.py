@@ -27,7 +27,7 @@ def _tokenizer(source: parts.Source):
     if not source.preset:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(source.pretrained, **source.hub("tokenizer"))
+        return AutoTokenizer.from_pretrained(source.repo, **source.hub("tokenizer"))
     from transformers import GemmaTokenizer
 
     chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?'\"-()\n▁"
@@ -81,10 +81,16 @@ class Sana:
     pixel_multiple: int = 32  # DC-AE downsamples 32x; the transformer patch is 1
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "transformer"
+    # the diffusers layout only: no tool reads a kohya Sana LoRA (sd-scripts has no Sana)
+    lora_files: base.LoraFiles = base.LoraFiles()
     swap_blocks: tuple[str, ...] = ("transformer_blocks",)
     objective_kind: str = "flow"
     guidance_embedding: bool = False
+    default_guidance_scale: float = 4.5  # SanaPipeline's default
+    negative_prompt: bool = True  # classifier-free guidance with a negative prompt
     pixel_grid: int = 32  # the DC-AE's 32x
+    # none: Sana ships as diffusers folders (its original checkpoints are pickled .pth files)
+    single_file_parts: tuple[tuple[str, str], ...] = ()
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What Sana 1600M's encoders store per image of a bucket: 32-channel DC-AE latents at
@@ -95,6 +101,10 @@ class Sana:
 
     def part_classes(self) -> dict[str, str]:
         return dict(PARTS)
+
+    def single_file_state(self, part: str, state: dict) -> dict:
+        """Never called: single files are refused for Sana (``single_file_parts`` is empty)."""
+        return state
 
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
         vae = _part(source, "vae", device, weights).requires_grad_(False)
@@ -149,7 +159,7 @@ class Sana:
         from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline
 
         if not source.preset:
-            return SanaPipeline.from_pretrained(source.pretrained, **base.hub_kwargs(source))
+            return SanaPipeline.from_pretrained(source.repo, **base.hub_kwargs(source))
         return base.preset_pipeline(
             SanaPipeline(
                 **{name: _part(source, name) for name in PARTS},

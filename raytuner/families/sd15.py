@@ -25,7 +25,7 @@ def _tokenizer(source: parts.Source):
         return base.tiny_clip_tokenizer(parts.tokenizer_length("sd15", source, "tokenizer", 77))
     from transformers import CLIPTokenizer
 
-    return CLIPTokenizer.from_pretrained(source.pretrained, **source.hub("tokenizer"))
+    return CLIPTokenizer.from_pretrained(source.repo, **source.hub("tokenizer"))
 
 
 class _ClipText(base.FrozenTextEncoders):
@@ -45,10 +45,21 @@ class SD15:
     pixel_multiple: int = 64
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "unet"
+    lora_files: base.LoraFiles = base.LoraFiles(
+        "unet", "sd_v1", "networks.lora", "stable-diffusion-v1", "diffusers"
+    )
     swap_blocks: tuple[str, ...] = ()
     objective_kind: str = "ddpm"
     guidance_embedding: bool = False
+    default_guidance_scale: float = 7.5  # StableDiffusionPipeline's default
+    negative_prompt: bool = True  # classifier-free guidance with a negative prompt
     pixel_grid: int = 8  # the VAE's 8x; the UNet fits its skips to any latent size
+    # the original LDM layout of SD1.5 checkpoints (model sites' .safetensors)
+    single_file_parts: tuple[tuple[str, str], ...] = (
+        ("unet", "model.diffusion_model."),
+        ("vae", "first_stage_model."),
+        ("text_encoder", "cond_stage_model."),
+    )
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What the released model's encoders store per image of a bucket: 4-channel latents
@@ -57,6 +68,10 @@ class SD15:
 
     def part_classes(self) -> dict[str, str]:
         return dict(PARTS)
+
+    def single_file_state(self, part: str, state: dict) -> dict:
+        """Its single file's tensors are in the layout diffusers' converters read."""
+        return state
 
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
         return base.kl_image_encoder(_part(source, "vae", device, weights), device)
@@ -96,7 +111,10 @@ class SD15:
 
         if not source.preset:
             return StableDiffusionPipeline.from_pretrained(
-                source.pretrained, safety_checker=None, **base.hub_kwargs(source)
+                source.repo,
+                safety_checker=None,
+                **base.hub_kwargs(source),
+                **base.file_parts(_part, source, self.single_file_parts),
             )
         return base.preset_pipeline(
             StableDiffusionPipeline(

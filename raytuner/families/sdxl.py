@@ -27,7 +27,7 @@ def _tokenizers(source: parts.Source) -> list:
         return [base.tiny_clip_tokenizer(n) for n in lengths]
     from transformers import CLIPTokenizer
 
-    return [CLIPTokenizer.from_pretrained(source.pretrained, **source.hub(n)) for n in names]
+    return [CLIPTokenizer.from_pretrained(source.repo, **source.hub(n)) for n in names]
 
 
 class _SdxlText(base.FrozenTextEncoders):
@@ -49,10 +49,26 @@ class SDXL:
     pixel_multiple: int = 64
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_part: str = "unet"
+    lora_files: base.LoraFiles = base.LoraFiles(
+        "sgm",
+        "sdxl_base_v1-0",
+        "networks.lora",
+        "stable-diffusion-xl-v1-base",
+        "https://github.com/Stability-AI/generative-models",
+    )
     swap_blocks: tuple[str, ...] = ()
     objective_kind: str = "ddpm"
     guidance_embedding: bool = False
+    default_guidance_scale: float = 5.0  # StableDiffusionXLPipeline's default
+    negative_prompt: bool = True  # classifier-free guidance with a negative prompt
     pixel_grid: int = 8  # the VAE's 8x; the UNet fits its skips to any latent size
+    # the original SGM layout of SDXL checkpoints (model sites' .safetensors)
+    single_file_parts: tuple[tuple[str, str], ...] = (
+        ("unet", "model.diffusion_model."),
+        ("vae", "first_stage_model."),
+        ("text_encoder", "conditioner.embedders.0."),
+        ("text_encoder_2", "conditioner.embedders.1."),
+    )
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What the released model's encoders store per image of a bucket: 4-channel latents
@@ -63,6 +79,10 @@ class SDXL:
 
     def part_classes(self) -> dict[str, str]:
         return dict(PARTS)
+
+    def single_file_state(self, part: str, state: dict) -> dict:
+        """Its single file's tensors are in the layout diffusers' converters read."""
+        return state
 
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
         return base.kl_image_encoder(_part(source, "vae", device, weights), device)
@@ -111,7 +131,9 @@ class SDXL:
 
         if not source.preset:
             return StableDiffusionXLPipeline.from_pretrained(
-                source.pretrained, **base.hub_kwargs(source)
+                source.repo,
+                **base.hub_kwargs(source),
+                **base.file_parts(_part, source, self.single_file_parts),
             )
         tok1, tok2 = _tokenizers(source)
         return base.preset_pipeline(

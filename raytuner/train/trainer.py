@@ -161,10 +161,9 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> di
     state = storage.read_json(source, storage.join(checkpoint.path, STATE))
     if LORA_DIR in exported:
         lora = storage.join(uri, LORA_DIR)
-        paths = {
-            "lora": storage.join(lora, DIFFUSERS_FILE),
-            "kohya": storage.join(lora, KOHYA_FILE),
-        }
+        paths = {"lora": storage.join(lora, DIFFUSERS_FILE)}
+        if any(p.endswith(f"/{LORA_DIR}/{KOHYA_FILE}") for p in files):  # not every family's
+            paths["kohya"] = storage.join(lora, KOHYA_FILE)
     else:
         paths = {"model": storage.join(uri, MODEL_DIR)}
     return paths | state
@@ -213,6 +212,7 @@ def train(job: JobConfig) -> dict:
         job=job.to_dict(),
         memory=job.memory,
         validation_every=job.validation.every_steps,
+        tracking=job.tracking,
     )
     _wait_for_workers(job)
     with Version(job.data.cache, fp).lease(f"train-{name}"):  # gc leaves the version alone

@@ -5,8 +5,10 @@ denoiser (``"full"``), optionally with an exponential moving average of the trai
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -15,7 +17,8 @@ from peft import LoraConfig as PeftLoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
-from raytuner.train import export
+from raytuner.config import ConfigError
+from raytuner.train import export, kohya, lora_init
 
 MODEL_DIR = "model"  # a full fine-tune's export: <output>/<run>/model/<denoiser part>/
 LORA_DIR = "lora"  # a LoRA's export: <output>/<run>/lora/
@@ -53,10 +56,13 @@ class Weights:
         targets,
         ema_decay: float,
         dtype: torch.dtype = torch.float32,
+        family=None,
     ):
         """``dtype``: the trained weights' (``model.trainable_dtype``), whatever the frozen
-        ones are in."""
+        ones are in; ``family``: given, a LoRA starts from ``lora.init_from`` (a resumed run
+        then loads its checkpoint over it) and must fit the family's kohya layout."""
         self.denoiser, self.mode = denoiser, mode
+        self.provenance = {"ss_training_started_at": str(time.time())}
         denoiser.requires_grad_(mode == "full")
         if mode == "lora":
             denoiser.add_adapter(
@@ -71,12 +77,29 @@ class Weights:
         named = [(n, p) for n, p in denoiser.named_parameters() if p.requires_grad]
         for _, p in named:
             p.data = p.data.to(dtype)
+        if mode == "lora" and family is not None:
+            self._lora_files(family, lora)
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.ema = None
         if ema_decay:
             from diffusers.training_utils import EMAModel
 
             self.ema = EMAModel(self.params, decay=ema_decay)
+
+    def _lora_files(self, family, lora) -> None:
+        """Refuse targets the family's kohya layout has no name for (before training, not at
+        the first checkpoint); read ``lora.init_from`` into the fresh adapter."""
+        names = export.kohya_names(family, self.denoiser)
+        if names is not None:
+            modules = kohya.modules_of(get_peft_model_state_dict(self.denoiser))
+            if missing := [m for m in modules if not names(m)]:
+                raise ConfigError(
+                    f"lora.target_modules reaches {', '.join(missing[:3])}, which "
+                    f"{family.name}'s kohya layout ({export.KOHYA_FILE}) has no name for: "
+                    "leave it out of lora.target_modules"
+                )
+        if lora.init_from:
+            self.provenance |= lora_init.start_from(self.denoiser, lora.init_from, lora, family)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint keeps: the adapter, or the whole denoiser."""
@@ -131,7 +154,12 @@ class Weights:
                 adapter = self.denoiser.peft_config["default"].to_dict()
                 out = os.path.join(directory, LORA_DIR)
                 export.write_lora(
-                    out, self.state(), family=family, adapter_config=adapter, meta=meta
+                    out,
+                    self.state(),
+                    family=family,
+                    adapter_config=adapter,
+                    meta=meta | self.provenance,
+                    denoiser=self.denoiser,
                 )
                 return
             out = os.path.join(directory, MODEL_DIR, family.denoiser_part)
@@ -161,9 +189,9 @@ def trainable_model(model, train, lora, family, device: torch.device, memory=Non
 
     memory = memory or MemoryConfig()
     trainable = parts.DTYPES[model.trainable_dtype]
-    source = parts.source(model.pretrained, model.revision, model.dtype, device)
+    source = parts.model_source(model, device)
     if train.mode == "full":
-        source = parts.Source(source.pretrained, source.revision, trainable)
+        source = dataclasses.replace(source, dtype=trainable)
     attention_backends(device)
     float8 = model.dtype == parts.FLOAT8
     denoiser = family.denoiser(source, str(placement.load_device(device, memory, float8)))
@@ -179,6 +207,7 @@ def trainable_model(model, train, lora, family, device: torch.device, memory=Non
         targets=family.lora_targets,
         ema_decay=train.ema_decay,
         dtype=trainable,
+        family=family,
     )
     placed = placement.DenoiserPlacement(
         denoiser, family, device, memory.blocks_to_swap, memory.swap_ring

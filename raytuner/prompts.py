@@ -1,0 +1,210 @@
+"""Prompts as users write them: kohya sd-scripts' prompt files, one prompt per line with its own
+options, and what every rendered row of a validation grid or `raytuner sample` settles on.
+
+A line is ``<prompt> --w 512 --h 768 --s 20 --d 42 --l 7.5 --n <negative prompt>``; it is split
+at each ``" --"`` as sd-scripts' ``line_to_prompt_dict`` does, option letters in any case, the
+last of a repeated option wins. Blank lines and lines starting with ``#`` are skipped. Unlike
+sd-scripts, which ignores what it cannot read, a value that is not a number, an unknown option
+or one the model cannot use is refused with its line number. Pure: no torch, no pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from raytuner import storage
+
+# kohya's option letter -> (PromptLine field, what it is)
+OPTIONS = {
+    "w": ("width", "width in pixels"),
+    "h": ("height", "height in pixels"),
+    "s": ("steps", "denoising steps"),
+    "d": ("seed", "seed"),
+    "l": ("scale", "classifier-free guidance scale"),
+    "g": ("guidance", "guidance-embedding scale (guidance-distilled models: Flux dev)"),
+    "n": ("negative_prompt", "negative prompt"),
+}
+# options sd-scripts reads that raytuner does not render with
+UNSUPPORTED = {
+    "ss": "a sampler: raytuner renders with the pipeline's own scheduler",
+    "cn": "a ControlNet image",
+    "ctr": "a CFG truncation ratio",
+    "rcfg": "a CFG renormalisation",
+    "fs": "a flow shift: the pipeline's scheduler sets it",
+}
+MAX_STEPS = 1000  # sd-scripts clamps --s to 1..1000
+
+
+class PromptsError(ValueError):
+    """A prompt line raytuner cannot render; the message names the line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptLine:
+    """One prompt and the options its line sets (None: the job's or the family's default)."""
+
+    prompt: str
+    line: int = 0  # its line in the prompts file; 0: not from a file
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+    seed: int | None = None
+    scale: float | None = None  # --l
+    guidance: float | None = None  # --g
+    negative_prompt: str | None = None  # --n
+
+
+@dataclass(frozen=True, kw_only=True)
+class Defaults:
+    """What a line that does not say takes: the job's (or the command line's) settings."""
+
+    size: tuple[int, int]  # (width, height)
+    seeds: tuple[int, ...]
+    steps: int | None  # None: the pipeline's default
+    guidance_scale: float = 0.0  # 0: the family's default
+    negative_prompt: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Render:
+    """One row of a grid: a prompt with every option settled, one image per seed."""
+
+    prompt: str
+    line: int
+    width: int
+    height: int
+    steps: int | None
+    seeds: tuple[int, ...]
+    guidance_scale: float
+    negative_prompt: str  # "": none (always "" for families that take none)
+
+    def call(self) -> dict:
+        """The pipeline-call arguments (besides the prompt and the generator)."""
+        out = {"width": self.width, "height": self.height, "guidance_scale": self.guidance_scale}
+        if self.steps:
+            out["num_inference_steps"] = self.steps
+        if self.negative_prompt:  # none at all keeps the pipeline's own empty-prompt handling
+            out["negative_prompt"] = self.negative_prompt
+        return out
+
+    def record(self) -> dict:
+        return asdict(self) | {"seeds": list(self.seeds)}
+
+
+def _value(letter: str, text: str, where: str):
+    field, what = OPTIONS[letter]
+    if not text:
+        raise PromptsError(f"{where}: --{letter} needs a value ({what})")
+    if field == "negative_prompt":
+        return text
+    try:
+        value = float(text) if letter in "lg" else int(text, 10)
+    except ValueError:
+        raise PromptsError(f"{where}: --{letter} {text!r} is not a number ({what})") from None
+    if letter in "lg" and not (math.isfinite(value) and value >= 0):
+        raise PromptsError(f"{where}: --{letter} {text}: must be a number >= 0")
+    if letter in "whs" and value < 1:
+        raise PromptsError(f"{where}: --{letter} {text}: must be at least 1")
+    if letter == "s" and value > MAX_STEPS:
+        raise PromptsError(f"{where}: --s {text}: at most {MAX_STEPS} steps")
+    if letter == "d" and value < 0:
+        raise PromptsError(f"{where}: --d {text}: a seed is >= 0")
+    return value
+
+
+def parse_line(text: str, number: int = 0) -> PromptLine | None:
+    """A line of a prompts file (None: blank or a comment)."""
+    text = text.strip()
+    if not text or text.startswith("#"):
+        return None
+    where = f"line {number}"
+    prompt, *parts = text.split(" --")
+    prompt = prompt.strip()
+    if not prompt or prompt.startswith("--"):
+        raise PromptsError(f"{where}: no prompt before its options")
+    values = {}
+    for part in parts:
+        letter, _, value = part.strip().partition(" ")
+        letter = letter.lower()
+        if letter in UNSUPPORTED:
+            raise PromptsError(f"{where}: --{letter} ({UNSUPPORTED[letter]}) is not supported")
+        if letter not in OPTIONS:
+            known = ", ".join(f"--{k}" for k in OPTIONS)
+            raise PromptsError(f"{where}: unknown option --{letter}; a line may set {known}")
+        values[OPTIONS[letter][0]] = _value(letter, value.strip(), where)
+    return PromptLine(prompt=prompt, line=number, **values)
+
+
+def parse_prompts(text: str) -> list[PromptLine]:
+    """Every prompt of a prompts file's text, with its line number."""
+    lines = [parse_line(t, n) for n, t in enumerate(text.splitlines(), start=1)]
+    found = [p for p in lines if p is not None]
+    if not found:
+        raise PromptsError("no prompts in it (every line is blank or a # comment)")
+    return found
+
+
+def read_prompts_file(path: str) -> list[PromptLine]:
+    """The prompts of a text file (a local path or a URI); PromptsError says what is wrong."""
+    if path.endswith((".toml", ".json")):
+        raise PromptsError("only text prompt files are read (one prompt per line)")
+    try:
+        fs, where = storage.resolve(path)
+        raw = storage.read_bytes(fs, where)
+    except (OSError, ValueError) as e:
+        raise PromptsError(f"cannot read it ({e})") from None
+    try:
+        return parse_prompts(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise PromptsError(f"not UTF-8 text ({e})") from None
+
+
+def check_line(p: PromptLine, family) -> None:
+    """Refuse options the family's pipeline cannot use, naming the line."""
+    where = f"line {p.line}" if p.line else f"prompt {p.prompt!r}"
+    if p.negative_prompt is not None and not family.negative_prompt:
+        raise PromptsError(
+            f"{where}: --n: {family.name}'s pipeline takes no negative prompt (no "
+            "classifier-free guidance); remove --n"
+        )
+    if p.scale not in (None, 1.0) and not family.negative_prompt:
+        raise PromptsError(
+            f"{where}: --l {p.scale}: {family.name} has no classifier-free guidance scale"
+            + ("; its guidance embedding is set with --g" if family.guidance_embedding else "")
+        )
+    if p.guidance is not None and not family.guidance_embedding:
+        raise PromptsError(
+            f"{where}: --g {p.guidance}: {family.name} has no guidance embedding; its "
+            "classifier-free guidance scale is --l"
+        )
+    for letter, side in (("w", p.width), ("h", p.height)):
+        if side is not None and side % family.pixel_grid:
+            raise PromptsError(
+                f"{where}: --{letter} {side}: {family.name} renders sides that are multiples of "
+                f"{family.pixel_grid} pixels"
+            )
+
+
+def resolve(lines: list[PromptLine], family, defaults: Defaults) -> list[Render]:
+    """Each line with its options, or else the defaults, or else the family's."""
+    renders = []
+    for p in lines:
+        check_line(p, family)
+        scale = p.guidance if family.guidance_embedding else p.scale
+        if scale is None:
+            scale = defaults.guidance_scale or family.default_guidance_scale
+        negative = p.negative_prompt if p.negative_prompt is not None else defaults.negative_prompt
+        renders.append(
+            Render(
+                prompt=p.prompt,
+                line=p.line,
+                width=p.width or defaults.size[0],
+                height=p.height or defaults.size[1],
+                steps=p.steps or defaults.steps,
+                seeds=(p.seed,) if p.seed is not None else tuple(defaults.seeds),
+                guidance_scale=float(scale),
+                negative_prompt=negative if family.negative_prompt else "",
+            )
+        )
+    return renders

@@ -1,0 +1,117 @@
+"""The run folder: its one owner. Every name of a file or folder in it, the run's name, where a
+job's run lives, its checkpoints, the newest complete one and where the exported weights are.
+
+    <train.output>/<run>/                  run: train.name, or <name>-<YYYYmmdd-HHMMSS> when
+                                           checkpoint.resume = false found <name> taken
+      checkpoint_<timestamp>/              written by the workers through ray.train.report
+        weights.safetensors  ema.safetensors  optimizer.pt
+        run.json  job.json  dataset.json  state.json (last: a folder without it is incomplete)
+        export/lora/ | export/model/<denoiser part>/
+      lora/pytorch_lora_weights.safetensors  lora/lora_kohya.safetensors   (LoRA runs)
+      model/<denoiser part>/               (full fine-tunes)
+      validation/step_<N>.png|json   tensorboard/   samples/<attempt>/   wandb/  wandb_run_id
+
+Nothing here imports torch: the CLI, the validation actor and `sample` use it as well as the
+training workers.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pyarrow.fs as pafs
+
+from raytuner import storage
+
+# in every checkpoint folder
+CHECKPOINT_PREFIX = "checkpoint_"  # Ray Train names them checkpoint_<timestamp>
+WEIGHTS = "weights.safetensors"  # the trained tensors: the LoRA adapter, or the whole denoiser
+EMA = "ema.safetensors"  # their moving average, when train.ema_decay > 0
+OPTIMIZER = "optimizer.pt"
+STATE = "state.json"
+RUN = "run.json"  # cache fingerprint and the settings a resume must not change
+JOB = "job.json"  # the resolved job config that trained up to this checkpoint (a record)
+DATASET = "dataset.json"  # the committed dataset it trained on: id, rows, index, manifest hash
+EXPORT = "export"  # what the user takes away (lora/ or model/), inside every checkpoint
+
+# in the run folder (and, for the first two, inside a checkpoint's export/)
+LORA_DIR = "lora"  # a LoRA's export: <run>/lora/
+MODEL_DIR = "model"  # a full fine-tune's export: <run>/model/<denoiser part>/
+DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # in lora/: diffusers/peft keys
+KOHYA_FILE = "lora_kohya.safetensors"  # in lora/: kohya keys
+VALIDATION = "validation"  # step_<N>.png and step_<N>.json
+TENSORBOARD = "tensorboard"  # event files (scalars, validation images)
+SAMPLES = "samples"  # the sample log: <attempt>/step_<N>.json
+WANDB = "wandb"  # W&B's local files (offline runs, its logs)
+WANDB_RUN_ID = "wandb_run_id"  # the W&B run id of every attempt of the run
+
+_FRESH = re.compile(r"-\d{8}-\d{6}$")  # the suffix of a run started with resume = false
+
+
+def run_dir(output: str, name: str) -> str:
+    """``<output>/<name>``, the output made absolute (URIs kept)."""
+    return storage.join(storage.absolute(output), name)
+
+
+def fresh_name(name: str) -> str:
+    """The name of a run started beside ``name`` when ``checkpoint.resume = false``."""
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def checkpoint_folders(run: str) -> tuple[pafs.FileSystem, list[str]]:
+    """The run's checkpoint folders, newest first (Ray names them by timestamp), complete or
+    not."""
+    fs, root = storage.resolve(run)
+    if not storage.exists(fs, root):
+        return fs, []
+    folders = [
+        info.path
+        for info in storage.listdir(fs, root)
+        if info.base_name.startswith(CHECKPOINT_PREFIX) and info.type == pafs.FileType.Directory
+    ]
+    return fs, sorted(folders)[::-1]
+
+
+def complete_checkpoints(run: str) -> tuple[pafs.FileSystem, list[str]]:
+    """The checkpoint folders that hold their ``state.json`` (written last), newest first."""
+    fs, folders = checkpoint_folders(run)
+    return fs, [f for f in folders if storage.exists(fs, storage.join(f, STATE))]
+
+
+def job_runs(output: str, name: str) -> list[str]:
+    """Every run of the job named ``name``: ``<name>`` and its ``<name>-<timestamp>`` runs."""
+    fs, root = storage.resolve(storage.absolute(output))
+    if not storage.exists(fs, root):
+        return []
+    names = [
+        info.base_name
+        for info in storage.listdir(fs, root)
+        if info.type == pafs.FileType.Directory
+        and (info.base_name == name or _fresh_of(info.base_name, name))
+    ]
+    return [run_dir(output, n) for n in sorted(names)]
+
+
+def _fresh_of(folder: str, name: str) -> bool:
+    return folder.startswith(f"{name}-") and bool(_FRESH.fullmatch(folder[len(name) :]))
+
+
+def latest_checkpoint(output: str, name: str) -> tuple[pafs.FileSystem, str] | None:
+    """The newest complete checkpoint of any run of the job: after a run started with
+    ``checkpoint.resume = false``, that run's, not the older one's it was started beside."""
+    newest = None
+    for run in job_runs(output, name):
+        fs, folders = complete_checkpoints(run)
+        if folders and (newest is None or _stamp(folders[0]) > _stamp(newest[1])):
+            newest = (fs, folders[0])
+    return newest
+
+
+def _stamp(folder: str) -> str:
+    return storage.basename(folder)[len(CHECKPOINT_PREFIX) :]
+
+
+def export_dir(checkpoint: str) -> str:
+    """Where a checkpoint keeps the export the user takes away."""
+    return storage.join(checkpoint, EXPORT)
