@@ -16,7 +16,7 @@ from typing import Any
 
 from raytuner import config_rules as rules
 from raytuner.config_data import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
-from raytuner.tables import ConfigError, build_section, one_of, parse_override, positive
+from raytuner.config_loader import ConfigError, build_section, one_of, parse_override, positive
 
 __all__ = [
     "ConfigError",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raytuner.tables import ConfigError, one_of, positive
+from raytuner.config_loader import ConfigError, one_of, positive
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ import os
 import posixpath
 from urllib.parse import urlsplit
 
-from raytuner.tables import ConfigError
+from raytuner.config_loader import ConfigError
 
 
 def memory_needs(memory, train, model) -> None:
