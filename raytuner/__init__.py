@@ -1,3 +1,18 @@
-"""raytuner: fine-tune diffusion image models on a Ray cluster."""
+"""raytuner: fine-tune diffusion image models on a Ray cluster.
 
-__version__ = "0.1.0"
+The public API (``raytuner.api``): ``load_job``, ``check``, ``preprocess``, ``train``, ``run``,
+``sample``, ``plan``; loaded on first use, so ``import raytuner`` stays cheap.
+"""
+
+from raytuner.version import __version__ as __version__
+
+__all__ = ["ConfigError", "JobConfig", "check", "load_job", "plan", "preprocess", "run"]
+__all__ += ["sample", "train"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from raytuner import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'raytuner' has no attribute {name!r}")

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from raytuner import api
 from raytuner.config import ConfigError, JobConfig, load_job
 
 log = logging.getLogger("raytuner")
@@ -22,7 +23,8 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override a key; the value is read as TOML (bare words are strings)",
+        help="override a key (section.key or section.sub.key); the value is read as TOML "
+        "(bare words are strings)",
     )
 
 
@@ -177,38 +179,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def print_report(report: dict) -> None:
-    skipped = report["skipped"]
-    rows = [
-        ("total", report["total"]),
-        ("encoded", report["encoded"]),
-        ("already cached", report["already_cached"]),
-        ("duplicates", report["duplicates"]),
-        ("skipped", len(skipped)),
-    ]
-    print("\n".join(f"  {name:<15}{n:>8}" for name, n in rows))
-    c = report["captions"]
-    print(
-        f"  captions: {c['distinct']} distinct, {c['fallback']} from fallback, "
-        f"{c['truncated']} truncated; {report['seconds']:.1f} s, "
-        f"{report['images_per_s']:.1f} images/s encoded"
-    )
-    print("  buckets: " + ", ".join(f"{b}: {n}" for b, n in report["buckets"].items()))
-    for f in report.get("folders", []):  # sources with repeats_from_folder
-        named = f", {f['name_captions']} captioned by its name" if f["name_captions"] else ""
-        folder = f["folder"] or "(no N_ prefix)"
-        print(f"  folder {folder}: {f['images']} images x {f['repeats']} repeats{named}")
-    for s in skipped[:20]:
-        print(f"  skipped {s['path']}: {s['reason']}")
-    if len(skipped) > 20:
-        print(f"  ... and {len(skipped) - 20} more (see the report)")
+    from raytuner.data.plan import report_lines
+
+    print("\n".join(report_lines(report)))
 
 
 def do_preprocess(job: JobConfig, report_path: str | None) -> dict:
-    from raytuner import runtime
-    from raytuner.data.preprocess import preprocess
-
-    runtime.connect()
-    report = preprocess(job.model, job.data, job.preprocess, job.train.name)
+    report = api.preprocess(job)
     print_report(report)
     if report_path:
         Path(report_path).write_text(json.dumps(report, indent=2))
@@ -216,11 +193,7 @@ def do_preprocess(job: JobConfig, report_path: str | None) -> dict:
 
 
 def do_train(job: JobConfig) -> dict:
-    from raytuner import runtime
-    from raytuner.train.trainer import train
-
-    runtime.connect()
-    summary = train(job)
+    summary = api.train(job)
     exported = f"LoRA: {summary['lora']}" if "lora" in summary else f"model: {summary['model']}"
     print(
         f"trained {summary['step']} steps, loss {summary['first_loss']:.4f} -> "
@@ -254,65 +227,26 @@ def do_cache(job: JobConfig, args: argparse.Namespace) -> int:
 
 
 def do_sample(job: JobConfig, args: argparse.Namespace) -> None:
-    from raytuner import prompts
-    from raytuner.families import get_family
-    from raytuner.sample import default_size, sample
-
-    family = get_family(job.model.family)
-    lines = [prompts.PromptLine(prompt=p) for p in args.prompt]
-    try:
-        lines += prompts.read_prompts_file(args.prompts_file) if args.prompts_file else []
-        for line in lines:
-            prompts.check_line(line, family)
-    except prompts.PromptsError as e:
-        raise ConfigError(f"--prompts-file {args.prompts_file}: {e}") from None
-    if not lines:
+    if not (args.prompt or args.prompts_file):
         raise ConfigError("raytuner sample: give --prompt TEXT (repeatable) or --prompts-file")
-    width, height = default_size(job, family)
-    v = job.validation  # its negative prompt and guidance scale apply here too
-    defaults = prompts.Defaults(
-        size=(args.width or width, args.height or height),
-        seeds=tuple(args.seed or [0]),
-        steps=args.steps,
-        guidance_scale=v.guidance_scale,
-        negative_prompt=v.negative_prompt,
-    )
-    for path in sample(job, args.checkpoint, lines, defaults, args.out):
+    files = api.sample(
+        job, args.prompt, prompts_file=args.prompts_file or "", checkpoint=args.checkpoint,
+        seeds=args.seed or [0], steps=args.steps, width=args.width or 0,
+        height=args.height or 0, out=args.out,
+    )  # fmt: skip
+    for path in files:
         print(f"wrote {path}")
 
 
 def do_plan(job: JobConfig, args: argparse.Namespace) -> int:
-    from raytuner.plan import plan
-    from raytuner.plan_output import parse_size, print_plan
+    from raytuner.plan_output import print_plan
 
-    result = plan(job, parse_size(args.gpu_memory))
+    result = api.plan(job, args.gpu_memory)
     if args.json:
         print(json.dumps(result))
     else:
         print_plan(result)
     return 0
-
-
-def runnable(job: JobConfig, family, where: str) -> None:
-    """What the job's family and this installation cannot run, refused before anything starts
-    (the config's own sections checked each other when it was loaded)."""
-    from raytuner import placement
-    from raytuner.families import parts
-    from raytuner.jobcheck import check_job
-    from raytuner.train.optim import missing_package
-
-    if package := missing_package(job.train.optimizer):
-        raise ConfigError(
-            f"{where}: train.optimizer = {job.train.optimizer!r} needs the {package} package: "
-            "pip install 'raytuner[lowvram]', or use adamw or adafactor"
-        )
-    m = job.model
-    source = parts.model_source(m, "cpu")  # a released repo: its architecture from the package
-    try:
-        check_job(job, family)
-        placement.check(job.memory, family, source)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -328,7 +262,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         family = get_family(job.model.family)
     except ValueError as e:
         raise ConfigError(f"{args.job}: {e}") from None
-    runnable(job, family, args.job)
+    api.check(job, family, args.job)
     if args.command == "check":
         print(json.dumps(job.to_dict(), indent=2))
     if args.command == "cache":

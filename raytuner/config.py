@@ -1,8 +1,9 @@
 """Job configuration: one frozen dataclass per component, loaded from a job TOML.
 
 Every component receives only its own section. Unknown keys and wrong types are rejected
-with the file, the dotted key and what is allowed. ``--set section.key=value`` overrides are
-parsed as TOML values, so they are typed exactly like the file.
+with the file, the dotted key and what is allowed. ``--set section.key=value`` overrides
+(``section.sub.key=value`` for a sub-table such as ``[objective.flow]``) are parsed as TOML
+values, so they are typed exactly like the file.
 """
 
 from __future__ import annotations
@@ -16,13 +17,24 @@ from typing import Any
 
 from raytuner import config_rules as rules
 from raytuner.config_data import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
-from raytuner.config_loader import ConfigError, build_section, one_of, parse_override, positive
+from raytuner.config_loader import (
+    ConfigError,
+    build_section,
+    one_of,
+    parse_override,
+    positive,
+    set_dotted,
+)
+from raytuner.config_objective import DdpmObjective, FlowObjective, ObjectiveConfig
 
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "DdpmObjective",
+    "FlowObjective",
     "JobConfig",
     "ModelConfig",
+    "ObjectiveConfig",
     "PreprocessConfig",
     "SECTIONS",
     "SourceConfig",
@@ -82,31 +94,6 @@ class TrainConfig:
         for key in ("ema_decay", "caption_dropout"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)}: must be in [0, 1)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ObjectiveConfig:
-    """Noise levels and loss weights; each family reads the keys of its kind (DDPM or flow)."""
-
-    timestep_sampling: str = "logit_normal"  # flow matching: uniform | logit_normal | mode
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    mode_scale: float = 1.29
-    resolution_shift: bool = True  # flow matching: shift noise levels up for larger images
-    shift: float = 1.0  # flow matching: a fixed shift (used when resolution_shift is off)
-    weighting: str = "none"  # none | min_snr (DDPM) | sigma_sqrt | cosmap (flow matching)
-    min_snr_gamma: float = 5.0
-    noise_offset: float = 0.0  # per-channel offset added to the noise (DDPM families)
-    guidance: float = 1.0  # guidance embedding for guidance-distilled checkpoints (Flux dev)
-
-    def __post_init__(self) -> None:
-        densities = ("uniform", "logit_normal", "mode")
-        one_of("objective.timestep_sampling", self.timestep_sampling, densities)
-        one_of("objective.weighting", self.weighting, ("none", "min_snr", "sigma_sqrt", "cosmap"))
-        positive("objective.logit_std", self.logit_std)
-        positive("objective.shift", self.shift)
-        positive("objective.min_snr_gamma", self.min_snr_gamma)
-        positive("objective.noise_offset", self.noise_offset, zero_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,7 +271,8 @@ def build_job(raw: dict[str, Any], where: str) -> JobConfig:
 
 
 def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
-    """Read a job TOML, apply ``section.key=value`` overrides, validate."""
+    """Read a job TOML, apply ``section.key=value`` (``section.sub.key=value``) overrides,
+    validate."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -300,7 +288,7 @@ def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
                 f"--set {text}: unknown section [{section}]; allowed sections: "
                 + ", ".join(SECTIONS)
             )
-        raw.setdefault(section, {})[key] = value
+        set_dotted(raw, section, key, value, text)
     if isinstance(raw["train"], dict) and not raw["train"].get("name"):
         raw["train"]["name"] = path.stem
     return build_job(raw, str(path))

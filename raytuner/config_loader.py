@@ -57,6 +57,8 @@ def _convert(value: Any, tp: Any, where: str, dotted: str) -> Any:
     """Checked TOML value -> field value (ints as floats, tables of nested dataclasses)."""
     if tp is float:
         return float(value)
+    if dataclasses.is_dataclass(tp):
+        return build_section(tp, value, where, dotted)
     args = typing.get_args(tp)
     if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
         return [build_section(args[0], v, where, f"{dotted}[{i}]") for i, v in enumerate(value)]
@@ -64,13 +66,22 @@ def _convert(value: Any, tp: Any, where: str, dotted: str) -> Any:
 
 
 def build_section(cls: type, values: Any, where: str, section: str) -> Any:
+    """A table into ``cls``; a field typed as a dataclass is a sub-table (``[section.key]``).
+    A key in the class's ``MOVED`` (old name -> where it lives now) is refused with its new
+    place."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: [{section}] must be a table, got {type(values).__name__}")
     hints = typing.get_type_hints(cls)
     allowed = [f.name for f in dataclasses.fields(cls)]
+    moved = getattr(cls, "MOVED", {})
     kwargs = {}
     for key, value in values.items():
-        if key not in hints:
+        if key in moved and key not in allowed:
+            raise ConfigError(
+                f"{where}: {section}.{key} moved to {moved[key]}; "
+                f"allowed keys in [{section}]: " + ", ".join(allowed)
+            )
+        if key not in allowed:
             raise ConfigError(
                 f"{where}: unknown key {section}.{key}; allowed keys in [{section}]: "
                 + ", ".join(allowed)
@@ -97,13 +108,29 @@ def build_section(cls: type, values: Any, where: str, section: str) -> Any:
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """``section.key=value`` -> (section, key, typed value). Bare words become strings."""
+    """``section.key=value`` -> (section, key, typed value); ``section.sub.key=value`` (a key of
+    a sub-table) -> (section, "sub.key", value). Bare words become strings."""
     dotted, sep, raw = text.partition("=")
     section, dot, key = dotted.strip().partition(".")
-    if not sep or not dot or not key:
-        raise ConfigError(f"--set {text!r}: use --set section.key=value")
+    if not sep or not dot or not all(key.split(".")):
+        raise ConfigError(f"--set {text!r}: use --set section.key=value or section.sub.key=value")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()  # an unquoted string such as a path
     return section, key, value
+
+
+def set_dotted(raw: dict, section: str, key: str, value: Any, text: str) -> None:
+    """Put an override's value at ``section.key`` of the raw job table (``key`` may be
+    ``sub.key``: a sub-table, made when the file has none)."""
+    *subs, last = key.split(".")
+    table, path = raw, []
+    for name in [section, *subs]:
+        path.append(name)
+        table = table.setdefault(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"--set {text}: {'.'.join(path)} is a value in the job file, not a table"
+            )
+    table[last] = value

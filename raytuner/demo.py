@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
+from raytuner import api
 from raytuner.config import load_job
+from raytuner.data.plan import report_lines
 from raytuner.demo_data import make_demo_images
 
 DEMO_JOB = """\
@@ -38,16 +41,16 @@ every_steps = 10
 
 
 def run_demo(workdir: str) -> dict:
-    from raytuner.cli import do_preprocess, do_train
-
     start = time.monotonic()
     root = Path(workdir).resolve()
     make_demo_images(root / "images")
     job_file = root / "demo.toml"
     job_file.write_text(DEMO_JOB.format(workdir=root.as_posix()))
     job = load_job(job_file)
-    report = do_preprocess(job, str(root / "preprocess-report.json"))
-    summary = do_train(job)
+    report = api.preprocess(job)
+    print("\n".join(report_lines(report)))
+    (root / "preprocess-report.json").write_text(json.dumps(report, indent=2))
+    summary = api.train(job)
     print("\n== raytuner demo ==")
     print(f"images encoded : {report['encoded']} of {report['total']}")
     print(f"buckets        : {', '.join(f'{b} ({n})' for b, n in report['buckets'].items())}")

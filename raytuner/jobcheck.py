@@ -2,7 +2,8 @@
 check`` (and every command) before anything starts:
 
 - image sizes off the model's pixel grid;
-- ``[objective]`` keys its kind of objective never reads;
+- ``[objective.<kind>]`` settings of the kind of objective it does not train with, and
+  ``objective.flow.guidance`` without a guidance embedding;
 - a tracker that is not installed (``tracking.wandb`` without the wandb package);
 - a single-file ``model.pretrained`` that is missing or that its family cannot load;
 - a validation prompts file that is missing, or a line the family cannot render (``--n``
@@ -27,25 +28,14 @@ from raytuner.config import (
     TrackingConfig,
     ValidationConfig,
 )
+from raytuner.config_objective import KINDS
 from raytuner.train import tracking
-
-# objective kind -> its description and the [objective] keys its loss reads
-# (objective.guidance is read by families with a guidance embedding, whatever their kind)
-KINDS = {
-    "ddpm": ("DDPM", ("weighting", "min_snr_gamma", "noise_offset")),
-    "flow": (
-        "flow-matching",
-        ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "resolution_shift")
-        + ("shift", "weighting"),
-    ),
-}
-WEIGHTINGS = {"ddpm": ("none", "min_snr"), "flow": ("none", "sigma_sqrt", "cosmap")}
 
 
 def check_job(job: JobConfig, family) -> None:
     """Raise ConfigError naming the key, its value and what to change."""
     _bucket_sizes(job.preprocess, family)
-    _objective_keys(job.objective, family)
+    _objective_kind(job.objective, family)
     _init_from(job)
     _trackers(job.tracking)
     _model_file(job.model, family)
@@ -121,28 +111,32 @@ def _bucket_sizes(pre: PreprocessConfig, family) -> None:
         )
 
 
-def _objective_keys(objective: ObjectiveConfig, family) -> None:
-    """A non-default ``[objective]`` key the family's loss never reads would silently train
-    something else than the job says."""
+def _objective_kind(objective: ObjectiveConfig, family) -> None:
+    """A setting of another objective kind than the family's, set away from its default, would
+    silently train something else than the job says; so would a guidance value for a denoiser
+    without a guidance embedding."""
+    from raytuner.families import FAMILIES
+
     kind = family.objective_kind
-    description, reads = KINDS[kind]
-    if objective.weighting not in WEIGHTINGS[kind]:
-        raise ConfigError(
-            f"objective.weighting = {objective.weighting!r}: {family.name}'s {description} "
-            f"objective weights with {', '.join(WEIGHTINGS[kind])}; use one of those"
-        )
-    if objective.guidance != 1.0 and not family.guidance_embedding:
-        raise ConfigError(
-            f"objective.guidance = {objective.guidance}: {family.name}'s denoiser has no guidance "
-            "embedding, so the value would be ignored; remove the key (or set it to 1.0)"
-        )
-    for f in dataclasses.fields(objective):
-        value = getattr(objective, f.name)
-        if f.name in reads or f.name == "guidance" or value == f.default:
+    for other, (cls, description) in KINDS.items():
+        if other == kind:
             continue
+        settings = getattr(objective, other)
+        for f in dataclasses.fields(cls):
+            value = getattr(settings, f.name)
+            if value == f.default:
+                continue
+            readers = ", ".join(n for n, fam in FAMILIES.items() if fam.objective_kind == other)
+            raise ConfigError(
+                f"objective.{other}.{f.name} = {value!r} is read only by {description} families "
+                f"({readers}); {family.name} trains with {KINDS[kind][1]}: use "
+                f"[objective.{kind}], and remove objective.{other}.{f.name} (or set it back to "
+                f"{f.default!r})"
+            )
+    if objective.flow.guidance != 1.0 and not family.guidance_embedding:
         raise ConfigError(
-            f"objective.{f.name} = {value!r}: {family.name}'s {description} objective does not "
-            f"read it (it reads {', '.join(reads)}); remove the key or set it back to {f.default!r}"
+            f"objective.flow.guidance = {objective.flow.guidance}: {family.name}'s denoiser has no "
+            "guidance embedding, so the value would be ignored; remove the key (or set it to 1.0)"
         )
 
 

@@ -193,7 +193,7 @@ def trace_step(job: JobConfig, shapes: dict, size, micro: int, checkpointing: bo
         dtype=trainable,
     )
     opt = torch.optim.AdamW(weights.params, lr=t.learning_rate, foreach=False)
-    loss_fn = family.loss(source, job.objective)
+    loss_fn = family.loss(source, job.objective.for_family(family))
     # the step computes in the denoiser's weight dtype (bf16 by default on GPUs); a float32
     # denoiser is traced in float32 even where bf16 autocast would halve its activations
     batch = _meta_batch(shapes, micro, source.dtype, size)
@@ -273,7 +273,7 @@ def _part_bytes(job: JobConfig, names: tuple[str, ...]) -> int:
     total = 0
     for name in names:
         cls = family.part_classes()[name]
-        module = parts.load(family.name, source, name, cls, device="meta", weights=False)
+        module = parts.load(family, source, name, cls, device="meta", weights=False)
         total += sum(_bytes_by_dtype(module).values())
     return total
 
@@ -284,12 +284,12 @@ def trace_validation(job: JobConfig, shapes: dict, size) -> dict:
     family = get_family(job.model.family)
     source = _source(job)
     denoiser = family.denoiser(source, "meta", weights=False).requires_grad_(False)
-    loss_fn = family.loss(source, job.objective)
+    loss_fn = family.loss(source, job.objective.for_family(family))
     batch = _meta_batch(shapes, 2, source.dtype, size)
     with torch.no_grad(), traced() as forward:
         loss_fn(denoiser, batch, [torch.Generator().manual_seed(i) for i in range(2)])
     cls = family.part_classes()["vae"]
-    vae = parts.load(family.name, source, "vae", cls, device="meta", weights=False)
+    vae = parts.load(family, source, "vae", cls, device="meta", weights=False)
     latent = torch.zeros(1, *shapes["latent"], device="meta", dtype=source.dtype)
     with torch.no_grad(), traced() as decode:
         vae.decode(latent)

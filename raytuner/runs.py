@@ -17,6 +17,7 @@ training workers.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -46,6 +47,7 @@ SAMPLES = "samples"  # the sample log: <attempt>/step_<N>.json
 WANDB = "wandb"  # W&B's local files (offline runs, its logs)
 WANDB_RUN_ID = "wandb_run_id"  # the W&B run id of every attempt of the run
 
+log = logging.getLogger("raytuner.train")
 _FRESH = re.compile(r"-\d{8}-\d{6}$")  # the suffix of a run started with resume = false
 
 
@@ -54,9 +56,15 @@ def run_dir(output: str, name: str) -> str:
     return storage.join(storage.absolute(output), name)
 
 
-def fresh_name(name: str) -> str:
-    """The name of a run started beside ``name`` when ``checkpoint.resume = false``."""
-    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+def choose_run(output: str, name: str, resume: bool) -> str:
+    """The run a job trains: ``name``; with ``checkpoint.resume = false`` and ``name`` taken,
+    a fresh, timestamped run beside it (the old one is left alone)."""
+    fs, path = storage.resolve(run_dir(output, name))
+    if resume or not storage.exists(fs, path):
+        return name
+    fresh = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    log.warning("checkpoint.resume = false: starting run %s instead of resuming %s", fresh, path)
+    return fresh
 
 
 def checkpoint_folders(run: str) -> tuple[pafs.FileSystem, list[str]]:

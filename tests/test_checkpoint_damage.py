@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from raytuner import runs
 from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.train import state as ckpt
+from raytuner.train import checkpoints
 from raytuner.train.weights import Weights
 
 
@@ -24,14 +25,14 @@ def _damage_truncate(path: Path) -> None:
 
 
 DAMAGE = {
-    "truncated optimizer state": lambda d: _damage_truncate(d / ckpt.OPTIMIZER),
-    "empty optimizer state": lambda d: (d / ckpt.OPTIMIZER).write_bytes(b""),
-    "empty weights file": lambda d: (d / ckpt.WEIGHTS).write_bytes(b""),
-    "missing export": lambda d: [p.unlink() for p in (d / ckpt.EXPORT).rglob("*") if p.is_file()],
+    "truncated optimizer state": lambda d: _damage_truncate(d / runs.OPTIMIZER),
+    "empty optimizer state": lambda d: (d / runs.OPTIMIZER).write_bytes(b""),
+    "empty weights file": lambda d: (d / runs.WEIGHTS).write_bytes(b""),
+    "missing export": lambda d: [p.unlink() for p in (d / runs.EXPORT).rglob("*") if p.is_file()],
     "empty exported file": lambda d: next(
-        p for p in (d / ckpt.EXPORT).rglob("*.safetensors")
+        p for p in (d / runs.EXPORT).rglob("*.safetensors")
     ).write_bytes(b""),
-    "missing state (incomplete)": lambda d: (d / ckpt.STATE).unlink(),
+    "missing state (incomplete)": lambda d: (d / runs.STATE).unlink(),
 }
 
 
@@ -50,16 +51,18 @@ def _checkpoint(directory: Path):
         p.grad = torch.ones_like(p)
     opt.step()
     export = lambda folder: weights.export(folder, family, {})  # noqa: E731
-    state = ckpt.TrainState(step=1)
-    ckpt.save_checkpoint(str(directory), weights, opt, sched, state, {}, export)
+    state = checkpoints.TrainState(step=1)
+    checkpoints.save_checkpoint(str(directory), weights, opt, sched, state, {}, export)
     return weights, opt, sched
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_damaged_checkpoint_file_is_a_checkpoint_error(damage, tmp_path):
     weights, opt, sched = _checkpoint(tmp_path)
-    assert ckpt.load_checkpoint(str(tmp_path), weights, opt, sched).step == 1  # intact: loads
+    assert (
+        checkpoints.load_checkpoint(str(tmp_path), weights, opt, sched).step == 1
+    )  # intact: loads
     DAMAGE[damage](tmp_path)
-    with pytest.raises(ckpt.CheckpointError):
-        ckpt.load_checkpoint(str(tmp_path), weights, opt, sched)
+    with pytest.raises(checkpoints.CheckpointError):
+        checkpoints.load_checkpoint(str(tmp_path), weights, opt, sched)
     assert os.path.isdir(tmp_path)

@@ -32,7 +32,7 @@ from run_checks import committed, committed_folder, lora_changes_the_pipeline
 from raytuner.config import load_job
 from raytuner.data.cache import fingerprint
 from raytuner.data.reader import open_dataset
-from raytuner.train import samples
+from raytuner.train import sample_log
 from raytuner.train.schedule import epoch_batches
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -82,7 +82,7 @@ class Driver:
 def attempts(run_dir: str) -> list[tuple[int, list[int]]]:
     """(world size, steps) of every attempt that logged a step, oldest first."""
     out = []
-    for steps in samples.read_attempts(run_dir):
+    for steps in sample_log.read_attempts(run_dir):
         if steps:
             world = next(iter(next(iter(steps.values())).values()))["world"]
             out.append((world, sorted(steps)))
@@ -218,6 +218,6 @@ def test_grow_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tm
     assert "skipping unreadable checkpoint" in again.output()
     # no step skipped, none trained twice (the killed attempt's steps past the resumed
     # checkpoint were redone; those past the shortened max_steps are not part of this run)
-    trained = {s: ids for s, ids in samples.trained(run_dir).items() if s <= final}
+    trained = {s: ids for s, ids in sample_log.trained(run_dir).items() if s <= final}
     assert trained == scheduled(job_file, final)
     assert lora_changes_the_pipeline(f"{load_job(job_file).train.output}/elastic/lora")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from run_checks import lora_changes_the_pipeline
 
-from raytuner.config import LoraConfig, ObjectiveConfig
+from raytuner.config import FlowObjective, LoraConfig
 from raytuner.families import FAMILIES
 from raytuner.families.base import flow_sigmas
 from raytuner.families.parts import Source
@@ -45,31 +45,31 @@ def test_from_pretrained_folder_loads_the_same_model(saved_tiny, batch):
     assert text["pooled_prompt_embeds"].shape == (2, 32)  # CLIP pooled
     torch.testing.assert_close(text, {k: batch[k] for k in text})
     assert batch["latent"].shape == (2, 16, 8, 6)  # 16 channels, shifted and scaled
-    objective = ObjectiveConfig()
+    objective = FlowObjective()
     from_folder = FLUX.loss(Source(saved_tiny), objective)(loaded, batch, _generators())
     torch.testing.assert_close(from_folder, FLUX.loss(TINY, objective)(tiny, batch, _generators()))
 
 
 def test_loss_is_per_sample_reproducible_and_uses_the_guidance_embedding(batch):
     model = FLUX.denoiser(TINY)
-    loss = FLUX.loss(TINY, ObjectiveConfig())
+    loss = FLUX.loss(TINY, FlowObjective())
     first = loss(model, batch, _generators())
     assert first.shape == (2,) and torch.isfinite(first).all()
     assert torch.equal(first, loss(model, batch, _generators()))
     # sample 1 alone gets the same noise and level as inside the batch
     alone = loss(model, {k: v[1:] for k, v in batch.items()}, _generators()[1:])
     torch.testing.assert_close(alone[0], first[1])
-    guided = FLUX.loss(TINY, ObjectiveConfig(guidance=3.5))(model, batch, _generators())
+    guided = FLUX.loss(TINY, FlowObjective(guidance=3.5))(model, batch, _generators())
     assert not torch.allclose(first, guided)
 
 
 def test_noise_levels_follow_the_density_and_shift_up_with_resolution():
     gens = lambda: [torch.Generator().manual_seed(i) for i in range(256)]  # noqa: E731
-    small = flow_sigmas(ObjectiveConfig(), gens(), image_tokens=256, device="cpu")
-    large = flow_sigmas(ObjectiveConfig(), gens(), image_tokens=4096, device="cpu")
+    small = flow_sigmas(FlowObjective(), gens(), image_tokens=256, device="cpu")
+    large = flow_sigmas(FlowObjective(), gens(), image_tokens=4096, device="cpu")
     assert ((small > 0) & (small < 1)).all()
     assert (large > small).all()  # same draws, shifted towards noise for a larger image
-    fixed = ObjectiveConfig(resolution_shift=False, shift=1.0, timestep_sampling="uniform")
+    fixed = FlowObjective(resolution_shift=False, shift=1.0, timestep_sampling="uniform")
     uniform = flow_sigmas(fixed, gens(), image_tokens=4096, device="cpu")
     assert abs(uniform.mean().item() - 0.5) < 0.06  # no shift: uniform draws stay uniform
 
@@ -79,7 +79,7 @@ def test_a_trained_lora_loads_into_the_flux_pipeline(batch, tmp_path):
     lora = LoraConfig(rank=4, alpha=4.0)
     weights = Weights(model, mode="lora", lora=lora, targets=FLUX.lora_targets, ema_decay=0)
     opt = torch.optim.AdamW(weights.params, lr=1e-2)
-    loss = FLUX.loss(TINY, ObjectiveConfig())
+    loss = FLUX.loss(TINY, FlowObjective())
     for _ in range(3):
         loss(model, batch, _generators()).mean().backward()
         opt.step(), opt.zero_grad()

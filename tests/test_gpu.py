@@ -36,7 +36,8 @@ def test_frozen_weights_are_bfloat16_on_a_gpu_and_the_step_autocasts():
     batch = {k: torch.randn(2, *s, device=CUDA) for k, s in _tiny_shapes().items()}
     batch |= {k: torch.full((2, 2), 64.0, device=CUDA) for k in _CONDITIONING}
     with torch.autocast("cuda", dtype=amp):
-        loss = family.loss(source, job.objective)(denoiser, batch, _generators(2)).mean()
+        loss_fn = family.loss(source, job.objective.for_family(family))
+        loss = loss_fn(denoiser, batch, _generators(2)).mean()
     loss.backward()
     assert torch.isfinite(loss)
     grads = [p.grad for p in weights.params]

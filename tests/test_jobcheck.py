@@ -1,6 +1,7 @@
 """`raytuner check` refuses what a run would trip over later: run names that leave the run's
 folder, written folders nested with image folders, image sizes off the model's pixel grid,
-GPUs reserved by CPU workers and ``[objective]`` keys the family's objective never reads."""
+GPUs reserved by CPU workers and ``[objective.<kind>]`` settings of the objective kind the
+family does not train with."""
 
 from __future__ import annotations
 
@@ -164,19 +165,18 @@ def test_gpus_per_worker_needs_use_gpu(tmp_path, capsys):
 @pytest.mark.parametrize(
     "family, override, shown",
     [
-        ("flux", 'objective.weighting="min_snr"', "objective.weighting = 'min_snr'"),
-        ("sana", "objective.noise_offset=0.1", "objective.noise_offset = 0.1"),
-        ("flux", "objective.min_snr_gamma=3", "objective.min_snr_gamma = 3.0"),
-        ("sdxl", 'objective.weighting="cosmap"', "objective.weighting = 'cosmap'"),
-        ("sd15", 'objective.weighting="sigma_sqrt"', "objective.weighting = 'sigma_sqrt'"),
-        ("sd15", 'objective.timestep_sampling="uniform"', "objective.timestep_sampling = 'unif"),
-        ("sdxl", "objective.logit_mean=0.5", "objective.logit_mean = 0.5"),
-        ("sdxl", "objective.logit_std=2", "objective.logit_std = 2.0"),
-        ("sd15", "objective.mode_scale=1", "objective.mode_scale = 1.0"),
-        ("sdxl", "objective.shift=3", "objective.shift = 3.0"),
-        ("sdxl", "objective.resolution_shift=false", "objective.resolution_shift = False"),
-        ("sana", "objective.guidance=3.5", "objective.guidance = 3.5"),
-        ("sdxl", "objective.guidance=3.5", "objective.guidance = 3.5"),
+        ("flux", 'objective.ddpm.weighting="min_snr"', "objective.ddpm.weighting = 'min_snr'"),
+        ("sana", "objective.ddpm.noise_offset=0.1", "objective.ddpm.noise_offset = 0.1"),
+        ("flux", "objective.ddpm.min_snr_gamma=3", "objective.ddpm.min_snr_gamma = 3.0"),
+        ("sdxl", 'objective.flow.weighting="cosmap"', "objective.flow.weighting = 'cosmap'"),
+        ("sd15", 'objective.flow.timestep_sampling="uniform"', "objective.flow.timestep_sampl"),
+        ("sdxl", "objective.flow.logit_mean=0.5", "objective.flow.logit_mean = 0.5"),
+        ("sdxl", "objective.flow.logit_std=2", "objective.flow.logit_std = 2.0"),
+        ("sd15", "objective.flow.mode_scale=1", "objective.flow.mode_scale = 1.0"),
+        ("sdxl", "objective.flow.shift=3", "objective.flow.shift = 3.0"),
+        ("sdxl", "objective.flow.resolution_shift=false", "objective.flow.resolution_shift = F"),
+        ("sana", "objective.flow.guidance=3.5", "objective.flow.guidance = 3.5"),
+        ("sdxl", "objective.flow.guidance=3.5", "objective.flow.guidance = 3.5"),
     ],
 )
 def test_objective_keys_the_family_ignores_are_refused(tmp_path, capsys, family, override, shown):
@@ -187,11 +187,11 @@ def test_objective_keys_the_family_ignores_are_refused(tmp_path, capsys, family,
 @pytest.mark.parametrize(
     "family, overrides",
     [
-        ("flux", ["objective.guidance=3.5", 'objective.weighting="cosmap"']),
-        ("sana", ["objective.resolution_shift=false", "objective.shift=3"]),
-        ("sana", ['objective.timestep_sampling="mode"', "objective.mode_scale=1"]),
-        ("sd15", ['objective.weighting="min_snr"', "objective.min_snr_gamma=3"]),
-        ("sdxl", ["objective.noise_offset=0.05"]),
+        ("flux", ["objective.flow.guidance=3.5", 'objective.flow.weighting="cosmap"']),
+        ("sana", ["objective.flow.resolution_shift=false", "objective.flow.shift=3"]),
+        ("sana", ['objective.flow.timestep_sampling="mode"', "objective.flow.mode_scale=1"]),
+        ("sd15", ['objective.ddpm.weighting="min_snr"', "objective.ddpm.min_snr_gamma=3"]),
+        ("sdxl", ["objective.ddpm.noise_offset=0.05", "objective.flow.shift=1.0"]),
     ],
 )
 def test_objective_keys_the_family_reads_pass(tmp_path, capsys, family, overrides):

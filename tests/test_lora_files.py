@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from raytuner import runs
 from raytuner.cli import main
 from raytuner.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from raytuner.families import FAMILIES
@@ -83,12 +84,12 @@ def test_kohya_file_is_sd_scripts_layout_and_renders_like_the_diffusers_file(nam
     targets = FLUX_TARGETS if name == "flux" else []
     exported(name, tmp_path, LoraConfig(rank=2, alpha=4.0, target_modules=targets))
     lora = tmp_path / "lora"
-    keys = load_file(str(lora / export.KOHYA_FILE)).keys()
+    keys = load_file(str(lora / runs.KOHYA_FILE)).keys()
     if name == "flux":  # sd-scripts' names, q/k/v as one fused LoRA of rank 3 x 2
         assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in keys
         assert "lora_unet_double_blocks_1_txt_attn_qkv.lora_up.weight" in keys
         assert "lora_unet_single_blocks_0_linear2.alpha" in keys
-        qkv = load_file(str(lora / export.KOHYA_FILE))[
+        qkv = load_file(str(lora / runs.KOHYA_FILE))[
             "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"
         ]
         assert qkv.shape[0] == 6
@@ -96,8 +97,8 @@ def test_kohya_file_is_sd_scripts_layout_and_renders_like_the_diffusers_file(nam
         assert "lora_unet_input_blocks_3_1_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
     assert not any("transformer_blocks_0_attn_to_q" in k for k in keys)
 
-    with_diffusers = image(name, lora, export.DIFFUSERS_FILE)
-    with_kohya = image(name, lora, export.KOHYA_FILE)
+    with_diffusers = image(name, lora, runs.DIFFUSERS_FILE)
+    with_kohya = image(name, lora, runs.KOHYA_FILE)
     assert not np.allclose(with_diffusers, image(name), atol=1e-3)  # the LoRA shows
     np.testing.assert_allclose(with_kohya, with_diffusers, atol=1e-5)
 
@@ -156,7 +157,7 @@ def test_files_carry_the_metadata_the_uis_classify_by(tmp_path):
     }
     for name, (version, architecture, implementation) in expected.items():
         exported(name, tmp_path / name, LoraConfig(rank=2, alpha=2.0))
-        for file in (export.KOHYA_FILE, export.DIFFUSERS_FILE):
+        for file in (runs.KOHYA_FILE, runs.DIFFUSERS_FILE):
             m = meta(tmp_path / name / "lora" / file)
             assert m["ss_base_model_version"] == version, (name, file)
             assert m["modelspec.architecture"] == architecture
@@ -165,14 +166,14 @@ def test_files_carry_the_metadata_the_uis_classify_by(tmp_path):
             assert m["modelspec.title"] == f"known-{name}"
             assert m["ss_network_dim"] == "2" and m["ss_network_alpha"] == "2.0"
             assert float(m["ss_training_started_at"]) <= float(m["ss_training_finished_at"])
-    assert meta(tmp_path / "flux" / "lora" / export.KOHYA_FILE)["ss_network_module"] == (
+    assert meta(tmp_path / "flux" / "lora" / runs.KOHYA_FILE)["ss_network_module"] == (
         "networks.lora_flux"
     )
     # Sana: no tool reads a kohya Sana LoRA, so only the diffusers file, without modelspec
     exported("sana", tmp_path / "sana", LoraConfig(rank=2, alpha=2.0))
-    assert sorted(p.name for p in (tmp_path / "sana" / "lora").iterdir()) == [export.DIFFUSERS_FILE]
+    assert sorted(p.name for p in (tmp_path / "sana" / "lora").iterdir()) == [runs.DIFFUSERS_FILE]
     assert not any(
-        k.startswith("modelspec.") for k in meta(tmp_path / "sana" / "lora" / export.DIFFUSERS_FILE)
+        k.startswith("modelspec.") for k in meta(tmp_path / "sana" / "lora" / runs.DIFFUSERS_FILE)
     )
 
 
@@ -186,7 +187,7 @@ def trained_from(name: str, path: Path, lora: LoraConfig):
 def test_init_from_either_export_starts_from_its_weights(name, tmp_path):
     lora = LoraConfig(rank=2, alpha=4.0)
     known = exported(name, tmp_path / "known", lora).state()
-    for file in (export.DIFFUSERS_FILE, export.KOHYA_FILE):
+    for file in (runs.DIFFUSERS_FILE, runs.KOHYA_FILE):
         path = tmp_path / "known" / "lora" / file
         weights = trained_from(name, path, LoraConfig(rank=2, alpha=4.0, init_from=str(path)))
         start = weights.state()
@@ -195,7 +196,7 @@ def test_init_from_either_export_starts_from_its_weights(name, tmp_path):
             torch.testing.assert_close(start[key], known[key], msg=f"{file}: {key}")
 
         weights.export(str(tmp_path / "next"), FAMILIES[name], {"raytuner.run": "next"})
-        m = meta(tmp_path / "next" / "lora" / export.DIFFUSERS_FILE)
+        m = meta(tmp_path / "next" / "lora" / runs.DIFFUSERS_FILE)
         assert m["raytuner.init_from"] == str(path)
         assert (
             m["raytuner.init_from_sha256"]
@@ -254,7 +255,7 @@ def test_init_from_sd_scripts_fused_lora_of_rank_r(tmp_path):
 
 def test_init_from_refuses_what_it_cannot_start_from(tmp_path):
     exported("sdxl", tmp_path / "known", LoraConfig(rank=2, alpha=4.0))
-    path = tmp_path / "known" / "lora" / export.KOHYA_FILE
+    path = tmp_path / "known" / "lora" / runs.KOHYA_FILE
     with pytest.raises(ConfigError, match=r"rank 2 and alpha 4.*lora.rank = 4.*lora.rank = 2"):
         trained_from("sdxl", path, LoraConfig(rank=4, alpha=4.0, init_from=str(path)))
     with pytest.raises(ConfigError, match="alpha 4.*lora.alpha = 8"):

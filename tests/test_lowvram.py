@@ -16,8 +16,7 @@ from raytuner import placement
 from raytuner.cli import main
 from raytuner.config import LoraConfig, MemoryConfig, ModelConfig, TrainConfig
 from raytuner.families import FAMILIES
-from raytuner.train import optim
-from raytuner.train import state as ckpt
+from raytuner.train import checkpoints, optim
 from raytuner.train.step import forward_backward
 from raytuner.train.weights import trainable_model
 
@@ -67,10 +66,10 @@ def _loss_and_grads(name: str, memory: MemoryConfig, probe=None):
     return loss, grads, trained
 
 
-def _objective():
+def _objective():  # the families that stream blocks (flux, sana) train with flow matching
     from raytuner.config import ObjectiveConfig
 
-    return ObjectiveConfig()
+    return ObjectiveConfig().flow
 
 
 @pytest.mark.parametrize("name", ["flux", "sana"])
@@ -165,11 +164,11 @@ def test_every_optimizer_and_schedule_resumes_exactly_with_blocks_swapped(
     _steps(whole, opt, sched, [0, 2, 4, 6])
     first, opt, sched = worker()
     _steps(first, opt, sched, [0, 2])
-    state = ckpt.TrainState(step=2)
+    state = checkpoints.TrainState(step=2)
     export = lambda folder: first.weights.export(folder, FAMILIES["sana"], {})  # noqa: E731
-    ckpt.save_checkpoint(str(tmp_path), first.weights, opt, sched, state, {}, export)
+    checkpoints.save_checkpoint(str(tmp_path), first.weights, opt, sched, state, {}, export)
     resumed, opt, sched = worker(MemoryConfig(blocks_to_swap=2))
-    assert ckpt.load_checkpoint(str(tmp_path), resumed.weights, opt, sched).step == 2
+    assert checkpoints.load_checkpoint(str(tmp_path), resumed.weights, opt, sched).step == 2
     resumed.placement.check(opt)
     _steps(resumed, opt, sched, [4, 6])
     resumed.placement.check(opt)
@@ -242,7 +241,7 @@ def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(
     from run_checks import pipeline_image
 
     from raytuner.families.parts import Source
-    from raytuner.sample import apply_weights, find_weights, load_pipeline
+    from raytuner.render import apply_weights, find_weights, load_pipeline
 
     family = FAMILIES[name]
     trained = _trained(name, MemoryConfig(blocks_to_swap=2))

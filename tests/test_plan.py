@@ -91,7 +91,7 @@ def test_plan_matches_what_a_real_step_allocates_on_cpu():
     denoiser, _, source, _, _ = trainable_model(job.model, job.train, job.lora, family, cpu)
     batch = planner._meta_batch(shapes, 1, torch.float32, size)
     batch = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in batch.items()}
-    loss_fn = family.loss(source, job.objective)
+    loss_fn = family.loss(source, job.objective.for_family(family))
     activities = [ProfilerActivity.CPU]
     with profile(
         activities=activities, profile_memory=True, record_shapes=True, with_stack=True
@@ -125,7 +125,7 @@ def test_bfloat16_frozen_weights_train_and_export_a_lora_that_loads(name, tmp_pa
     assert amp == torch.bfloat16
     before = [p.detach().clone() for p in weights.params]
     opt = torch.optim.AdamW(weights.params, lr=1e-3)
-    loss_fn = family.loss(source, ObjectiveConfig())
+    loss_fn = family.loss(source, ObjectiveConfig().for_family(family))
 
     class _Batch:  # what the feed hands the step
         tensors, seeds = batch, [1, 2]

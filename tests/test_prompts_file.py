@@ -28,9 +28,9 @@ from raytuner.prompts import (
     read_prompts_file,
     resolve,
 )
-from raytuner.train.state import EXPORT
+from raytuner.runs import EXPORT
 from raytuner.train.weights import Weights
-from raytuner.validate import RenderSpec, Validator
+from raytuner.validation import RenderSpec, Validator
 
 JOB = """
 [model]

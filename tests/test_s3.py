@@ -21,7 +21,7 @@ import pytest
 from raytuner import storage
 from raytuner.cli import main
 from raytuner.demo_data import make_demo_images
-from raytuner.train import samples
+from raytuner.train import sample_log
 
 BUCKET = "raytuner-test"
 STEPS = 16
@@ -170,9 +170,9 @@ def test_a_whole_job_on_s3_survives_a_killed_worker(s3, tmp_path, monkeypatch, c
     assert f"trained {STEPS} steps" in out, out
     assert f"LoRA: {run_dir}/lora/pytorch_lora_weights.safetensors" in out
 
-    attempts = samples.read_attempts(run_dir)
+    attempts = sample_log.read_attempts(run_dir)
     assert len(attempts) >= 2  # the first start, and the restart(s) after the kill
-    trained = samples.trained(run_dir)
+    trained = sample_log.trained(run_dir)
     assert sorted(trained) == list(range(1, STEPS + 1))
     assert all(len(ids) == 4 for ids in trained.values())
     assert not (tmp_path / "runs").exists()  # nothing went to local disk instead

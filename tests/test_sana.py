@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytuner.config import ObjectiveConfig
+from raytuner.config import FlowObjective
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 
@@ -51,7 +51,7 @@ def test_the_caption_mask_hides_padding_from_the_transformer(batch):
     mask = batch["prompt_attention_mask"]
     # "a red circle" keeps its 12 characters plus the boundary tokens; "" keeps only those
     assert mask.shape == (2, 32) and mask[0].sum() > mask[1].sum() > 0
-    model, loss = SANA.denoiser(TINY), SANA.loss(TINY, ObjectiveConfig())
+    model, loss = SANA.denoiser(TINY), SANA.loss(TINY, FlowObjective())
     base = loss(model, batch, _generators())
     assert base.shape == (2,) and torch.isfinite(base).all()
     padded = batch["prompt_embeds"].clone()

@@ -8,7 +8,7 @@ import torch
 from diffusers import EulerDiscreteScheduler, StableDiffusionPipeline
 from run_checks import lora_changes_the_pipeline
 
-from raytuner.config import LoraConfig, ObjectiveConfig
+from raytuner.config import DdpmObjective, LoraConfig
 from raytuner.families import FAMILIES
 from raytuner.families.base import sd_scheduler_config
 from raytuner.families.parts import Source
@@ -17,7 +17,7 @@ from raytuner.train.weights import Weights
 TINY = Source("tiny")
 
 SD15 = FAMILIES["sd15"]
-OBJ = ObjectiveConfig()
+OBJ = DdpmObjective()
 
 
 @pytest.fixture(scope="module")

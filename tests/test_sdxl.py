@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytuner.config import ObjectiveConfig
+from raytuner.config import DdpmObjective
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 
@@ -47,7 +47,7 @@ def test_from_pretrained_folder_loads_the_same_model(saved_tiny):
 
 
 def test_micro_conditioning_reaches_the_unet():
-    loss = SDXL.loss(TINY, ObjectiveConfig())
+    loss = SDXL.loss(TINY, DdpmObjective())
     unet = SDXL.denoiser(TINY)
     batch = {
         "latent": torch.randn(2, 4, 8, 8),

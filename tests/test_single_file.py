@@ -86,7 +86,7 @@ def test_sd15_single_file_loads_every_part_with_the_files_weights(sd15_file):
     )
     assert source.single_file and source.repo == sd15_file["config"]
     for part in ("unet", "vae", "text_encoder"):
-        module = parts.load("sd15", source, part, SD15.part_classes()[part])
+        module = parts.load(SD15, source, part, SD15.part_classes()[part])
         _same(module, sd15_file["expected"][part])
     pipe = SD15.pipeline(source)  # what `raytuner sample` and validation build
     _same(pipe.unet, sd15_file["expected"]["unet"])
@@ -120,7 +120,7 @@ def test_a_worker_trains_a_step_on_the_single_file_model(sd15_file, tmp_path):
     before = [p.detach().clone() for p in weights.params]
     opt, _ = optim.for_run(job.train, weights.params)
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
-    loss = SD15.loss(source, job.objective)(denoiser, batch, generators).mean()
+    loss = SD15.loss(source, job.objective.for_family(SD15))(denoiser, batch, generators).mean()
     loss.backward()
     opt.step()
     assert torch.isfinite(loss)
@@ -148,7 +148,7 @@ def test_sdxl_single_file_tells_its_two_text_encoders_apart(tmp_path):
         str(path), "", "float32", "cpu", family="sdxl", single_file_config=str(tmp_path / "config")
     )
     for name in names:
-        _same(parts.load("sdxl", source, name, SDXL.part_classes()[name]), expected[name])
+        _same(parts.load(SDXL, source, name, SDXL.part_classes()[name]), expected[name])
     text = SDXL.text_encoder(source, "cpu")(["a red circle"])
     assert text["prompt_embeds"].shape == (1, 77, 64)
 
@@ -168,7 +168,7 @@ def test_flux_single_file_holds_the_transformer_in_bfl_layout(tmp_path):
         str(path), "", "float32", "cpu", family="flux", single_file_config=str(tmp_path / "config")
     )
     _same(FLUX.denoiser(source), expected)
-    vae = parts.load("flux", source, "vae", FLUX.part_classes()["vae"])  # from the folder
+    vae = parts.load(FLUX, source, "vae", FLUX.part_classes()["vae"])  # from the folder
     _same(vae, pipe.vae.state_dict())
 
 

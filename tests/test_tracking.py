@@ -22,7 +22,7 @@ from PIL import Image
 from raytuner import storage
 from raytuner.cli import main
 from raytuner.config import TrackingConfig, load_job
-from raytuner.train import tracking
+from raytuner.runs import WANDB_RUN_ID
 from raytuner.train.observe import Observer, ValidationReport
 
 s3 = test_s3.s3  # the moto S3 server on 127.0.0.1 (module scope: one for this file)
@@ -122,7 +122,7 @@ def _rows(runs: list[dict], key: str) -> list[dict]:
 
 def test_one_wandb_run_for_every_attempt_and_the_validation_actor(tracked):
     run_dir, _, _, runs = tracked
-    ident = Path(run_dir, tracking.RUN_ID).read_text().strip()
+    ident = Path(run_dir, WANDB_RUN_ID).read_text().strip()
     assert len(runs) == 3  # two attempts of rank 0 and the validation actor, offline each
     assert {r["id"] for r in runs} == {ident}  # `wandb sync` joins them into one W&B run
 
@@ -192,7 +192,7 @@ def test_a_run_on_s3_gets_its_tensorboard_and_offline_wandb_files(s3, tmp_path, 
             copy.mkdir()
             (copy / info.base_name).write_bytes(storage.read_bytes(fs, info.path))
     pulled = offline_run(str(copy))
-    assert pulled["id"] == storage.read_bytes(fs, f"{root}/{tracking.RUN_ID}").decode()
+    assert pulled["id"] == storage.read_bytes(fs, f"{root}/{WANDB_RUN_ID}").decode()
     assert pulled["config"] == {"train": {"max_steps": 10}}
     assert [row["train/loss"] for row in pulled["history"]] == [0.25, 0.125]
 

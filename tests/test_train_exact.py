@@ -28,7 +28,7 @@ from raytuner.config import ConfigError, load_job
 from raytuner.data import cache
 from raytuner.data.preprocess import preprocess
 from raytuner.data.reader import open_dataset
-from raytuner.train import samples
+from raytuner.train import sample_log
 from raytuner.train.trainer import train
 
 STEPS = 12  # the skewed job of conftest.py: 5 global batches an epoch
@@ -76,7 +76,7 @@ def test_skewed_buckets_give_every_rank_the_same_steps_and_shapes(job_file):
     bucket = buckets_of(job_file)
     assert sorted(Counter(bucket.values()).values()) == [1, 3, 9]
 
-    (attempt,) = samples.read_attempts(run_dir)  # no restart
+    (attempt,) = sample_log.read_attempts(run_dir)  # no restart
     assert sorted(attempt) == list(range(1, STEPS + 1))
     for step, ranks in attempt.items():
         assert sorted(ranks) == [0, 1], f"step {step}: ranks {sorted(ranks)}"
@@ -85,7 +85,7 @@ def test_skewed_buckets_give_every_rank_the_same_steps_and_shapes(job_file):
         assert len(shapes) == 1, f"step {step} mixes buckets {shapes}"
 
     # 9, 3 and 1 rows padded to whole batches of 4: 3 + 1 + 1 = 5 global batches per epoch
-    trained = samples.trained(run_dir)
+    trained = sample_log.trained(run_dir)
     epochs = [[i for s in range(e * 5 + 1, e * 5 + 6) for i in trained[s]] for e in (0, 1)]
     for ids in epochs:
         assert set(ids) == set(bucket), "a row was never trained in an epoch"
@@ -113,14 +113,14 @@ def _commit_then_kill(run_dir: str, step: int, job: Path, killed: list, errors: 
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            attempts = samples.read_attempts(run_dir)
+            attempts = sample_log.read_attempts(run_dir)
             # a checkpoint Ray has registered: a kill before it would restart from step 0
             ready = attempts and max(attempts[0], default=0) >= step and committed(run_dir)
             if not killed and ready:
                 workers = _workers_of_this_test()
                 for worker in workers:
                     worker.suspend()
-                at_step = max(samples.read_attempts(run_dir)[0])
+                at_step = max(sample_log.read_attempts(run_dir)[0])
                 (job.parent / "images" / "square8.png").unlink()
                 config = load_job(job)
                 preprocess(config.model, config.data, config.preprocess)
@@ -161,11 +161,11 @@ def test_sigkilled_worker_resumes_exactly_on_the_dataset_the_job_started_with(jo
     assert recovery, "no step was trained after the kill"
     print(f"killed worker pid {pid} after step {at_step}; training again {recovery[0]:.1f} s later")
 
-    first, second = samples.read_attempts(run_dir)[:2]
+    first, second = sample_log.read_attempts(run_dir)[:2]
     resumed_from = min(second) - 1
     assert resumed_from % 4 == 0 and 0 < resumed_from <= at_step, "resume not at a checkpoint"
     assert summary["step"] == STEPS
-    assert samples.trained(run_dir) == samples.trained(reference_dir)
+    assert sample_log.trained(run_dir) == sample_log.trained(reference_dir)
     # the redone steps trained the same rows as before the kill
     for step in set(first) & set(second):
         assert first[step] == second[step] or len(first[step]) < 2
@@ -183,11 +183,11 @@ def test_three_workers_train_the_same_rows_and_weights_as_two(job_file):
     elastic test covers 1 worker against the schedule)."""
     expected, reference_dir = reference(job_file)
     three, three_dir = run(job_file, "three", "scaling.workers=3", "train.micro_batch_size=1")
-    assert samples.trained(three_dir) == samples.trained(reference_dir)
+    assert sample_log.trained(three_dir) == sample_log.trained(reference_dir)
     # float rounding only (another all-reduce and accumulation order), which AdamW's normalised
     # steps at lr 1e-2 carry through 12 steps: measured up to 1.1e-4
     assert_same_weights(three, expected, tolerance=3e-4)
-    slices = samples.read_attempts(three_dir)[0][1]
+    slices = sample_log.read_attempts(three_dir)[0][1]
     assert [len(slices[r]["ids"]) for r in (0, 1, 2)] == [2, 1, 1]
 
 
@@ -204,8 +204,8 @@ def test_a_finished_run_submitted_again_trains_nothing_and_exports_again(job_fil
     expected, run_dir = reference(job_file)
     export = Path(expected["lora"])
     export.unlink()  # as if the driver had died between the last checkpoint and the export
-    attempts = len(samples.read_attempts(run_dir))
+    attempts = len(sample_log.read_attempts(run_dir))
     again, _ = run(job_file, "reference")
     assert again["step"] == STEPS and export.is_file()
     assert_same_weights(again, expected, tolerance=0.0)
-    assert len(samples.read_attempts(run_dir)) == attempts  # no step was trained again
+    assert len(sample_log.read_attempts(run_dir)) == attempts  # no step was trained again

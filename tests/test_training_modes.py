@@ -40,7 +40,7 @@ def _gradients(family, batch, mode: str, checkpointing: bool):
     denoiser.train()
     assert denoiser.is_gradient_checkpointing == checkpointing
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
-    loss = family.loss(TINY, ObjectiveConfig())(denoiser, batch, generators)
+    loss = family.loss(TINY, ObjectiveConfig().for_family(family))(denoiser, batch, generators)
     loss.sum().backward()
     grads = {n: p.grad for n, p in zip(weights.names, weights.params, strict=True)}
     return loss.detach(), grads
@@ -79,7 +79,7 @@ def test_bf16_autocast_keeps_float32_weights_and_a_close_loss(name):
     for precision in ("no", "bf16"):
         torch.manual_seed(0)
         denoiser = family.denoiser(TINY).to(device).train()
-        loss_fn = family.loss(TINY, ObjectiveConfig())
+        loss_fn = family.loss(TINY, ObjectiveConfig().for_family(family))
         losses[precision] = forward_backward(
             denoiser, loss_fn, Slice, device, 0, 0.5, precision
         ).item()

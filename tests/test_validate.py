@@ -18,9 +18,9 @@ from PIL import Image
 from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.train.state import EXPORT
+from raytuner.runs import EXPORT
 from raytuner.train.weights import Weights
-from raytuner.validate import RenderSpec, Validator
+from raytuner.validation import RenderSpec, Validator
 
 TINY = Source("tiny")
 

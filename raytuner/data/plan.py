@@ -65,3 +65,33 @@ def report(total: int, p: Plan, indexed: list[dict], truncated: int, seconds: fl
         "seconds": round(seconds, 3),
         "images_per_s": round(encoded / max(seconds, 1e-9), 3),
     }
+
+
+def report_lines(report: dict) -> list[str]:
+    """The preprocess report as the lines `raytuner preprocess` prints."""
+    out = []
+    skipped = report["skipped"]
+    rows = [
+        ("total", report["total"]),
+        ("encoded", report["encoded"]),
+        ("already cached", report["already_cached"]),
+        ("duplicates", report["duplicates"]),
+        ("skipped", len(skipped)),
+    ]
+    out.extend((f"  {name:<15}{n:>8}" for name, n in rows))
+    c = report["captions"]
+    out.append(
+        f"  captions: {c['distinct']} distinct, {c['fallback']} from fallback, "
+        f"{c['truncated']} truncated; {report['seconds']:.1f} s, "
+        f"{report['images_per_s']:.1f} images/s encoded"
+    )
+    out.append("  buckets: " + ", ".join(f"{b}: {n}" for b, n in report["buckets"].items()))
+    for f in report.get("folders", []):  # sources with repeats_from_folder
+        named = f", {f['name_captions']} captioned by its name" if f["name_captions"] else ""
+        folder = f["folder"] or "(no N_ prefix)"
+        out.append(f"  folder {folder}: {f['images']} images x {f['repeats']} repeats{named}")
+    for s in skipped[:20]:
+        out.append(f"  skipped {s['path']}: {s['reason']}")
+    if len(skipped) > 20:
+        out.append(f"  ... and {len(skipped) - 20} more (see the report)")
+    return out

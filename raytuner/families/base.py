@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from raytuner import placement
+from raytuner.config_objective import KINDS, DdpmObjective, FlowObjective
 from raytuner.families.parts import Source
 
 # A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
@@ -54,8 +55,8 @@ class Family(Protocol):
     # the denoiser's block lists in the order they run (``memory.blocks_to_swap`` streams the
     # last of them); empty: the family does not stream blocks
     swap_blocks: tuple[str, ...]
-    objective_kind: str  # "ddpm" or "flow": which [objective] keys its loss reads
-    guidance_embedding: bool  # its denoiser can take objective.guidance (guidance-distilled)
+    objective_kind: str  # "ddpm" or "flow": the [objective.<kind>] settings its loss takes
+    guidance_embedding: bool  # its denoiser can take objective.flow.guidance (guidance-distilled)
     # the pipeline's guidance_scale when the job and the prompt line set none: the classifier-free
     # guidance scale, or the guidance embedding's value for guidance-distilled families
     default_guidance_scale: float
@@ -75,7 +76,8 @@ class Family(Protocol):
     def image_encoder(self, source: Source, device: str, weights: bool = True) -> ImageEncoder: ...
     def text_encoder(self, source: Source, device: str, weights: bool = True) -> TextEncoder: ...
     def denoiser(self, source: Source, device: str = "cpu", weights: bool = True) -> nn.Module: ...
-    def loss(self, source: Source, objective) -> Loss: ...  # ObjectiveConfig
+    # objective: its kind's settings, DdpmObjective or FlowObjective (ObjectiveConfig.for_family)
+    def loss(self, source: Source, objective) -> Loss: ...
     # the diffusers layout; adapter_config: the peft LoraConfig as a dict (rank, alpha, targets)
     def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None: ...
     def pipeline(self, source: Source): ...  # a diffusers DiffusionPipeline, on the CPU
@@ -219,7 +221,22 @@ def kl_image_encoder(vae, device: str) -> ImageEncoder:
     return encode
 
 
-def ddpm_loss(scheduler, objective, latents: torch.Tensor, generators, predict) -> torch.Tensor:
+def objective_of_kind(family, objective):
+    """``objective`` when it is the settings of ``family.objective_kind`` (what ``loss`` takes);
+    a TypeError naming the right ones otherwise (the whole ObjectiveConfig, or the other kind)."""
+    cls = KINDS[family.objective_kind][0]
+    if not isinstance(objective, cls):
+        raise TypeError(
+            f"{family.name}'s loss takes its [objective.{family.objective_kind}] settings "
+            f"({cls.__name__}), not {type(objective).__name__}: pass "
+            "ObjectiveConfig.for_family(family)"
+        )
+    return objective
+
+
+def ddpm_loss(
+    scheduler, objective: DdpmObjective, latents: torch.Tensor, generators, predict
+) -> torch.Tensor:
     """Per-sample MSE of ``predict(noisy latents, timesteps)`` against the scheduler's target,
     with each sample's noise (plus ``objective.noise_offset``) and timestep drawn from its own
     generator, min-SNR weighted when ``objective.weighting = "min_snr"``."""
@@ -259,7 +276,7 @@ def hub_kwargs(source: Source) -> dict:
 # --- flow-matching families (Flux, Sana) ------------------------------------------------------
 
 
-def flow_sigmas(objective, generators, image_tokens: int, device) -> torch.Tensor:
+def flow_sigmas(objective: FlowObjective, generators, image_tokens: int, device) -> torch.Tensor:
     """One noise level in (0, 1) per sample from its generator: the objective's density
     (``diffusers.training_utils``), then shifted towards noise, by the image's token count
     (Flux's resolution-dependent shift) or by the fixed ``objective.shift``."""
@@ -286,7 +303,9 @@ def flow_sigmas(objective, generators, image_tokens: int, device) -> torch.Tenso
     return (shift * u / (1 + (shift - 1) * u)).to(device)
 
 
-def flow_loss(objective, latents: torch.Tensor, generators, predict, image_tokens: int):
+def flow_loss(
+    objective: FlowObjective, latents: torch.Tensor, generators, predict, image_tokens: int
+):
     """Rectified-flow loss per sample: x_t = (1 - s) x_0 + s noise, target noise - x_0,
     weighted by the objective's scheme; ``predict(noisy, sigmas)``."""
     from diffusers.training_utils import compute_loss_weighting_for_sd3

@@ -21,8 +21,6 @@ PARTS = {
 }
 
 
-_part = parts.loader("flux", PARTS)  # (source, part name, device="cpu", weights=True)
-
 # Black Forest Labs' names of the Flux transformer's tensors (its releases, ComfyUI and kohya's
 # sd-scripts save them so) -> diffusers' names; fused q/k/v and the single blocks' fused
 # projections are split below, by the width the tensors have
@@ -192,6 +190,7 @@ class Flux:
     def loss(self, source: parts.Source, objective):
         from diffusers import FluxPipeline
 
+        objective = base.objective_of_kind(self, objective)
         architecture = parts.config("flux", source, "transformer", PARTS["transformer"])
         guided = bool(architecture.get("guidance_embeds", False))
 
@@ -259,3 +258,7 @@ class Flux:
                 tokenizer_2=t5_tok,
             )
         )
+
+
+# (source, part name, device="cpu", weights=True) -> the part, for the methods above
+_part = parts.loader(Flux(), PARTS)

@@ -244,17 +244,16 @@ def config(family: str, source: Source, part: str, cls_path: str) -> dict:
     return dict(cls.load_config(source.repo, **source.hub(part)))
 
 
-def load(
-    family: str, source: Source, part: str, cls_path: str, *, device="cpu", weights: bool = True
-):
-    """One part of a family (``unet``, ``vae``, ``text_encoder``…: also its subfolder in a
-    diffusers folder) in eval mode, its weights in ``source.dtype`` on ``device``: a preset's
-    are drawn there directly. ``weights=False``: the architecture alone, with random weights
-    (``raytuner plan`` builds it on the meta device)."""
+def load(family, source: Source, part: str, cls_path: str, *, device="cpu", weights: bool = True):
+    """One part (``unet``, ``vae``, ``text_encoder``…: also its subfolder in a diffusers
+    folder) of ``family`` (the family object: its ``name``, its single-file layout) in eval
+    mode, its weights in ``source.dtype`` on ``device``: a preset's are drawn there directly.
+    ``weights=False``: the architecture alone, with random weights (``raytuner plan`` builds it
+    on the meta device)."""
     cls = _class(cls_path)
     if source.preset or not weights:
-        spec = preset(family, source.preset)[part] if source.preset else {}
-        architecture = spec.get("config") or config(family, source, part, cls_path)
+        spec = preset(family.name, source.preset)[part] if source.preset else {}
+        architecture = spec.get("config") or config(family.name, source, part, cls_path)
         # the seed drawn on the device that builds the weights; every global RNG put back
         place = torch.device(device)
         devices = [place.index or 0] if place.type == "cuda" else []
@@ -266,15 +265,16 @@ def load(
     started = time.perf_counter()
     _log_where_nobody_configured_logging()
     where = f"{source.pretrained} ({source.repo})" if source.single_file else source.repo
-    log.info("loading %s %s from %s in %s", family, part, where, _dtype_name(source.dtype))
-    prefixes = dict(_family(family).single_file_parts) if source.single_file else {}
+    name = family.name
+    log.info("loading %s %s from %s in %s", name, part, where, _dtype_name(source.dtype))
+    prefixes = dict(family.single_file_parts) if source.single_file else {}
     if part in prefixes:
         model = _from_single_file(family, source, part, cls, prefixes[part])
     else:
         key = "dtype" if cls.__module__.startswith("transformers") else "torch_dtype"
         model = cls.from_pretrained(source.repo, **source.hub(part), **{key: source.dtype})
     model = placement.move(model, device).eval()
-    log.info("loaded %s %s in %.1f s", family, part, time.perf_counter() - started)
+    log.info("loaded %s %s in %.1f s", name, part, time.perf_counter() - started)
     return model
 
 
@@ -293,13 +293,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _family(name: str):
-    from raytuner.families import get_family
-
-    return get_family(name)
-
-
-def _from_single_file(family: str, source: Source, part: str, cls, prefix: str):
+def _from_single_file(family, source: Source, part: str, cls, prefix: str):
     """``part`` from a single-file checkpoint: its tensors (the keys under ``prefix``) in the
     family's ``single_file_state`` layout, then diffusers' ``from_single_file`` (diffusers
     models) or its LDM CLIP conversion (transformers text encoders), the architecture from the
@@ -312,9 +306,9 @@ def _from_single_file(family: str, source: Source, part: str, cls, prefix: str):
     if not state:
         raise ValueError(
             f"model.pretrained = {source.pretrained!r} holds no {part} weights (no tensor named "
-            f"{prefix}…): is it a {family} checkpoint in the original layout?"
+            f"{prefix}…): is it a {family.name} checkpoint in the original layout?"
         )
-    state = _family(family).single_file_state(part, state)
+    state = family.single_file_state(part, state)
     if hasattr(cls, "from_single_file"):
         revision = {"config_revision": source.revision} if source.revision else {}
         model = cls.from_single_file(
@@ -336,9 +330,9 @@ def _from_single_file(family: str, source: Source, part: str, cls, prefix: str):
     return model
 
 
-def loader(family: str, classes: dict[str, str]):
+def loader(family, classes: dict[str, str]):
     """A family's part loader: ``(source, part, device="cpu", weights=True) -> module``, the
-    part's class looked up in ``classes``."""
+    part's class looked up in ``classes``; ``family``: the family object."""
 
     def load_part(source: Source, part: str, device="cpu", weights: bool = True):
         return load(family, source, part, classes[part], device=device, weights=weights)

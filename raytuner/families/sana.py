@@ -20,9 +20,6 @@ PARTS = {
 }
 
 
-_part = parts.loader("sana", PARTS)  # (source, part name, device="cpu", weights=True)
-
-
 def _tokenizer(source: parts.Source):
     if not source.preset:
         from transformers import AutoTokenizer
@@ -126,6 +123,8 @@ class Sana:
         return _part(source, "transformer", device, weights)
 
     def loss(self, source: parts.Source, objective):
+        objective = base.objective_of_kind(self, objective)
+
         def sana_loss(denoiser, batch, generators: Sequence[torch.Generator]) -> torch.Tensor:
             latents = batch["latent"]
 
@@ -167,3 +166,7 @@ class Sana:
                 scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
             )
         )
+
+
+# (source, part name, device="cpu", weights=True) -> the part, for the methods above
+_part = parts.loader(Sana(), PARTS)

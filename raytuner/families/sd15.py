@@ -17,9 +17,6 @@ PARTS = {
 }
 
 
-_part = parts.loader("sd15", PARTS)  # (source, part name, device="cpu", weights=True)
-
-
 def _tokenizer(source: parts.Source):
     if source.preset:
         return base.tiny_clip_tokenizer(parts.tokenizer_length("sd15", source, "tokenizer", 77))
@@ -85,6 +82,7 @@ class SD15:
         return _part(source, "unet", device, weights)
 
     def loss(self, source: parts.Source, objective):
+        objective = base.objective_of_kind(self, objective)
         scheduler = base.ddpm_scheduler(source)
 
         def sd15_loss(denoiser, batch, generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -126,3 +124,7 @@ class SD15:
                 requires_safety_checker=False,
             )
         )
+
+
+# (source, part name, device="cpu", weights=True) -> the part, for the methods above
+_part = parts.loader(SD15(), PARTS)

@@ -17,9 +17,6 @@ PARTS = {
 }
 
 
-_part = parts.loader("sdxl", PARTS)  # (source, part name, device="cpu", weights=True)
-
-
 def _tokenizers(source: parts.Source) -> list:
     names = ("tokenizer", "tokenizer_2")
     if source.preset:
@@ -97,6 +94,7 @@ class SDXL:
         return _part(source, "unet", device, weights)
 
     def loss(self, source: parts.Source, objective):
+        objective = base.objective_of_kind(self, objective)
         scheduler = base.ddpm_scheduler(source)
 
         def sdxl_loss(denoiser, batch, generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -144,3 +142,7 @@ class SDXL:
                 scheduler=EulerDiscreteScheduler(**base.sd_scheduler_config()),
             )
         )
+
+
+# (source, part name, device="cpu", weights=True) -> the part, for the methods above
+_part = parts.loader(SDXL(), PARTS)

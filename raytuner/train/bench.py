@@ -25,7 +25,7 @@ from raytuner.data.preprocess import preprocess
 from raytuner.data.reader import open_dataset
 from raytuner.families import get_family
 from raytuner.train import optim
-from raytuner.train.feed import Batch, Feed
+from raytuner.train.feed import Feed, RankSlice
 from raytuner.train.step import train_step
 from raytuner.train.weights import trainable_model
 
@@ -93,14 +93,14 @@ def _bare_loop(job: JobConfig, steps: int, batches: list[tuple[dict, list[int]]]
     torch.manual_seed(t.seed)
     trained = trainable_model(job.model, t, job.lora, family, device, job.memory)
     opt, sched = optim.for_run(t, trained.weights.params)
-    loss_fn = family.loss(trained.source, job.objective)
+    loss_fn = family.loss(trained.source, job.objective.for_family(family))
     step = train_step(trained, trained.denoiser, loss_fn, opt, sched, t, job.memory, device)
     start = 0.0
     for i, (tensors, seeds) in enumerate(batches):
         if i == steps:
             _synchronize(device)
             start = time.perf_counter()
-        step(Batch(0, i, len(batches), tensors, seeds, []))
+        step(RankSlice(0, i, len(batches), tensors, seeds, []))
     _synchronize(device)
     return steps * t.global_batch_size / (time.perf_counter() - start)
 

@@ -21,11 +21,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from raytuner import __version__
+from raytuner.runs import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.train import kohya
+from raytuner.version import __version__
 
-DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
-KOHYA_FILE = "lora_kohya.safetensors"
 MODELSPEC_VERSION = "1.0.1"  # the SAI model spec sd-scripts writes
 
 

@@ -37,7 +37,7 @@ def latent_draw(mean: torch.Tensor, std: torch.Tensor, seeds: list[int]) -> torc
 
 
 @dataclass(frozen=True)
-class Batch:
+class RankSlice:
     """One step's inputs on this rank, and where in the schedule they came from."""
 
     epoch: int
@@ -87,7 +87,7 @@ class Feed:
     def epoch(self, epoch: int) -> list[list[int]]:
         return epoch_batches(self.buckets, self.seed, epoch, self.gbs, self.remainder)
 
-    def assemble(self, epoch: int, index: int, batches: list[list[int]]) -> Batch:
+    def assemble(self, epoch: int, index: int, batches: list[list[int]]) -> RankSlice:
         global_batch = batches[index]
         start, stop = rank_slice(global_batch, self.rank, self.world)
         mine = global_batch[start:stop]
@@ -98,7 +98,7 @@ class Feed:
             tensors["latent"] = latent_draw(tensors["latent"], tensors.pop("latent_std"), seeds)
         if self.pin:
             tensors = {k: v.pin_memory() for k, v in tensors.items()}
-        return Batch(epoch, index, len(batches), tensors, seeds, [self.paths[j] for j in mine])
+        return RankSlice(epoch, index, len(batches), tensors, seeds, [self.paths[j] for j in mine])
 
     def _put(self, item) -> None:
         while not self._stop.is_set():
@@ -129,7 +129,7 @@ class Feed:
         self._thread.start()
         return self
 
-    def next(self, epoch: int, index: int) -> Batch:
+    def next(self, epoch: int, index: int) -> RankSlice:
         """The batch at cursor (epoch, index); the caller moves its cursor past it."""
         tick = time.perf_counter()
         item = self._queue.get()

@@ -14,7 +14,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from raytuner import storage
+from raytuner import runs, storage
 from raytuner.config import (
     CheckpointConfig,
     LoraConfig,
@@ -25,12 +25,11 @@ from raytuner.config import (
     TrainConfig,
 )
 from raytuner.families import get_family
-from raytuner.train import export, optim
-from raytuner.train import state as ckpt
+from raytuner.train import checkpoints, export, optim
 from raytuner.train.feed import open_feed
 from raytuner.train.memory import PeakMemory
 from raytuner.train.observe import Observer
-from raytuner.train.samples import SampleLog, attempt_id
+from raytuner.train.sample_log import SampleLog, attempt_id
 from raytuner.train.step import train_step
 from raytuner.train.weights import trainable_model
 
@@ -100,10 +99,10 @@ def _report(cfg: LoopConfig, st, metrics: dict, weights, opt, sched, family, jit
         if jit:
             log.warning("preemption announced: checkpoint at step %d before the node goes", st.step)
         directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")  # Ray deletes it after upload
-        identity = ckpt.run_identity(
+        identity = checkpoints.run_identity(
             cfg.model, cfg.lora, cfg.train, cfg.fingerprint, cfg.dataset["id"]
         )
-        records = {ckpt.RUN: identity, ckpt.JOB: cfg.job, ckpt.DATASET: cfg.dataset}
+        records = {runs.RUN: identity, runs.JOB: cfg.job, runs.DATASET: cfg.dataset}
         run = storage.basename(cfg.run_dir)
         meta = export.metadata(
             family=family.name,
@@ -115,7 +114,7 @@ def _report(cfg: LoopConfig, st, metrics: dict, weights, opt, sched, family, jit
         )
         save = functools.partial(weights.export, family=family, meta=meta)
         try:
-            ckpt.save_checkpoint(directory, weights, opt, sched, st, records, save)
+            checkpoints.save_checkpoint(directory, weights, opt, sched, st, records, save)
         except OSError as e:  # a full disk: no half-written folder left behind
             shutil.rmtree(directory, ignore_errors=True)
             need = sum(t.numel() * t.element_size() for t in weights.params)
@@ -139,22 +138,22 @@ def _quiet_ray_train_reports() -> None:
 def _candidates(restored: ray.train.Checkpoint, run_dir: str):
     """Ray's latest checkpoint first, then the run's older checkpoint folders, newest first."""
     yield restored
-    fs, folders = ckpt.checkpoint_folders(run_dir)
+    fs, folders = runs.checkpoint_folders(run_dir)
     newest = storage.basename(restored.path)
     for path in folders:
         if storage.basename(path) < newest:  # timestamp names sort by age
             yield ray.train.Checkpoint(path, filesystem=fs)
 
 
-def _restore(cfg: LoopConfig, weights, opt, sched, rank: int) -> ckpt.TrainState:
+def _restore(cfg: LoopConfig, weights, opt, sched, rank: int) -> checkpoints.TrainState:
     """The newest readable checkpoint's state, applied; a broken one is skipped with a warning."""
     if (restored := ray.train.get_checkpoint()) is None:
-        return ckpt.TrainState()
+        return checkpoints.TrainState()
     for candidate in _candidates(restored, cfg.run_dir):
         try:
             with candidate.as_directory() as directory:
-                st = ckpt.load_checkpoint(directory, weights, opt, sched)
-        except ckpt.CheckpointError as e:
+                st = checkpoints.load_checkpoint(directory, weights, opt, sched)
+        except checkpoints.CheckpointError as e:
             log.warning("rank %d: skipping unreadable checkpoint: %s", rank, e)
             continue
         log.info(
@@ -204,7 +203,7 @@ def train_loop(config: dict) -> None:
     st = _restore(cfg, weights, opt, sched, rank)
     placed.check(opt)  # restored optimizer state beside its parameter, every block in its place
     model = placed.distributed(ray.train.torch.prepare_model)
-    loss_fn = family.loss(trained.source, cfg.objective)
+    loss_fn = family.loss(trained.source, cfg.objective.for_family(family))
     step = train_step(trained, model, loss_fn, opt, sched, t, cfg.memory, device, world)
     pin = device.type == "cuda"
     feed = open_feed(cfg.train, cfg.cache, cfg.fingerprint, cfg.manifest, rank, world, pin)

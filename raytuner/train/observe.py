@@ -10,10 +10,10 @@ import logging
 
 from raytuner import metrics, storage
 from raytuner.config import TrackingConfig
+from raytuner.runs import TENSORBOARD
 from raytuner.train import tracking
 
 log = logging.getLogger("raytuner.train")
-TENSORBOARD = "tensorboard"  # <run>/tensorboard: event files (scalars, validation images)
 PUSH_EVERY_S = 30.0  # a remote run's event files are copied at most this often between checkpoints
 TRAIN_GAUGES = {  # window metric -> its dashboard gauge (declared in raytuner.metrics)
     "loss": "raytuner_train_loss",

@@ -19,7 +19,7 @@ from raytuner import placement
 
 
 class Slice(Protocol):
-    """What a step takes: this rank's tensors and a noise seed per sample (``feed.Batch``)."""
+    """What a step takes: this rank's tensors and a noise seed per sample (``feed.RankSlice``)."""
 
     tensors: dict[str, torch.Tensor]
     seeds: list[int]

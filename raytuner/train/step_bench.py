@@ -14,7 +14,7 @@ from raytuner import plan
 from raytuner.config import JobConfig
 from raytuner.families import get_family
 from raytuner.train import optim, step
-from raytuner.train.feed import Batch
+from raytuner.train.feed import RankSlice
 from raytuner.train.weights import trainable_model
 
 
@@ -30,7 +30,8 @@ def bench_step(job: JobConfig, steps: int, as_json: bool) -> dict:
     planned = plan.trace_step(job, shapes, size, micro, job.train.gradient_checkpointing)
     started = time.perf_counter()
     trained = trainable_model(job.model, job.train, job.lora, family, device, job.memory)
-    loss_fn, dtype = family.loss(trained.source, job.objective), trained.source.dtype
+    loss_fn = family.loss(trained.source, job.objective.for_family(family))
+    dtype = trained.source.dtype
     load_s = time.perf_counter() - started
     opt, sched = optim.for_run(job.train, trained.weights.params)
     one = dataclasses.replace(job.train, global_batch_size=micro, micro_batch_size=0)
@@ -43,7 +44,7 @@ def bench_step(job: JobConfig, steps: int, as_json: bool) -> dict:
         batch["prompt_attention_mask"] = torch.ones_like(batch["prompt_attention_mask"])
 
     def run(i: int) -> None:  # the training step itself, on one micro-batch of random inputs
-        train_step(Batch(0, i, 1, batch, [i * micro + j for j in range(micro)], []))
+        train_step(RankSlice(0, i, 1, batch, [i * micro + j for j in range(micro)], []))
 
     for i in range(2):  # warm-up: kernels chosen, optimizer state made
         run(i)

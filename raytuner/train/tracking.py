@@ -22,10 +22,9 @@ import time
 
 from raytuner import storage
 from raytuner.config import TrackingConfig
+from raytuner.runs import WANDB, WANDB_RUN_ID
 
 log = logging.getLogger("raytuner.train")
-RUN_ID = "wandb_run_id"  # <run>/wandb_run_id: the W&B run id of every attempt of the run
-WANDB = "wandb"  # <run>/wandb: W&B's local files (offline runs, its logs)
 INSTALL = "pip install 'raytuner[tracking]'"
 
 
@@ -92,7 +91,7 @@ def local_folder(run_dir: str, name: str, every_s: float = 0.0) -> tuple[str, Mi
 def run_id(run_dir: str) -> str:
     """The run's W&B id from ``<run>/wandb_run_id``, made there (random) on first use: a
     resumed run logs into the same W&B run, a new run of the same name into a new one."""
-    fs, path = storage.resolve(storage.join(storage.absolute(run_dir), RUN_ID))
+    fs, path = storage.resolve(storage.join(storage.absolute(run_dir), WANDB_RUN_ID))
     if storage.exists(fs, path):
         return storage.read_bytes(fs, path).decode().strip()
     made = secrets.token_hex(6)

@@ -6,44 +6,33 @@ import hashlib
 import json
 import logging
 import os
-import time
 
 import pyarrow.fs as pafs
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from raytuner import runtime, storage, validate
+from raytuner import runs, runtime, storage, validation
 from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.index import describe_change
 from raytuner.data.reader import for_readers
 from raytuner.families import get_family
-from raytuner.train.export import DIFFUSERS_FILE, KOHYA_FILE
-from raytuner.train.loop import LoopConfig, train_loop
-from raytuner.train.schedule import epoch_batches
-from raytuner.train.state import (
+from raytuner.runs import (
     DATASET,
+    DIFFUSERS_FILE,
     EXPORT,
+    KOHYA_FILE,
+    LORA_DIR,
+    MODEL_DIR,
     RUN,
     STATE,
     checkpoint_folders,
-    identity_changes,
-    run_identity,
 )
-from raytuner.train.weights import LORA_DIR, MODEL_DIR
+from raytuner.train.checkpoints import identity_changes, run_identity
+from raytuner.train.loop import LoopConfig, train_loop
+from raytuner.train.schedule import epoch_batches
 
 log = logging.getLogger(__name__)
-
-
-def run_name(job: JobConfig) -> str:
-    """The job's run name; with ``checkpoint.resume = false`` an existing run is left alone and
-    a fresh, timestamped run is started beside it."""
-    fs, path = storage.resolve(storage.join(storage.absolute(job.train.output), job.train.name))
-    if job.checkpoint.resume or not storage.exists(fs, path):
-        return job.train.name
-    fresh = f"{job.train.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    log.warning("checkpoint.resume = false: starting run %s instead of resuming %s", fresh, path)
-    return fresh
 
 
 def dataset_record(cache: str, fp: str, manifest: dict) -> dict:
@@ -148,7 +137,7 @@ def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
 def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> dict:
     """Copy the checkpoint's export (``lora/`` or ``model/<part>/``) into ``<output>/<name>/``;
     return the summary: where the files went, and the checkpoint's state."""
-    uri = storage.join(storage.absolute(output), name)  # what the user reads: s3:// kept
+    uri = runs.run_dir(output, name)  # what the user reads: s3:// kept
     fs, run = storage.resolve(uri)
     # file by file from where the checkpoint is, streamed: never the optimizer state, never a
     # whole file in memory (a full fine-tune's export is GBs; the driver may be a small head)
@@ -190,8 +179,8 @@ def train(job: JobConfig) -> dict:
         epoch_batches(rows, t.seed, 0, t.global_batch_size, t.remainder)
     except ValueError as e:
         raise ConfigError(f"{e} (samples per bucket, repeats included: {counts})") from None
-    name = run_name(job)
-    run_dir = storage.join(storage.absolute(job.train.output), name)
+    name = runs.choose_run(job.train.output, job.train.name, job.checkpoint.resume)
+    run_dir = runs.run_dir(job.train.output, name)
     dataset = dataset_record(job.data.cache, fp, manifest)
     check_resumable(job, run_dir, fp, dataset)
     if (done := finished_checkpoint(run_dir, t.max_steps)) is not None:
@@ -226,7 +215,7 @@ def _fit(job: JobConfig, name: str, loop: LoopConfig) -> ray.train.Result:
     """Ray Train's run of the loop, with the validation actor beside it."""
     # the run's state (workers, attempts, checkpoints) on the dashboard's Train page
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
-    validator, callbacks = validate.start(job, loop.run_dir)
+    validator, callbacks = validation.start(job, loop.run_dir)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config=vars(loop),
@@ -246,5 +235,5 @@ def _fit(job: JobConfig, name: str, loop: LoopConfig) -> ray.train.Result:
         result = trainer.fit()
         completed = True
     finally:
-        validate.finish(validator, completed)
+        validation.finish(validator, completed)
     return result

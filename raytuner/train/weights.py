@@ -18,10 +18,8 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
 from raytuner.config import ConfigError
+from raytuner.runs import KOHYA_FILE, LORA_DIR, MODEL_DIR
 from raytuner.train import export, kohya, lora_init
-
-MODEL_DIR = "model"  # a full fine-tune's export: <output>/<run>/model/<denoiser part>/
-LORA_DIR = "lora"  # a LoRA's export: <output>/<run>/lora/
 
 
 def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -95,7 +93,7 @@ class Weights:
             if missing := [m for m in modules if not names(m)]:
                 raise ConfigError(
                     f"lora.target_modules reaches {', '.join(missing[:3])}, which "
-                    f"{family.name}'s kohya layout ({export.KOHYA_FILE}) has no name for: "
+                    f"{family.name}'s kohya layout ({KOHYA_FILE}) has no name for: "
                     "leave it out of lora.target_modules"
                 )
         if lora.init_from:

@@ -8,21 +8,11 @@ import os
 from dataclasses import asdict, dataclass
 from pickle import UnpicklingError
 
-import pyarrow.fs as pafs
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from raytuner import storage
-
-WEIGHTS = "weights.safetensors"  # the trained tensors: the LoRA adapter, or the whole denoiser
-EMA = "ema.safetensors"  # their moving average, when train.ema_decay > 0
-OPTIMIZER = "optimizer.pt"
-STATE = "state.json"
-RUN = "run.json"  # cache fingerprint and the settings a resume must not change
-JOB = "job.json"  # the resolved job config that trained up to this checkpoint (a record)
-DATASET = "dataset.json"  # the committed dataset it trained on: id, rows, index, manifest hash
-EXPORT = "export"  # what the user takes away (lora/ or model/), inside every checkpoint
+from raytuner.runs import EMA, EXPORT, OPTIMIZER, STATE, WEIGHTS
 
 
 @dataclass
@@ -134,16 +124,3 @@ def identity_changes(saved: dict, current: dict) -> list[str]:
         elif a != b:
             changes.append(section)
     return changes
-
-
-def checkpoint_folders(run_dir: str) -> tuple[pafs.FileSystem, list[str]]:
-    """The run's checkpoint folders, newest first (Ray names them by timestamp)."""
-    fs, root = storage.resolve(run_dir)
-    if not storage.exists(fs, root):
-        return fs, []
-    folders = [
-        info.path
-        for info in storage.listdir(fs, root)
-        if info.base_name.startswith("checkpoint_") and info.type == pafs.FileType.Directory
-    ]
-    return fs, folders[::-1]

@@ -15,8 +15,7 @@ from collections import defaultdict
 import torch.distributed as dist
 
 from raytuner import storage
-
-SAMPLES = "samples"
+from raytuner.runs import SAMPLES
 
 
 def attempt_id() -> str:

@@ -25,13 +25,12 @@ import pyarrow.fs as pafs
 import ray
 from ray.train import UserCallback
 
-from raytuner import metrics, prompts, sample, storage
+from raytuner import metrics, prompts, render, storage
 from raytuner.config import ConfigError, TrackingConfig
+from raytuner.runs import EXPORT, VALIDATION
 from raytuner.train.observe import ValidationReport
-from raytuner.train.state import EXPORT
 
-log = logging.getLogger("raytuner.validate")
-VALIDATION = "validation"  # <run>/validation/step_<N>.png
+log = logging.getLogger("raytuner.validation")
 DRAIN_TIMEOUT_S = 900.0  # after training: how long the driver waits for the last renders
 QUEUE_TIMEOUT_S = 10.0  # how long the controller waits for the actor to take a checkpoint
 CLOSE_TIMEOUT_S = 120.0  # how long the driver waits for the actor's TensorBoard/W&B files
@@ -129,7 +128,7 @@ class Validator:
         from raytuner.families import get_family, parts
 
         started, started_at, s = time.perf_counter(), time.time(), self.spec
-        family, device = get_family(s.family), sample.default_device()
+        family, device = get_family(s.family), render.default_device()
         if self.pipe is None:
             source = parts.source(
                 s.pretrained,
@@ -140,26 +139,26 @@ class Validator:
                 single_file_config=s.single_file_config,
             )
             swap = s.blocks_to_swap
-            self.pipe = sample.load_pipeline(family, source, None, device, swap)
+            self.pipe = render.load_pipeline(family, source, None, device, swap)
         if self.writer is None:
             tracked = TrackingConfig(**s.tracking) if s.tracking else None
             self.writer = ValidationReport(s.run_dir, s.tensorboard, tracked)
         try:
-            weights = sample.find_weights(local)
-            sample.apply_weights(self.pipe, family, weights, device, None, s.blocks_to_swap)
+            weights = render.find_weights(local)
+            render.apply_weights(self.pipe, family, weights, device, None, s.blocks_to_swap)
             options = family.pipeline_options(self.pipe)
             renders = prompts.resolve(_prompt_lines(s), family, _defaults(s))
-            rows = sample.render(self.pipe, options, renders)
+            rows = render.render(self.pipe, options, renders)
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        sheet = sample.grid(rows)
+        sheet = render.grid(rows)
         fs, folder = storage.resolve(storage.join(s.run_dir, VALIDATION))
         seconds = time.perf_counter() - started
         record = {"step": step, "checkpoint": path, "seconds": seconds}
         record |= {"started_at": started_at, "finished_at": time.time()}
         record |= {"prompts": [r.prompt for r in renders], "seeds": s.seeds, "steps": s.steps}
         record["lines"] = [r.record() for r in renders]  # each prompt's options, as rendered
-        storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", sample.png_bytes(sheet))
+        storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", render.png_bytes(sheet))
         storage.write_json_atomic(fs, f"{folder}/step_{step:06d}.json", record)
         self.writer.image(step, np.asarray(sheet), seconds)
         metrics.gauge("raytuner_validation_time_s", seconds, self.run)
@@ -209,7 +208,7 @@ def start(job, run_dir: str):
         return None, []
     from raytuner.families import get_family
 
-    width, height = sample.default_size(job, get_family(job.model.family))
+    width, height = render.default_size(job, get_family(job.model.family))
     spec = RenderSpec(
         family=job.model.family,
         pretrained=job.model.pretrained,

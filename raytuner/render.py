@@ -16,18 +16,16 @@ import pyarrow.fs as pafs
 import torch
 from PIL import Image
 
-from raytuner import placement, storage
+from raytuner import placement, runs, storage
 from raytuner.prompts import Defaults, PromptLine, Render, resolve
-from raytuner.train.export import DIFFUSERS_FILE, KOHYA_FILE
-from raytuner.train.state import EXPORT, STATE, checkpoint_folders
-from raytuner.train.weights import LORA_DIR, MODEL_DIR
+from raytuner.runs import DIFFUSERS_FILE, EXPORT, KOHYA_FILE, LORA_DIR, MODEL_DIR
 
 LATEST = "latest"  # --checkpoint: the run's newest complete checkpoint
 BASE = "base"  # --checkpoint: the pretrained model alone, for comparison
 
 
 @dataclass(frozen=True)
-class Weights:
+class ExportedWeights:
     """Trained weights on local disk: a LoRA safetensors file or a model folder holding
     ``<denoiser part>/``."""
 
@@ -44,44 +42,44 @@ def local_copy(fs: pafs.FileSystem, path: str, scratch: str) -> str:
     return target
 
 
-def find_weights(path: str) -> Weights:
+def find_weights(path: str) -> ExportedWeights:
     """What a user may point at: a checkpoint folder, its ``export/``, the run's ``lora/`` or
     ``model/`` folder, a LoRA safetensors file (diffusers or kohya keys)."""
     p = Path(path)
     if p.is_file():
         if p.suffix != ".safetensors":
             raise ValueError(f"{path}: a LoRA file must be .safetensors")
-        return Weights("lora", str(p))
+        return ExportedWeights("lora", str(p))
     if not p.is_dir():
         raise FileNotFoundError(f"{path}: no such file or folder")
     for folder in (p / EXPORT, p):
         if (folder / LORA_DIR / DIFFUSERS_FILE).is_file():
-            return Weights("lora", str(folder / LORA_DIR / DIFFUSERS_FILE))
+            return ExportedWeights("lora", str(folder / LORA_DIR / DIFFUSERS_FILE))
         if (folder / MODEL_DIR).is_dir():
-            return Weights("model", str(folder / MODEL_DIR))
+            return ExportedWeights("model", str(folder / MODEL_DIR))
     for name in (DIFFUSERS_FILE, KOHYA_FILE):
         if (p / name).is_file():
-            return Weights("lora", str(p / name))
+            return ExportedWeights("lora", str(p / name))
     if any(p.glob("*/config.json")):  # model/: the denoiser folder inside
-        return Weights("model", str(p))
+        return ExportedWeights("model", str(p))
     if (p / "config.json").is_file():  # model/<part>/
-        return Weights("model", str(p.parent))
+        return ExportedWeights("model", str(p.parent))
     raise FileNotFoundError(
         f"{path}: no trained weights found (expected a checkpoint folder, export/, lora/, "
         f"model/ or a .safetensors LoRA)"
     )
 
 
-def latest_checkpoint(run_dir: str) -> tuple[pafs.FileSystem, str]:
-    """The run's newest complete checkpoint folder (``state.json`` is written last)."""
-    fs, folders = checkpoint_folders(run_dir)
-    for folder in folders:
-        if storage.exists(fs, storage.join(folder, STATE)):
-            return fs, folder
-    raise FileNotFoundError(f"no complete checkpoint under {run_dir}: train the job first")
+def latest_checkpoint(output: str, name: str) -> tuple[pafs.FileSystem, str]:
+    """The newest complete checkpoint of the job's runs (a run started beside it with
+    ``checkpoint.resume = false`` included)."""
+    if (found := runs.latest_checkpoint(output, name)) is None:
+        where = runs.run_dir(output, name)
+        raise FileNotFoundError(f"no complete checkpoint under {where}: train the job first")
+    return found
 
 
-def load_pipeline(family, source, weights: Weights | None, device: str, blocks_to_swap=0):
+def load_pipeline(family, source, weights: ExportedWeights | None, device: str, blocks_to_swap=0):
     """The family's pipeline on ``device``, its weights in ``source.dtype`` (``model.dtype``:
     bfloat16 on CUDA, float32 on a CPU by default), with ``weights`` applied, the denoiser's
     last ``blocks_to_swap`` blocks streamed as in training (``memory.blocks_to_swap``)."""
@@ -92,7 +90,7 @@ def load_pipeline(family, source, weights: Weights | None, device: str, blocks_t
 
 
 def apply_weights(
-    pipe, family, weights: Weights | None, device: str, dtype=None, blocks_to_swap=0
+    pipe, family, weights: ExportedWeights | None, device: str, dtype=None, blocks_to_swap=0
 ) -> None:
     """Put ``weights`` into ``pipe`` in place of any applied before (a LoRA is unloaded first;
     a fine-tuned denoiser replaces the current one, loaded in ``dtype``), then place it."""
@@ -180,9 +178,8 @@ def sample(job, checkpoint: str, lines: list[PromptLine], defaults: Defaults, ou
 
     family = get_family(job.model.family)
     renders = resolve(lines, family, defaults)  # refuses what the family cannot render
-    run_dir = storage.join(storage.absolute(job.train.output), job.train.name)
     if checkpoint == LATEST:
-        fs, source = latest_checkpoint(run_dir)
+        fs, source = latest_checkpoint(job.train.output, job.train.name)
     elif checkpoint != BASE:
         fs, source = storage.resolve(checkpoint)
     device = default_device()

@@ -1,0 +1,125 @@
+"""raytuner's Python API: the operations a user scripts. `raytuner …` (``cli.py``) and the demo
+are thin callers of these; ``import raytuner`` gives them (``raytuner.train(job)``…).
+
+    import raytuner
+
+    job = raytuner.load_job("jobs/tiny.toml", ["train.max_steps=20"])
+    raytuner.check(job)                       # what `raytuner check` refuses, as ConfigError
+    report = raytuner.preprocess(job)         # the cache's report (dict)
+    summary = raytuner.train(job)             # step, loss, where the LoRA / model went
+    files = raytuner.sample(job, ["a red circle"], seeds=[0, 1])
+    fit = raytuner.plan(job, "24GiB")         # memory per worker, what fits
+
+Each call connects to Ray where it needs it (``RAY_ADDRESS``, else a local Ray). Torch, Ray and
+diffusers are imported inside the calls: importing the API is cheap.
+"""
+
+from __future__ import annotations
+
+from raytuner.config import ConfigError, JobConfig, load_job
+
+__all__ = ["ConfigError", "JobConfig", "check", "load_job", "plan", "preprocess", "run"]
+__all__ += ["sample", "train"]
+
+
+def check(job: JobConfig, family=None, where: str = "job") -> None:
+    """Refuse (``ConfigError``) what the job's family and this installation cannot run, before
+    anything starts; the config's own sections checked each other when it was loaded."""
+    from raytuner import placement
+    from raytuner.families import get_family, parts
+    from raytuner.jobcheck import check_job
+    from raytuner.train.optim import missing_package
+
+    if family is None:
+        try:
+            family = get_family(job.model.family)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    if package := missing_package(job.train.optimizer):
+        raise ConfigError(
+            f"{where}: train.optimizer = {job.train.optimizer!r} needs the {package} package: "
+            "pip install 'raytuner[lowvram]', or use adamw or adafactor"
+        )
+    source = parts.model_source(job.model, "cpu")  # a released repo: architecture from the package
+    try:
+        check_job(job, family)
+        placement.check(job.memory, family, source)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def preprocess(job: JobConfig) -> dict:
+    """Bring the job's cache up to date with its images; returns the preprocess report."""
+    from raytuner import runtime
+    from raytuner.data.preprocess import preprocess as encode
+
+    runtime.connect()
+    return encode(job.model, job.data, job.preprocess, job.train.name)
+
+
+def train(job: JobConfig) -> dict:
+    """Train (or resume) the job's run on its committed cache; returns the summary."""
+    from raytuner import runtime
+    from raytuner.train.trainer import train as fit
+
+    runtime.connect()
+    return fit(job)
+
+
+def run(job: JobConfig) -> dict:
+    """Preprocess, then train: ``{"report": …, **summary}``."""
+    report = preprocess(job)
+    return {"report": report, **train(job)}
+
+
+def sample(
+    job: JobConfig,
+    prompts: list[str] = (),
+    *,
+    prompts_file: str = "",
+    checkpoint: str = "latest",
+    seeds: list[int] = (0,),
+    steps: int = 20,
+    width: int = 0,
+    height: int = 0,
+    out: str = "samples",
+) -> list:
+    """Render ``prompts`` (and the lines of a kohya-style ``prompts_file``) with the job's
+    trained weights: ``checkpoint`` is "latest" (the newest checkpoint of the job's runs),
+    "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution.
+    Returns the files written under ``out``."""
+    from raytuner import prompts as prompt_lines
+    from raytuner.families import get_family
+    from raytuner.render import default_size
+    from raytuner.render import sample as render_sample
+
+    family = get_family(job.model.family)
+    lines = [prompt_lines.PromptLine(prompt=p) for p in prompts]
+    try:
+        lines += prompt_lines.read_prompts_file(prompts_file) if prompts_file else []
+        for line in lines:
+            prompt_lines.check_line(line, family)
+    except prompt_lines.PromptsError as e:
+        raise ConfigError(f"prompts file {prompts_file}: {e}") from None
+    if not lines:
+        raise ConfigError("sample: give at least one prompt or a prompts file")
+    v = job.validation  # its negative prompt and guidance scale apply here too
+    side_w, side_h = default_size(job, family)
+    defaults = prompt_lines.Defaults(
+        size=(width or side_w, height or side_h),
+        seeds=tuple(seeds),
+        steps=steps,
+        guidance_scale=v.guidance_scale,
+        negative_prompt=v.negative_prompt,
+    )
+    return render_sample(job, checkpoint, lines, defaults, out)
+
+
+def plan(job: JobConfig, gpu_memory: int | str | None = None) -> dict:
+    """What one training worker holds at its peak (weights, optimizer, activations) and, with
+    ``gpu_memory`` (bytes or "24GiB"), the settings that fit it."""
+    from raytuner.plan import plan as size_up
+    from raytuner.plan_output import parse_size
+
+    memory = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    return size_up(job, memory)
