@@ -130,14 +130,7 @@ class Validator:
         started, started_at, s = time.perf_counter(), time.time(), self.spec
         family, device = get_family(s.family), render.default_device()
         if self.pipe is None:
-            source = parts.source(
-                s.pretrained,
-                s.revision,
-                s.dtype,
-                device,
-                family=s.family,
-                single_file_config=s.single_file_config,
-            )
+            source = parts.model_source(s, device)  # the spec carries [model]'s fields
             swap = s.blocks_to_swap
             self.pipe = render.load_pipeline(family, source, None, device, swap)
         if self.writer is None:
