@@ -172,7 +172,8 @@ def test_grow_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tm
             ],
         )[0]
         driver.wait_for(f"checkpoint {jit} committed", lambda: committed(run_dir) == jit)
-        assert jit >= drained_at and jit % EVERY, "not a just-in-time checkpoint"
+        # the line comes from the preemption path only; its step may also be a multiple of EVERY
+        assert jit >= drained_at, "a preemption checkpoint older than the drain"
 
         # the node goes: the group shrinks to 1 worker and goes on from the preemption checkpoint
         lost = time.monotonic()
