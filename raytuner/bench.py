@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -95,8 +96,11 @@ def bench_preprocess(job: JobConfig, images: int, as_json: bool, rounds: int = 3
             cache_r = os.path.join(workdir, f"cache-{r}")
             return preprocess(job.model, dataclasses.replace(data, cache=cache_r), job.preprocess)
 
+        def bare(r: int) -> tuple[int, float]:
+            return _bare(job, data)
+
         load_before = load_average()
-        sides = alternate(rounds, {"pipeline": pipeline, "bare": lambda r: _bare(job, data)})
+        sides = alternate(rounds, {"pipeline": pipeline, "bare": bare}, wait_for_quiet)
         load_after = load_average()
         first = os.path.join(workdir, "cache-0")  # every round's cache holds the same rows
         version = cache.Version(first, cache.fingerprint(job.model, job.preprocess))
@@ -140,16 +144,32 @@ def _startup(reports: list[dict]) -> tuple[float | None, float | None]:
     return statistics.median(firsts), statistics.median(marginal) if marginal else None
 
 
-def alternate(rounds: int, sides: dict[str, Callable[[int], object]]) -> dict[str, list]:
+def alternate(
+    rounds: int, sides: dict[str, Callable[[int], object]], settle: Callable[[], object] = None
+) -> dict[str, list]:
     """Each side called once a round, in turn (A B A B …): {side: [its result each round]}.
-    Alternating spreads the machine's slow and fast spells over both sides."""
+    Alternating spreads the machine's slow and fast spells over both sides; ``settle``, called
+    before each side, waits for what the previous side left running (e.g. ``wait_for_quiet``)."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, not {rounds}")
     out: dict[str, list] = {name: [] for name in sides}
     for r in range(rounds):
         for name, side in sides.items():
+            if settle is not None:
+                settle()
             out[name].append(side(r))
     return out
+
+
+def wait_for_quiet(busy_percent: float = 25.0, max_s: float = 5.0) -> float:
+    """Wait until the machine's CPUs are less than ``busy_percent`` busy over half a second
+    (Ray workers of the side before still exiting, an export finishing), at most ``max_s``;
+    returns the seconds waited. A shared machine may never be quiet: then it goes on."""
+    start = time.monotonic()
+    while time.monotonic() - start < max_s:
+        if psutil.cpu_percent(interval=0.5) < busy_percent:
+            break
+    return time.monotonic() - start
 
 
 def spread(values: list[float]) -> float:

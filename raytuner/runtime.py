@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import ray
 
@@ -35,22 +34,29 @@ def connect(num_cpus: int | None = None) -> None:
     DataContext.get_current().enable_progress_bars = False
 
 
-def wait_for_resources(need: dict[str, float], timeout_s: float, what: str) -> None:
-    """Return once the cluster has ``need`` free at the same time; after ``timeout_s`` seconds
-    (an autoscaler may be adding nodes meanwhile) fail naming what was asked and what exists,
-    instead of leaving Ray to retry the placement forever."""
-    need = {k: v for k, v in need.items() if v > 0}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        free = ray.available_resources()
-        if all(free.get(k, 0.0) >= v - 1e-9 for k, v in need.items()):
+def wait_for_resources(bundles: list[dict[str, float]], timeout_s: float, what: str) -> None:
+    """Return once the cluster holds ``bundles`` (one per worker) at the same time.
+
+    The wait is a placement group of those bundles, removed when it is ready: a pending group
+    is demand an autoscaler sees, so on an autoscaling cluster (idle nodes removed, or none
+    yet) the nodes are started for it; the ``available_resources`` poll this replaced asked
+    for nothing and failed there after ``timeout_s``. After ``timeout_s`` seconds it fails
+    naming what was asked and what exists, instead of leaving Ray to retry forever."""
+    bundles = [{k: v for k, v in b.items() if v > 0} for b in bundles]
+    bundles = [b for b in bundles if b]
+    if not bundles:
+        return
+    group = ray.util.placement_group(bundles, strategy="PACK")
+    try:
+        if group.wait(timeout_seconds=timeout_s):
             return
-        if time.monotonic() >= deadline:
-            total = ray.cluster_resources()
-            show = lambda r: ", ".join(f"{r.get(k, 0.0):g} {k}" for k in need)  # noqa: E731
-            raise RuntimeError(
-                f"{what} need {show(need)} at once; the cluster has {show(total)} in all and "
-                f"{show(free)} free after waiting {timeout_s:g} s (scaling.resource_wait_s): "
-                "lower scaling.workers / cpus_per_worker / gpus_per_worker, or add nodes"
-            )
-        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+    finally:
+        ray.util.remove_placement_group(group)
+    need = {k: sum(b.get(k, 0.0) for b in bundles) for b in bundles for k in b}
+    total, free = ray.cluster_resources(), ray.available_resources()
+    show = lambda r: ", ".join(f"{r.get(k, 0.0):g} {k}" for k in need)  # noqa: E731
+    raise RuntimeError(
+        f"{what} need {show(need)} at once; the cluster has {show(total)} in all and "
+        f"{show(free)} free after waiting {timeout_s:g} s (scaling.resource_wait_s): "
+        "lower scaling.workers / cpus_per_worker / gpus_per_worker, or add nodes"
+    )

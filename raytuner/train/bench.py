@@ -18,7 +18,14 @@ import time
 import torch
 
 from raytuner import runtime
-from raytuner.bench import alternate, load_average, print_figures, round_figures, torch_threads
+from raytuner.bench import (
+    alternate,
+    load_average,
+    print_figures,
+    round_figures,
+    torch_threads,
+    wait_for_quiet,
+)
 from raytuner.config import JobConfig, ValidationConfig
 from raytuner.data.cache import fingerprint, read_manifest
 from raytuner.data.preprocess import preprocess
@@ -132,7 +139,7 @@ def bench_train(job: JobConfig, steps: int, as_json: bool, rounds: int = 3) -> d
             return bare_loop(job, steps, threads[-1], batches)
 
         load_before = load_average()
-        sides = alternate(rounds, {"pipeline": pipeline, "bare": bare})
+        sides = alternate(rounds, {"pipeline": pipeline, "bare": bare}, wait_for_quiet)
         load_after = load_average()
     metrics = sides["pipeline"]
     rates = {"pipeline": [m["samples_per_s"] for m in metrics], "bare": sides["bare"]}

@@ -102,15 +102,16 @@ def finished_checkpoint(run_dir: str, max_steps: int) -> ray.train.Checkpoint | 
 
 def _wait_for_workers(job: JobConfig) -> None:
     """The smallest worker group (and the validation actor) must fit the cluster within
-    ``scaling.resource_wait_s``: Ray Train would otherwise retry its start every minute."""
+    ``scaling.resource_wait_s`` (an autoscaler starts nodes for it meanwhile): Ray Train would
+    otherwise retry its start every minute."""
     s, v = job.scaling, job.validation
     fewest = s.workers[0] if isinstance(s.workers, list) else s.workers
     gpus = (s.gpus_per_worker or 1.0) if s.use_gpu else 0.0
-    need = {"CPU": fewest * s.cpus_per_worker, "GPU": fewest * gpus}
+    bundles = [{"CPU": s.cpus_per_worker, "GPU": gpus}] * fewest
     if v.every_steps:
-        need = {"CPU": need["CPU"] + v.cpus, "GPU": need["GPU"] + v.gpus}
+        bundles.append({"CPU": v.cpus, "GPU": v.gpus})
     what = f"{fewest} training workers" + (" and the validation actor" if v.every_steps else "")
-    runtime.wait_for_resources(need, s.resource_wait_s, what)
+    runtime.wait_for_resources(bundles, s.resource_wait_s, what)
 
 
 def failure_config(c) -> ray.train.FailureConfig:
