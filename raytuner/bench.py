@@ -145,7 +145,9 @@ def _startup(reports: list[dict]) -> tuple[float | None, float | None]:
 
 
 def alternate(
-    rounds: int, sides: dict[str, Callable[[int], object]], settle: Callable[[], object] = None
+    rounds: int,
+    sides: dict[str, Callable[[int], object]],
+    settle: Callable[[], object] | None = None,
 ) -> dict[str, list]:
     """Each side called once a round, in turn (A B A B …): {side: [its result each round]}.
     Alternating spreads the machine's slow and fast spells over both sides; ``settle``, called

@@ -52,7 +52,7 @@ def wait_for_resources(bundles: list[dict[str, float]], timeout_s: float, what: 
             return
     finally:
         ray.util.remove_placement_group(group)
-    need = {k: sum(b.get(k, 0.0) for b in bundles) for b in bundles for k in b}
+    need = {k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}
     total, free = ray.cluster_resources(), ray.available_resources()
     show = lambda r: ", ".join(f"{r.get(k, 0.0):g} {k}" for k in need)  # noqa: E731
     raise RuntimeError(

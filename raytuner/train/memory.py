@@ -27,9 +27,9 @@ def _anon_bytes() -> int | None:
 
 class PeakMemory:
     """Peak RSS and anonymous memory since ``start``, sampled every ``interval_s``, and at every
-    ``peaks()`` call. Each sample takes the GIL from the training thread: every 20 ms cost a
-    tiny CPU step loop about 10 % of its rate (`raytuner bench train`), every 100 ms nothing
-    measurable; a memory that grows with the dataset grows for longer than that."""
+    ``peaks()`` call. Each sample takes the GIL from the training thread: every 20 ms cost the
+    tiny job's bare CPU step loop about 10 % of its rate (alternated rounds), every 100 ms
+    nothing measurable; a memory that grows with the dataset grows for longer than that."""
 
     def __init__(self, interval_s: float = 0.1) -> None:
         self.interval_s = interval_s
