@@ -2,12 +2,13 @@
 a user drives it: `raytuner train` is a separate driver process joined to the cluster.
 
 One run lives through every interruption in turn:
-1. it starts with `scaling.workers = [1, 2]` on a head node with room for one worker;
-2. a second node joins -> Ray Train's elastic policy grows the group to 2 workers;
-3. that node is drained with the preemption reason (`ray drain-node`, what a cloud autoscaler
+1. it starts with `scaling.workers = [1, 2]` on two nodes with room for one worker each, as a
+   group of 2 (growth onto nodes as they come: `tests/test_autoscaling.py`, where an autoscaler
+   starts them);
+2. the second node is drained with the preemption reason (`ray drain-node`, what a cloud autoscaler
    does on a spot reclaim) -> every rank takes a checkpoint at the current step; the node is
    then removed -> the group shrinks to 1 worker and continues from that checkpoint;
-4. the driver is SIGKILLed and the newest checkpoint damaged -> the same job submitted again
+3. the driver is SIGKILLed and the newest checkpoint damaged -> the same job submitted again
    skips the damaged checkpoint and resumes from the one before;
 and it ends at exactly `train.max_steps`, having trained every scheduled global batch, with a
 LoRA that the diffusers pipeline loads.
@@ -128,17 +129,15 @@ def cluster(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_grow_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tmp_path):
+def test_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tmp_path):
     run_dir = f"{load_job(job_file).train.output}/elastic"
+    node = cluster.add_node(**NODE)
+    cluster.wait_for_nodes()
     driver = Driver(job_file, cluster.address, tmp_path / "driver-1.log", "train.max_steps=2000")
     try:
-        # 1 -> 2 workers when a node joins
-        driver.wait_for("a step on 1 worker", lambda: attempts(run_dir))
-        node = cluster.add_node(**NODE)
-        grown = driver.wait_for(
-            "a step on 2 workers", lambda: [a for a in attempts(run_dir) if a[0] == 2]
-        )
-        assert [w for w, _ in attempts(run_dir)] == [1, 2]
+        # both nodes are up when the run starts: a group of 2 workers
+        grown = driver.wait_for("a step", lambda: attempts(run_dir))
+        assert [w for w, _ in grown] == [2], grown
 
         # the node's preemption is announced: every rank checkpoints at the step it is at
         drained_at = max(grown[0][1])
@@ -178,7 +177,7 @@ def test_grow_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tm
         # the node goes: the group shrinks to 1 worker and goes on from the preemption checkpoint
         lost = time.monotonic()
         cluster.remove_node(node)
-        shrunk = driver.wait_for("a step after the node loss", lambda: attempts(run_dir)[2:])
+        shrunk = driver.wait_for("a step after the node loss", lambda: attempts(run_dir)[1:])
         node_loss_s = time.monotonic() - lost
         # resumed from the preemption checkpoint, or from a regular one the group committed
         # after it while the node was still up: nothing finished before the notice is redone
@@ -214,8 +213,8 @@ def test_grow_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tm
     print(f"node removed -> training again on 1 worker: {node_loss_s:.1f} s")
 
     history = attempts(run_dir)
-    assert [w for w, _ in history] == [1, 2, 1, 1], history
-    assert min(history[3][1]) - 1 == fallback, (fallback, killed_after)
+    assert [w for w, _ in history] == [2, 1, 1], history
+    assert min(history[2][1]) - 1 == fallback, (fallback, killed_after)
     assert "skipping unreadable checkpoint" in again.output()
     # no step skipped, none trained twice (the killed attempt's steps past the resumed
     # checkpoint were redone; those past the shortened max_steps are not part of this run)
