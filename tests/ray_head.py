@@ -8,10 +8,12 @@ import contextlib
 import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 
@@ -80,4 +82,57 @@ def stop_cluster(head: subprocess.Popen, temp_dir: str) -> list[str]:
         with contextlib.suppress(psutil.Error):
             if p.status() != psutil.STATUS_ZOMBIE:  # dead, only not yet reaped by its parent
                 left.append(f"{p.pid} {' '.join(p.cmdline())[:200]}")
+    return left
+
+
+def private_env(token: str, **extra: str) -> dict[str, str]:
+    """This process's environment for a private head, its nodes and its clients: no inherited
+    cluster address, the fresh auth ``token`` in RAY_AUTH_TOKEN (it wins over ~/.ray's file),
+    a head that shuts down on SIGTERM without first draining its work; plus ``extra``."""
+    drop = {"RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=token,
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # default: wait up to 30 s for running work
+        **extra,
+    )
+    return env
+
+
+def start_head(
+    ray: str, temp_dir: str, ports: list[int], env: dict[str, str], log: Path, *extra: str
+) -> subprocess.Popen:
+    """`ray start --head --block` on ``ports`` (gcs, dashboard, client, agent, metrics, from
+    `free_ports(5)`), the private ``temp_dir``, its output in ``log``; ``extra``: more flags."""
+    gcs, dashboard, client, agent, metrics = ports
+    cmd = [
+        ray, "start", "--head", "--block", "--disable-usage-stats",
+        f"--temp-dir={temp_dir}", f"--port={gcs}", *extra,
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+        # These default to fixed ports (10001, 52365, 10002-19999) that other clusters use
+        # too; worker ports 0 = ports the OS picks. The other ports are random by default.
+        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+        "--min-worker-port=0", "--max-worker-port=0", f"--metrics-export-port={metrics}",
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=terminate_with_parent,
+        )
+
+
+def stop_and_keep_logs(head: subprocess.Popen, temp_dir: str, keep: Path) -> list[str]:
+    """`stop_cluster`, then the cluster's logs copied to ``keep``/ray_logs (a test's tmp_path)
+    and its private temp dir removed; returns the processes that survived (none, normally)."""
+    left = stop_cluster(head, temp_dir)
+    logs = Path(temp_dir) / "session_latest" / "logs"
+    if logs.is_dir():
+        shutil.copytree(logs, keep / "ray_logs", ignore_dangling_symlinks=True)
+    shutil.rmtree(temp_dir, ignore_errors=True)
     return left

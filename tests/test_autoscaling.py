@@ -23,10 +23,8 @@ clusters on the machine are left alone, so no `ray stop` here.
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from ray_head import free_ports, stop_cluster, terminate_with_parent
+from ray_head import free_ports, private_env, start_head, stop_and_keep_logs
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, whatever is on PATH
@@ -169,25 +167,21 @@ def autoscaling_cluster(tmp_path: Path) -> Iterator[Cluster]:
     # Token auth as in test_job_submit.py: a fresh token in RAY_AUTH_TOKEN, read by the head,
     # by the nodes the autoscaler starts (they inherit its environment) and by the driver.
     token = secrets.token_hex(32)
-    drop = {"RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(
-        RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN=token,
-        # On SIGTERM the head first drains the node, waiting up to 30 s for running work.
-        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+    ports = free_ports(5)
+    gcs, dashboard = ports[:2]
+    env = private_env(
+        token,
         # the fake provider refuses to start without it
         RAY_FAKE_CLUSTER="1",
         # the autoscaler's loop every second (default 5 s)
         AUTOSCALER_UPDATE_INTERVAL_S="1",
         # Ray Train waits this long for a worker group it decided to start (default 60 s)
         RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="30",
+        # The state API's clients inside the cluster (Ray Train's controller helpers) find the
+        # dashboard here, not by looking for Ray processes on the machine (other clusters
+        # there would make that ambiguous).
+        RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{dashboard}",
     )
-    gcs, dashboard, client, agent, metrics = free_ports(5)
-    # The state API's clients inside the cluster (Ray Train's controller helpers) find the
-    # dashboard here, not by looking for Ray processes on the machine (other clusters there
-    # would make that ambiguous).
-    env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard}"
     # The nodes join the GCS at the address the head announces (the machine's IP, never
     # 127.0.0.1), so that every process of the cluster names the same GCS.
     import ray.util
@@ -195,38 +189,16 @@ def autoscaling_cluster(tmp_path: Path) -> Iterator[Cluster]:
     gcs_address = f"{ray.util.get_node_ip_address()}:{gcs}"
     config = tmp_path / "autoscaling.json"
     config.write_text(json.dumps(autoscaling_config(gcs_address), indent=2))
-    cmd = [
-        RAY, "start", "--head", "--block", "--disable-usage-stats",
-        f"--temp-dir={temp_dir}", "--num-cpus=0", f"--port={gcs}",
-        f"--autoscaling-config={config}",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-        # These default to fixed ports that other clusters use too; worker ports 0 = ports
-        # the OS picks. The fake nodes take ports the OS picks as well.
-        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-        "--min-worker-port=0", "--max-worker-port=0", f"--metrics-export-port={metrics}",
-    ]  # fmt: skip
     log = tmp_path / "ray_start.log"
-    with open(log, "w") as out:
-        head = subprocess.Popen(
-            cmd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=terminate_with_parent,
-        )
+    # the fake nodes take ports the OS picks
+    extra = ("--num-cpus=0", f"--autoscaling-config={config}")
+    head = start_head(RAY, temp_dir, ports, env, log, *extra)
     cluster = Cluster(gcs_address, f"http://127.0.0.1:{dashboard}", token, env, temp_dir, log)
     try:
         _wait_until_ready(cluster, head)
         yield cluster
     finally:
-        left = stop_cluster(head, temp_dir)
-        # Keep the cluster's logs with the test's tmp_path, then remove the private temp dir.
-        logs = Path(temp_dir) / "session_latest" / "logs"
-        if logs.is_dir():
-            shutil.copytree(logs, tmp_path / "ray_logs", ignore_dangling_symlinks=True)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        left = stop_and_keep_logs(head, temp_dir, tmp_path)
         assert not left, "processes of the test's Ray cluster survived:\n" + "\n".join(left)
 
 

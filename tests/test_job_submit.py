@@ -12,10 +12,8 @@ clusters on the machine (other tests, other people) are left alone, so no `ray s
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ray_head import free_ports, stop_cluster, terminate_with_parent
+from ray_head import free_ports, private_env, start_head, stop_and_keep_logs
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, whatever is on PATH
@@ -106,49 +104,19 @@ def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
     # token in RAY_AUTH_TOKEN (it wins over the file). The cluster's processes, the job's
     # driver (which inherits the raylet's environment) and the `ray` CLI all read it there.
     token = secrets.token_hex(32)
-    drop = {"RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(
-        RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN=token,
-        # On SIGTERM the head first drains the node, waiting up to 30 s for running work.
-        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-        # export metrics every second (default 10 s): the tiny job's workers live seconds
-        RAY_metrics_report_interval_ms="1000",
-    )
-    gcs, dashboard, client, agent, metrics = free_ports(5)
-    cmd = [
-        RAY, "start", "--head", "--block", "--disable-usage-stats",
-        f"--temp-dir={temp_dir}", "--num-cpus=4", f"--port={gcs}",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-        # These default to fixed ports (10001, 52365, 10002-19999) that other clusters use
-        # too; worker ports 0 = ports the OS picks. The other ports are random by default.
-        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-        "--min-worker-port=0", "--max-worker-port=0", f"--metrics-export-port={metrics}",
-    ]  # fmt: skip
+    # export metrics every second (default 10 s): the tiny job's workers live seconds
+    env = private_env(token, RAY_metrics_report_interval_ms="1000")
+    ports = free_ports(5)
+    _, dashboard, _, _, metrics = ports
     log = tmp_path / "ray_start.log"
-    with open(log, "w") as out:
-        head = subprocess.Popen(
-            cmd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=terminate_with_parent,
-        )
+    head = start_head(RAY, temp_dir, ports, env, log, "--num-cpus=4")
     urls = f"http://127.0.0.1:{dashboard}", f"http://127.0.0.1:{metrics}/metrics"
     cluster = Cluster(*urls, token, env, temp_dir, log)
     try:
         _wait_until_ready(cluster, head)
         yield cluster
     finally:
-        left = stop_cluster(head, temp_dir)
-        # Keep the cluster's logs with the test's tmp_path, then remove the private temp dir.
-        logs = Path(temp_dir) / "session_latest" / "logs"
-        if logs.is_dir():
-            shutil.copytree(logs, tmp_path / "ray_logs", ignore_dangling_symlinks=True)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        left = stop_and_keep_logs(head, temp_dir, tmp_path)
         assert not left, "processes of the test's Ray cluster survived:\n" + "\n".join(left)
 
 
