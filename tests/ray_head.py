@@ -13,9 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import pytest
 
 
 def free_ports(n: int) -> list[int]:
@@ -136,3 +140,33 @@ def stop_and_keep_logs(head: subprocess.Popen, temp_dir: str, keep: Path) -> lis
         shutil.copytree(logs, keep / "ray_logs", ignore_dangling_symlinks=True)
     shutil.rmtree(temp_dir, ignore_errors=True)
     return left
+
+
+def private_temp_dir() -> str:
+    """A fresh /tmp/rtXXXXXXXX for a head: Ray's unix sockets live in <temp dir>/session_*/
+    sockets/ and a socket path may not exceed ~107 bytes, too short under pytest's tmp_path."""
+    return tempfile.mkdtemp(prefix="rt")
+
+
+def wait_until_ready(
+    head: subprocess.Popen, ready: Callable[[], bool], log: Path, timeout_s: float
+) -> None:
+    """Poll ``ready()`` every second until it is true; fail (with the end of ``log``, the
+    output of `ray start`) if the head exits first or ``timeout_s`` passes. ``ready`` may
+    raise OSError, ValueError or KeyError while the dashboard comes up."""
+
+    def tail() -> str:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            pytest.fail(f"`ray start` exited with {head.returncode}:\n{tail()}")
+        try:
+            if ready():
+                return
+        except (OSError, ValueError, KeyError) as e:
+            last = e
+        time.sleep(1)
+    pytest.fail(f"Ray head not ready after {timeout_s}s ({last!r}):\n{tail()}")

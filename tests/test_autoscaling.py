@@ -28,7 +28,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -38,7 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from ray_head import free_ports, private_env, start_head, stop_and_keep_logs
+from ray_head import (
+    free_ports,
+    private_env,
+    private_temp_dir,
+    start_head,
+    stop_and_keep_logs,
+    wait_until_ready,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, whatever is on PATH
@@ -135,35 +141,14 @@ class Cluster:
             if n["state"] == "ALIVE" and not n.get("is_head_node")
         ]
 
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
     def autoscaler_log(self) -> str:
         path = Path(self.temp_dir, "session_latest", "logs", "monitor.log")
         return path.read_text(errors="replace") if path.is_file() else ""
 
 
-def _wait_until_ready(cluster: Cluster, head: subprocess.Popen) -> None:
-    """Until the dashboard's state API lists the head node."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            pytest.fail(f"`ray start` exited with {head.returncode}:\n{cluster.log_tail()}")
-        try:
-            if any(n.get("is_head_node") for n in cluster.state("nodes")):
-                return
-        except (OSError, ValueError, KeyError) as e:
-            last = e
-        time.sleep(1)
-    pytest.fail(f"Ray head not ready after {START_TIMEOUT_S}s ({last!r}):\n{cluster.log_tail()}")
-
-
 @pytest.fixture
 def autoscaling_cluster(tmp_path: Path) -> Iterator[Cluster]:
-    # Ray's unix sockets live in <temp dir>/session_*/sockets/ and a socket path may not
-    # exceed ~107 bytes, too short for pytest's tmp_path: use /tmp/rtXXXXXXXX.
-    temp_dir = tempfile.mkdtemp(prefix="rt")
+    temp_dir = private_temp_dir()
     # Token auth as in test_job_submit.py: a fresh token in RAY_AUTH_TOKEN, read by the head,
     # by the nodes the autoscaler starts (they inherit its environment) and by the driver.
     token = secrets.token_hex(32)
@@ -195,7 +180,9 @@ def autoscaling_cluster(tmp_path: Path) -> Iterator[Cluster]:
     head = start_head(RAY, temp_dir, ports, env, log, *extra)
     cluster = Cluster(gcs_address, f"http://127.0.0.1:{dashboard}", token, env, temp_dir, log)
     try:
-        _wait_until_ready(cluster, head)
+        # the dashboard's state API lists the head node
+        ready = lambda: any(n.get("is_head_node") for n in cluster.state("nodes"))  # noqa: E731
+        wait_until_ready(head, ready, log, START_TIMEOUT_S)
         yield cluster
     finally:
         left = stop_and_keep_logs(head, temp_dir, tmp_path)

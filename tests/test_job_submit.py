@@ -16,7 +16,6 @@ import re
 import secrets
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,7 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ray_head import free_ports, private_env, start_head, stop_and_keep_logs
+from ray_head import (
+    free_ports,
+    private_env,
+    private_temp_dir,
+    start_head,
+    stop_and_keep_logs,
+    wait_until_ready,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, whatever is on PATH
@@ -72,32 +78,10 @@ class Cluster:
         except OSError:  # not up yet, or busy
             return ""
 
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-
-def _wait_until_ready(cluster: Cluster, head: subprocess.Popen) -> None:
-    """Until the dashboard answers both /api/version and the jobs API."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            pytest.fail(f"`ray start` exited with {head.returncode}:\n{cluster.log_tail()}")
-        try:
-            cluster.get("/api/version")
-            cluster.get("/api/jobs/")
-            return
-        except (OSError, ValueError) as e:
-            last = e
-            time.sleep(1)
-    pytest.fail(f"Ray head not ready after {START_TIMEOUT_S}s ({last!r}):\n{cluster.log_tail()}")
-
 
 @pytest.fixture
 def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
-    # Ray's unix sockets live in <temp dir>/session_<timestamp>_<pid>/sockets/ and a socket
-    # path may not exceed ~107 bytes, too short for pytest's tmp_path: use /tmp/rtXXXXXXXX.
-    temp_dir = tempfile.mkdtemp(prefix="rt")
+    temp_dir = private_temp_dir()
     # Token auth: `ray start --head` turns it on by itself whenever it finds a token, e.g.
     # ~/.ray/auth_token (which any local `ray.init()` creates); each client then needs
     # RAY_AUTH_MODE=token and the token. Independently of ~/.ray, this cluster gets a fresh
@@ -112,8 +96,14 @@ def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
     head = start_head(RAY, temp_dir, ports, env, log, "--num-cpus=4")
     urls = f"http://127.0.0.1:{dashboard}", f"http://127.0.0.1:{metrics}/metrics"
     cluster = Cluster(*urls, token, env, temp_dir, log)
+
+    def ready() -> bool:  # the dashboard answers /api/version and the jobs API (or raises)
+        cluster.get("/api/version")
+        cluster.get("/api/jobs/")
+        return True
+
     try:
-        _wait_until_ready(cluster, head)
+        wait_until_ready(head, ready, log, START_TIMEOUT_S)
         yield cluster
     finally:
         left = stop_and_keep_logs(head, temp_dir, tmp_path)
