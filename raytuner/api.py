@@ -27,7 +27,7 @@ def check(job: JobConfig, family=None, where: str = "job") -> None:
     anything starts; the config's own sections checked each other when it was loaded."""
     from raytuner import placement
     from raytuner.families import get_family, parts
-    from raytuner.jobcheck import check_job
+    from raytuner.tools.check import check_job
     from raytuner.train.optim import missing_package
 
     if family is None:
@@ -51,7 +51,7 @@ def check(job: JobConfig, family=None, where: str = "job") -> None:
 def preprocess(job: JobConfig) -> dict:
     """Bring the job's cache up to date with its images; returns the preprocess report."""
     from raytuner import runtime
-    from raytuner.data.preprocess import preprocess as encode
+    from raytuner.preprocess.job import preprocess as encode
 
     runtime.connect()
     return encode(job.model, job.data, job.preprocess, job.train.name)
@@ -88,10 +88,10 @@ def sample(
     trained weights: ``checkpoint`` is "latest" (the newest checkpoint of the job's runs),
     "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution.
     Returns the files written under ``out``."""
-    from raytuner import prompts as prompt_lines
     from raytuner.families import get_family
-    from raytuner.render import default_size
-    from raytuner.render import sample as render_sample
+    from raytuner.render import prompts as prompt_lines
+    from raytuner.render.sample import default_size
+    from raytuner.render.sample import sample as render_sample
 
     family = get_family(job.model.family)
     lines = [prompt_lines.PromptLine(prompt=p) for p in prompts]
@@ -118,8 +118,8 @@ def sample(
 def plan(job: JobConfig, gpu_memory: int | str | None = None) -> dict:
     """What one training worker holds at its peak (weights, optimizer, activations) and, with
     ``gpu_memory`` (bytes or "24GiB"), the settings that fit it."""
-    from raytuner.plan import plan as size_up
-    from raytuner.plan_output import parse_size
+    from raytuner.tools.plan import plan as size_up
+    from raytuner.tools.plan_report import parse_size
 
     memory = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
     return size_up(job, memory)

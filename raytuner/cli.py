@@ -179,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def print_report(report: dict) -> None:
-    from raytuner.data.plan import report_lines
+    from raytuner.preprocess.worklist import report_lines
 
     print("\n".join(report_lines(report)))
 
@@ -215,7 +215,7 @@ def do_cache(job: JobConfig, args: argparse.Namespace) -> int:
         print(f"bad {b['path']}: {b['problem']}")
     if bad and args.repair:
         from raytuner import runtime
-        from raytuner.data.preprocess import preprocess
+        from raytuner.preprocess.job import preprocess
 
         runtime.connect()
         for path in verify.quarantine(version, bad):
@@ -239,7 +239,7 @@ def do_sample(job: JobConfig, args: argparse.Namespace) -> None:
 
 
 def do_plan(job: JobConfig, args: argparse.Namespace) -> int:
-    from raytuner.plan_output import print_plan
+    from raytuner.tools.plan_report import print_plan
 
     result = api.plan(job, args.gpu_memory)
     if args.json:
@@ -272,19 +272,19 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
         return do_plan(job, args)
     if args.command == "bench" and args.action == "preprocess":
-        from raytuner.bench import bench_preprocess
+        from raytuner.tools.bench.preprocess import bench_preprocess
 
         bench_preprocess(job, args.images, args.json, args.rounds)
     if args.command == "bench" and args.action == "train":
-        from raytuner.train.bench import bench_train
+        from raytuner.tools.bench.train import bench_train
 
         bench_train(job, args.steps, args.json, args.rounds)
     if args.command == "bench" and args.action == "feed":
-        from raytuner.train.feed_bench import bench_feed
+        from raytuner.tools.bench.feed import bench_feed
 
         bench_feed(job, args.rows, args.workers, args.steps, args.json, args.workdir)
     if args.command == "bench" and args.action == "step":
-        from raytuner.train.step_bench import bench_step
+        from raytuner.tools.bench.step import bench_step
 
         bench_step(job, args.steps, args.json)
     if args.command in ("preprocess", "run"):

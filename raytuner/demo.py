@@ -8,8 +8,8 @@ from pathlib import Path
 
 from raytuner import api
 from raytuner.config import load_job
-from raytuner.data.plan import report_lines
-from raytuner.demo_data import make_demo_images
+from raytuner.preprocess.worklist import report_lines
+from raytuner.tools.demo_images import make_demo_images
 
 DEMO_JOB = """\
 # Written by `raytuner demo`: a tiny random-weight SDXL-shaped model on drawn shapes.

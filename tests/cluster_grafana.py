@@ -2,7 +2,7 @@
 imports (a titled dashboard with a uid, panels with a type, an id of their own and a place on
 the grid, queries with a PromQL ``expr`` and a refId, the Prometheus data source picked through
 the ``$datasource`` variable as in Ray's own dashboards), and the series its queries name are
-exactly those raytuner emits (``raytuner.metrics``: every declared metric under its Prometheus
+exactly those raytuner emits (``observe/metrics.py``: every declared metric under its Prometheus
 name, ``ray_`` in front and ``_total`` after a counter's name)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from raytuner import metrics
+from raytuner.observe import metrics
 
 SERIES = re.compile(r"\bray_raytuner_\w+")
 

@@ -32,7 +32,7 @@ def ray_local():
 
 @pytest.fixture
 def demo_images(tmp_path: Path) -> Path:
-    from raytuner.demo_data import make_demo_images
+    from raytuner.tools.demo_images import make_demo_images
 
     return make_demo_images(tmp_path / "images", per_aspect=4)
 
@@ -83,7 +83,7 @@ def job_file(ray_local, tmp_path_factory) -> Path:
     from PIL import Image
 
     from raytuner.config import load_job
-    from raytuner.data.preprocess import preprocess
+    from raytuner.preprocess.job import preprocess
 
     root = tmp_path_factory.mktemp("skewed")
     rng = np.random.default_rng(0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from raytuner.demo_data import make_demo_images
+from raytuner.tools.demo_images import make_demo_images
 
 
 def _png(image: Image.Image, path: Path, caption: str | None = "a photo", **save) -> None:

@@ -296,7 +296,7 @@ def group_sizes(cluster: Cluster, name: str) -> list[int]:
 def test_autoscaler_adds_nodes_for_the_job_and_removes_them(
     autoscaling_cluster: Cluster, tmp_path: Path
 ) -> None:
-    from raytuner.demo_data import make_demo_images
+    from raytuner.tools.demo_images import make_demo_images
 
     cluster = autoscaling_cluster
     assert cluster.worker_nodes() == [], "the cluster starts with its head alone"

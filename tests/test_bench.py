@@ -95,7 +95,9 @@ def test_the_benches_time_the_training_step_itself():
     import ast
     import inspect
 
-    from raytuner.train import bench, loop, step, step_bench
+    from raytuner.tools.bench import step as step_bench
+    from raytuner.tools.bench import train as bench
+    from raytuner.train import loop, step
 
     assert loop.train_step is bench.train_step is step.train_step
     assert step_bench.step is step
@@ -110,7 +112,7 @@ def test_the_benches_time_the_training_step_itself():
 
 
 def test_rounds_alternate_the_two_sides_and_report_their_spread():
-    from raytuner.bench import alternate, round_figures
+    from raytuner.tools.bench.common import alternate, round_figures
 
     calls = []
     rates = alternate(3, {"pipeline": lambda r: calls.append(("A", r)) or 10.0 + r,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytuner.data.buckets import fit_to_bucket, make_buckets, nearest_bucket
+from raytuner.preprocess.buckets import fit_to_bucket, make_buckets, nearest_bucket
 
 
 def test_tiny_buckets_are_three_aspect_ratios():

@@ -37,7 +37,7 @@ import pytest
 from raytuner.config import load_job
 from raytuner.data import cache
 from raytuner.data.reader import CachedDataset, open_dataset
-from raytuner.demo_data import make_demo_images
+from raytuner.tools.demo_images import make_demo_images
 
 REPO = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 400

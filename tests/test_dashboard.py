@@ -1,5 +1,5 @@
 """The Grafana dashboard (cluster/grafana/raytuner-dashboard.json) shows every metric raytuner
-emits and no other: the metrics are declared in raytuner/metrics.py (``gauge`` and ``count``
+emits and no other: the metrics are declared in raytuner/observe/metrics.py (``gauge`` and ``count``
 refuse an undeclared name), every declared one is emitted somewhere in the code, every emitted
 literal name is declared, the dashboard's queries name exactly their Prometheus series (as Ray's
 own exporter names them), and a dashboard missing a panel, or naming a series nobody emits, is
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cluster_grafana import dashboard_problems, series
 
-from raytuner import metrics
+from raytuner.observe import metrics
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "cluster" / "grafana" / "raytuner-dashboard.json"
@@ -30,7 +30,7 @@ def _string_constants() -> tuple[set[str], set[str]]:
     ``metrics.gauge`` / ``metrics.count``)."""
     strings, emitted = set(), set()
     for path in (REPO / "raytuner").rglob("*.py"):
-        if path.name == "metrics.py" and path.parent.name == "raytuner":
+        if path.name == "metrics.py" and path.parent.name == "observe":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):

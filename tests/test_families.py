@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 
 from raytuner.cli import main
 from raytuner.config import load_job
-from raytuner.data.preprocess import preprocess
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
+from raytuner.preprocess.job import preprocess
 from raytuner.train.trainer import train
 
 TINY = Source("tiny")
@@ -60,7 +60,7 @@ every_steps = 3
 def prepared(ray_local, tmp_path_factory):
     """family name -> its job file: the tiny model saved as a diffusers folder, 12 images
     drawn and preprocessed into a committed cache (once per family for this module)."""
-    from raytuner.demo_data import make_demo_images
+    from raytuner.tools.demo_images import make_demo_images
 
     jobs: dict[str, Path] = {}
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from raytuner.data import cache, synthetic
+from raytuner.data import cache
 from raytuner.data.reader import CachedDataset, open_dataset
+from raytuner.tools import synthetic
 from raytuner.train.feed import Feed
 from raytuner.train.schedule import epoch_batches
 from raytuner.train.step import forward_backward

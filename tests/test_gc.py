@@ -16,7 +16,8 @@ import pytest
 
 from raytuner.cli import main
 from raytuner.config import load_job
-from raytuner.data import cache, index, lease, synthetic
+from raytuner.data import cache, index, lease
+from raytuner.tools import synthetic
 
 JOB = """
 [model]

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from raytuner.config import load_job
-from raytuner.data import cache, synthetic
+from raytuner.data import cache
 from raytuner.data.reader import open_dataset
 from raytuner.families import get_family
+from raytuner.tools import synthetic
+from raytuner.tools.bench.step import bench_step
 from raytuner.train.feed import Feed
-from raytuner.train.step_bench import bench_step
 from raytuner.train.weights import trainable_model
 
 pytestmark = [
@@ -82,7 +83,7 @@ _CONDITIONING = ("original_size", "crop_top_left", "target_size")
 
 def _tiny_shapes() -> dict:
     family = get_family(load_job(REPO / "jobs" / "tiny.toml").model.family)
-    from raytuner import plan
+    from raytuner.tools import plan
 
     job = load_job(REPO / "jobs" / "tiny.toml")
     return plan.trace_encoders(job, plan.largest_bucket(job, family))[1]

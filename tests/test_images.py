@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from raytuner.data.images import ImagePolicy, SkipImage, load_image
+from raytuner.preprocess.images import ImagePolicy, SkipImage, load_image
 
 POLICY = ImagePolicy()
 SMALL_OK = ImagePolicy(min_size=1)

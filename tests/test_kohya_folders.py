@@ -12,8 +12,8 @@ from PIL import Image
 from raytuner.cli import print_report
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
 from raytuner.data import cache
-from raytuner.data.preprocess import preprocess
-from raytuner.data.sources import KohyaFolder, image_repeats, kohya_folder
+from raytuner.preprocess.job import preprocess
+from raytuner.preprocess.sources import KohyaFolder, image_repeats, kohya_folder
 
 MODEL = ModelConfig(family="sdxl", pretrained="tiny")
 PRE = PreprocessConfig(resolution=64, bucket_step=16)

@@ -22,7 +22,7 @@ from raytuner.cli import main
 from raytuner.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.train import export, kohya
+from raytuner.lora import export, kohya
 from raytuner.train.weights import Weights, trainable_model
 
 TINY = Source("tiny")

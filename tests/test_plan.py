@@ -14,8 +14,8 @@ from raytuner.cli import main
 from raytuner.config import LoraConfig, ObjectiveConfig, load_job
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.plan import GiB, plan
-from raytuner.plan_output import parse_size
+from raytuner.tools.plan import GiB, plan
+from raytuner.tools.plan_report import parse_size
 from raytuner.train.step import forward_backward
 from raytuner.train.weights import Weights, autocast_dtype
 
@@ -77,7 +77,7 @@ def test_plan_matches_what_a_real_step_allocates_on_cpu():
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
-    from raytuner import plan as planner
+    from raytuner.tools import plan as planner
     from raytuner.train.weights import trainable_model
 
     overrides = ['model.pretrained="random"', 'model.dtype="float32"', "train.micro_batch_size=1"]

@@ -13,12 +13,12 @@ import torch
 from hostile import make_hostile
 from PIL import Image
 
-from raytuner.bench import _latent_bytes
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
 from raytuner.data import cache
-from raytuner.data.preprocess import preprocess
+from raytuner.data.cache import caption_key
 from raytuner.data.reader import CachedDataset, open_dataset
-from raytuner.data.sources import caption_key
+from raytuner.preprocess.job import preprocess
+from raytuner.tools.bench.preprocess import _latent_bytes
 
 MODEL = ModelConfig(family="sdxl", pretrained="tiny")
 PRE = PreprocessConfig(
@@ -162,7 +162,7 @@ CENTRED = [[[0, 35]]] * 3
 def test_incremental_reruns(ray_local, tmp_path):
     """Also the centre crop, and the posterior std stored (``store_std``), on its first run:
     one preprocess less than a run of their own (test_random_crop_is_reproducible below)."""
-    from raytuner.demo_data import make_demo_images
+    from raytuner.tools.demo_images import make_demo_images
 
     images = make_demo_images(tmp_path / "images", per_aspect=2)
     wide = [f"wide/wide{i}.png" for i in range(3)]
@@ -242,7 +242,7 @@ def test_sources_reject_missing_folders(ray_local, tmp_path):
 def test_stream_blocks_hold_whole_batches_and_keep_every_actor_fed(files, batch, side, actors):
     """Blocks of several encoder batches (each block costs a task per step), never more pixels
     than about 64 MiB, and enough blocks that decoding overlaps encoding on every actor."""
-    from raytuner.data.pipeline import BLOCK_PIXEL_BYTES, rows_per_block
+    from raytuner.preprocess.pipeline import BLOCK_PIXEL_BYTES, rows_per_block
 
     rows = rows_per_block(files, batch, side, actors)
     assert rows % batch == 0 and rows >= batch

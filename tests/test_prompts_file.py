@@ -18,7 +18,7 @@ from raytuner.cli import main
 from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.prompts import (
+from raytuner.render.prompts import (
     Defaults,
     PromptLine,
     PromptsError,
@@ -28,9 +28,9 @@ from raytuner.prompts import (
     read_prompts_file,
     resolve,
 )
+from raytuner.render.validation import RenderSpec, Validator
 from raytuner.runs import EXPORT
 from raytuner.train.weights import Weights
-from raytuner.validation import RenderSpec, Validator
 
 JOB = """
 [model]

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from raytuner.config import load_job
-from raytuner.data import cache, synthetic
+from raytuner.data import cache
+from raytuner.tools import synthetic
 from raytuner.train.trainer import train
 
 JOB = """

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from raytuner import runs
-from raytuner.render import latest_checkpoint
+from raytuner.render.sample import latest_checkpoint
 
 
 def checkpoint(run: Path, stamp: str, complete: bool = True) -> Path:

@@ -20,7 +20,7 @@ import pytest
 
 from raytuner import storage
 from raytuner.cli import main
-from raytuner.demo_data import make_demo_images
+from raytuner.tools.demo_images import make_demo_images
 from raytuner.train import sample_log
 
 BUCKET = "raytuner-test"

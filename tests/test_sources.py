@@ -12,9 +12,10 @@ import pytest
 from PIL import Image
 
 from raytuner.config import SourceConfig
-from raytuner.data.sources import caption_key, list_source, probe_row, read_metadata
+from raytuner.data.cache import caption_key
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
+from raytuner.preprocess.sources import list_source, probe_row, read_metadata
 
 TINY = Source("tiny")
 

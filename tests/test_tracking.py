@@ -22,8 +22,8 @@ from PIL import Image
 from raytuner import storage
 from raytuner.cli import main
 from raytuner.config import TrackingConfig, load_job
+from raytuner.observe.observer import Observer, ValidationReport
 from raytuner.runs import WANDB_RUN_ID
-from raytuner.train.observe import Observer, ValidationReport
 
 s3 = test_s3.s3  # the moto S3 server on 127.0.0.1 (module scope: one for this file)
 JOB = """

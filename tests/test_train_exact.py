@@ -26,8 +26,8 @@ from safetensors.torch import load_file
 
 from raytuner.config import ConfigError, load_job
 from raytuner.data import cache
-from raytuner.data.preprocess import preprocess
 from raytuner.data.reader import open_dataset
+from raytuner.preprocess.job import preprocess
 from raytuner.train import sample_log
 from raytuner.train.trainer import train
 

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from raytuner.config import SourceConfig
-from raytuner.data import sources
-from raytuner.data.sources import list_source, probe_row
+from raytuner.preprocess import sources
+from raytuner.preprocess.sources import list_source, probe_row
 
 
 def _images(root, names=("a.png", "b.png")):

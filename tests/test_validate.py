@@ -18,9 +18,9 @@ from PIL import Image
 from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
+from raytuner.render.validation import RenderSpec, Validator
 from raytuner.runs import EXPORT
 from raytuner.train.weights import Weights
-from raytuner.validation import RenderSpec, Validator
 
 TINY = Source("tiny")
 

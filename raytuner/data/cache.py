@@ -76,6 +76,11 @@ LATENT_FIELDS = ("key", "width", "height", "original_size", "crop_top_left", "la
 TEXT_FIELDS = ("caption_key", "truncated")
 
 
+def caption_key(caption: str) -> str:
+    """A caption's key in the text files and the index: the sha256 of its UTF-8 text."""
+    return hashlib.sha256(caption.encode("utf-8")).hexdigest()
+
+
 def fingerprint(model: ModelConfig, pre: PreprocessConfig) -> str:
     encoding = {k: getattr(pre, k) for k in ENCODING_KEYS}
     # what the encoders are (not model.trainable_dtype, which only training reads)

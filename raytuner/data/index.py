@@ -15,8 +15,7 @@ import logging
 
 import pyarrow as pa
 
-from raytuner.data.cache import CAPTIONS, FORMAT_VERSION, INDEX, LATENTS, TEXT, Version
-from raytuner.data.sources import caption_key
+from raytuner.data.cache import CAPTIONS, FORMAT_VERSION, INDEX, LATENTS, TEXT, Version, caption_key
 
 log = logging.getLogger(__name__)
 SHAPE = pa.list_(pa.int32())

@@ -20,8 +20,7 @@ import pyarrow.compute as pc
 import torch
 
 from raytuner import storage
-from raytuner.data.cache import LENGTH_PREFIX, Version, itemsize
-from raytuner.data.sources import caption_key
+from raytuner.data.cache import LENGTH_PREFIX, Version, caption_key, itemsize
 from raytuner.data.tensors import DTYPES
 
 HOLE = 8 * 1024  # ranges of one file at most this far apart are read as one request

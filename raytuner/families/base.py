@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from raytuner import placement
-from raytuner.config_objective import KINDS, DdpmObjective, FlowObjective
+from raytuner.config.objective import KINDS, DdpmObjective, FlowObjective
 from raytuner.families.parts import Source
 
 # A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
@@ -33,7 +33,7 @@ class LoraFiles:
     """What a family's LoRA export holds besides the diffusers file, and how its files describe
     themselves to the UIs: the values kohya's sd-scripts writes for the same base model."""
 
-    kohya: str = ""  # raytuner.train.kohya layout of lora_kohya.safetensors; "": none (no tool)
+    kohya: str = ""  # raytuner.lora.kohya layout of lora_kohya.safetensors; "": none (no tool)
     base_model_version: str = ""  # ss_base_model_version: A1111 / Forge classify a LoRA by it
     network_module: str = "networks.lora"  # ss_network_module: sd-scripts' LoRA module
     architecture: str = ""  # modelspec.architecture of the base model; "": no modelspec keys

@@ -25,10 +25,11 @@ from raytuner.config import (
     TrainConfig,
 )
 from raytuner.families import get_family
-from raytuner.train import checkpoints, export, optim
+from raytuner.lora import export
+from raytuner.observe.memory import PeakMemory
+from raytuner.observe.observer import Observer
+from raytuner.train import checkpoints, optim
 from raytuner.train.feed import open_feed
-from raytuner.train.memory import PeakMemory
-from raytuner.train.observe import Observer
 from raytuner.train.sample_log import SampleLog, attempt_id
 from raytuner.train.step import train_step
 from raytuner.train.weights import trainable_model

@@ -11,12 +11,13 @@ import pyarrow.fs as pafs
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from raytuner import runs, runtime, storage, validation
+from raytuner import runs, runtime, storage
 from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.index import describe_change
 from raytuner.data.reader import for_readers
 from raytuner.families import get_family
+from raytuner.render import validation
 from raytuner.runs import (
     DATASET,
     DIFFUSERS_FILE,

@@ -18,8 +18,9 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
 from raytuner.config import ConfigError
+from raytuner.lora import export, kohya
+from raytuner.lora import init_from as lora_init
 from raytuner.runs import KOHYA_FILE, LORA_DIR, MODEL_DIR
-from raytuner.train import export, kohya, lora_init
 
 
 def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,137 @@
+"""The job's input sections: the model to load, the image folders, and how they are encoded.
+
+Part of the job configuration (``raytuner.config`` re-exports every class here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raytuner.config.loader import ConfigError, one_of, positive
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to fine-tune."""
+
+    family: str  # a key of raytuner.families.FAMILIES (checked where the family is looked up)
+    pretrained: str = "tiny"  # "tiny", "random" (full size, random weights), a folder, a hub id
+    revision: str = ""
+    # frozen weights (the denoiser in LoRA mode, VAE, text encoders, validation and sample
+    # pipelines); "auto": bfloat16 on GPUs, float32 on CPUs; "float8": the frozen denoiser's
+    # linear weights stored in float8 (e4m3) and computed in bfloat16, the rest in bfloat16
+    dtype: str = "auto"
+    trainable_dtype: str = "float32"  # LoRA weights, or the denoiser in full mode
+    # a single-file checkpoint (pretrained ending in .safetensors): the diffusers folder or hub
+    # id whose part configs describe it; "": the family's default repo
+    single_file_config: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.pretrained:
+            raise ConfigError(
+                'model.pretrained is empty: use "tiny", "random", a local folder or a hub id'
+            )
+        allowed = ("auto", "bfloat16", "float16", "float32", "float8")
+        one_of("model.dtype", self.dtype, allowed)
+        one_of("model.trainable_dtype", self.trainable_dtype, ("float32", "bfloat16"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceConfig:
+    """One image folder of the dataset (``[[data.sources]]``)."""
+
+    path: str
+    repeats: int = 1
+    caption_extension: str = ".txt"
+    caption_fallback: str = "stem"
+    caption_errors: str = "replace"
+    metadata: str = ""  # "" = auto: metadata.jsonl, .csv or .parquet in the folder, if any
+    repeats_from_folder: bool = False  # kohya folders: "10_ohwx person/" -> 10 repeats
+
+    def __post_init__(self) -> None:
+        positive("data.sources.repeats", self.repeats)
+        one_of("data.sources.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
+        one_of("data.sources.caption_errors", self.caption_errors, ("replace", "skip"))
+        if not self.caption_extension.startswith("."):
+            raise ConfigError(
+                f"caption_extension = {self.caption_extension!r}: must start with '.'"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the images are and where their encoded cache lives."""
+
+    images: str = ""  # shorthand for one source with the caption options below
+    cache: str
+    caption_extension: str = ".txt"
+    caption_fallback: str = "stem"
+    caption_errors: str = "replace"
+    sources: list[SourceConfig] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        SourceConfig(  # validates the shorthand's caption options
+            path=self.images,
+            caption_extension=self.caption_extension,
+            caption_fallback=self.caption_fallback,
+            caption_errors=self.caption_errors,
+        )
+        if not self.images and not self.sources:
+            raise ConfigError("set data.images or at least one [[data.sources]]")
+
+    def all_sources(self) -> list[SourceConfig]:
+        """``data.images`` (if set) as the first source, then ``[[data.sources]]``."""
+        shorthand = []
+        if self.images:
+            shorthand = [
+                SourceConfig(
+                    path=self.images,
+                    caption_extension=self.caption_extension,
+                    caption_fallback=self.caption_fallback,
+                    caption_errors=self.caption_errors,
+                )
+            ]
+        return shorthand + list(self.sources)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreprocessConfig:
+    """The Ray Data encode job: bucketing, cropping and the encoder actor pools."""
+
+    resolution: int = 0  # 0: the family's default
+    bucket_step: int = 0  # 0: the family's pixel multiple
+    min_aspect: float = 0.5
+    max_aspect: float = 2.0
+    crop: str = "center"
+    dtype: str = "bfloat16"
+    batch_size: int = 8
+    min_actors: int = 1
+    max_actors: int = 1
+    gpus_per_actor: float = 0.0
+    cpus_per_actor: float = 0.5  # reserved: with 1 each, 2 actors on 2 CPUs starved the decode
+    seed: int = 0
+    aspect_policy: str = "clamp"  # images outside [min_aspect, max_aspect]: clamp or skip
+    min_size: int = 64  # skip images whose short side is smaller (pixels)
+    max_pixels: int = 178_956_970  # decompression-bomb limit (width * height)
+    background: list[int] = field(default_factory=lambda: [255, 255, 255])  # under alpha
+    store_std: bool = False  # also store the VAE posterior std, so training can resample
+    max_restarts: int = 2  # an encoder actor that dies is restarted this often, then it fails
+
+    def __post_init__(self) -> None:
+        one_of("preprocess.crop", self.crop, ("center", "random", "none"))
+        one_of("preprocess.aspect_policy", self.aspect_policy, ("clamp", "skip"))
+        positive("preprocess.max_pixels", self.max_pixels)
+        if len(self.background) != 3 or not all(0 <= c <= 255 for c in self.background):
+            raise ConfigError(f"preprocess.background = {self.background}: use [r, g, b] 0..255")
+        one_of("preprocess.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        positive("preprocess.resolution", self.resolution, zero_ok=True)
+        positive("preprocess.bucket_step", self.bucket_step, zero_ok=True)
+        positive("preprocess.batch_size", self.batch_size)
+        positive("preprocess.min_actors", self.min_actors)
+        positive("preprocess.max_restarts", self.max_restarts, zero_ok=True)
+        positive("preprocess.gpus_per_actor", self.gpus_per_actor, zero_ok=True)
+        positive("preprocess.cpus_per_actor", self.cpus_per_actor)
+        if self.max_actors < self.min_actors:
+            raise ConfigError("preprocess.max_actors must be >= preprocess.min_actors")
+        if not 0 < self.min_aspect <= 1 <= self.max_aspect:
+            raise ConfigError("preprocess.min_aspect must be in (0, 1] and max_aspect >= 1")

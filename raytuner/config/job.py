@@ -1,0 +1,103 @@
+"""A whole job: one section per component, loaded from a job TOML.
+
+Every component receives only its own section. Unknown keys and wrong types are rejected
+with the file, the dotted key and what is allowed. ``--set section.key=value`` overrides
+(``section.sub.key=value`` for a sub-table such as ``[objective.flow]``) are parsed as TOML
+values, so they are typed exactly like the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raytuner.config import rules
+from raytuner.config.inputs import DataConfig, ModelConfig, PreprocessConfig
+from raytuner.config.loader import ConfigError, build_section, parse_override, set_dotted
+from raytuner.config.objective import ObjectiveConfig
+from raytuner.config.sections import (
+    CheckpointConfig,
+    LoraConfig,
+    MemoryConfig,
+    ScalingConfig,
+    TrackingConfig,
+    TrainConfig,
+    ValidationConfig,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """A whole job: one section per component."""
+
+    model: ModelConfig
+    data: DataConfig
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    train: TrainConfig
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.global_batch_size < self.scaling.max_workers:
+            raise ConfigError(
+                f"train.global_batch_size = {self.train.global_batch_size} is smaller than "
+                f"the {self.scaling.max_workers} workers: every worker needs a sample per step"
+            )
+        rules.memory_needs(self.memory, self.train, self.model)
+        rules.run_name(self.train.name)
+        rules.paths_apart(self.data, self.train)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)  # section name -> its dataclass
+
+
+def build_job(raw: dict[str, Any], where: str) -> JobConfig:
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown section [{unknown[0]}]; allowed sections: " + ", ".join(SECTIONS)
+        )
+    for required in ("model", "data", "train"):
+        if required not in raw:
+            raise ConfigError(f"{where}: missing section [{required}]")
+    sections = {name: build_section(SECTIONS[name], raw[name], where, name) for name in raw}
+    try:
+        return JobConfig(**sections)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
+    """Read a job TOML, apply ``section.key=value`` (``section.sub.key=value``) overrides,
+    validate."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such job file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    raw.setdefault("train", {})
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"--set {text}: unknown section [{section}]; allowed sections: "
+                + ", ".join(SECTIONS)
+            )
+        set_dotted(raw, section, key, value, text)
+    if isinstance(raw["train"], dict) and not raw["train"].get("name"):
+        raw["train"]["name"] = path.stem
+    return build_job(raw, str(path))

@@ -1,0 +1,96 @@
+"""The ``[objective]`` section: one sub-table per kind of training objective.
+
+``[objective.ddpm]`` holds what the DDPM families (SD1.5, SDXL) read, ``[objective.flow]`` what
+the flow-matching families (Flux, Sana) read. A family's loss receives only its kind's settings
+(``ObjectiveConfig.for_family``); ``raytuner check`` refuses the other kind's table set away from
+its defaults. The flat keys of older job files are refused with where each one moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from raytuner.config.loader import ConfigError, one_of, positive
+
+DENSITIES = ("uniform", "logit_normal", "mode")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DdpmObjective:
+    """DDPM families: timesteps drawn uniformly, the target from the scheduler's config."""
+
+    weighting: str = "none"  # none | min_snr
+    min_snr_gamma: float = 5.0
+    noise_offset: float = 0.0  # per-channel offset added to the noise
+
+    def __post_init__(self) -> None:
+        one_of("objective.ddpm.weighting", self.weighting, ("none", "min_snr"))
+        positive("objective.ddpm.min_snr_gamma", self.min_snr_gamma)
+        positive("objective.ddpm.noise_offset", self.noise_offset, zero_ok=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlowObjective:
+    """Flow-matching families: a noise-level density, a shift and a loss weighting."""
+
+    timestep_sampling: str = "logit_normal"  # uniform | logit_normal | mode
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    resolution_shift: bool = True  # shift noise levels up for larger images
+    shift: float = 1.0  # a fixed shift (used when resolution_shift is off)
+    weighting: str = "none"  # none | sigma_sqrt | cosmap
+    guidance: float = 1.0  # guidance embedding for guidance-distilled checkpoints (Flux dev)
+
+    def __post_init__(self) -> None:
+        one_of("objective.flow.timestep_sampling", self.timestep_sampling, DENSITIES)
+        one_of("objective.flow.weighting", self.weighting, ("none", "sigma_sqrt", "cosmap"))
+        positive("objective.flow.logit_std", self.logit_std)
+        positive("objective.flow.shift", self.shift)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectiveConfig:
+    """Noise levels and loss weights, one sub-table per objective kind (``Family.objective_kind``
+    names the attribute its loss reads)."""
+
+    ddpm: DdpmObjective = field(default_factory=DdpmObjective)
+    flow: FlowObjective = field(default_factory=FlowObjective)
+
+    # the flat [objective] keys of older job files -> where they live now (the loader refuses
+    # them with this, so an old job file never silently trains something else)
+    MOVED: ClassVar[dict[str, str]] = {
+        "weighting": "objective.ddpm.weighting (DDPM families) or objective.flow.weighting "
+        "(flow-matching families)",
+        "min_snr_gamma": "objective.ddpm.min_snr_gamma",
+        "noise_offset": "objective.ddpm.noise_offset",
+    } | {
+        key: f"objective.flow.{key}"
+        for key in (
+            "timestep_sampling",
+            "logit_mean",
+            "logit_std",
+            "mode_scale",
+            "resolution_shift",
+            "shift",
+            "guidance",
+        )
+    }
+
+    def for_family(self, family) -> DdpmObjective | FlowObjective:
+        """The settings of ``family.objective_kind``: what its ``loss`` takes."""
+        kind = family.objective_kind
+        if kind not in KINDS:
+            raise ConfigError(
+                f"{family.name}: objective_kind {kind!r} has no [objective.{kind}] settings; "
+                f"kinds: {', '.join(KINDS)}"
+            )
+        return getattr(self, kind)
+
+
+# objective kind -> its settings class and how messages describe it
+KINDS: dict[str, tuple[type, str]] = {
+    "ddpm": (DdpmObjective, "DDPM"),
+    "flow": (FlowObjective, "flow-matching"),
+}

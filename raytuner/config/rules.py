@@ -1,0 +1,97 @@
+"""Rules between a job's sections, checked when the job is loaded (``JobConfig``): what block
+swap, activation offload and float8 need of training; a run name that is one folder name; the
+folders raytuner writes never nested with the image folders it reads."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from urllib.parse import urlsplit
+
+from raytuner.config.loader import ConfigError
+
+
+def memory_needs(memory, train, model) -> None:
+    """What block swap, activation offload and float8 weights require of the other sections
+    (the family's side is checked where the family is known: ``placement.check``)."""
+    if memory.blocks_to_swap and train.mode != "lora":
+        raise ConfigError(
+            f"memory.blocks_to_swap = {memory.blocks_to_swap} streams frozen weights: it needs "
+            'train.mode = "lora" (a full fine-tune trains every block; use blocks_to_swap = 0)'
+        )
+    for key, on in (
+        ("blocks_to_swap", memory.blocks_to_swap),
+        ("activation_offload", memory.activation_offload),
+    ):
+        if on and not train.gradient_checkpointing:
+            raise ConfigError(
+                f"memory.{key} = {getattr(memory, key)} needs train.gradient_checkpointing = "
+                "true (a block's weights and inputs are needed again only when it is recomputed)"
+            )
+    if model.dtype == "float8" and train.mode != "lora":
+        raise ConfigError(
+            'model.dtype = "float8" stores frozen weights: it needs train.mode = "lora" '
+            '(a full fine-tune trains in model.trainable_dtype; use "bfloat16" or "auto")'
+        )
+
+
+def run_name(name: str) -> None:
+    """``train.name`` names the run's folder under ``train.output``: one plain folder name."""
+    problem = ""
+    if not name.strip():
+        problem = "is empty"
+    elif any(bad in name for bad in ("/", "\\", "..")):
+        problem = "contains '/', '\\' or '..' (it would leave the run's folder)"
+    elif name.startswith("."):
+        problem = "starts with '.' (a hidden folder)"
+    if problem:
+        raise ConfigError(
+            f"train.name = {name!r} {problem}: it names the run's folder under train.output; "
+            "use one plain folder name such as 'my-lora' (the job file's name when unset)"
+        )
+
+
+def _location(path: str) -> tuple[str, str, tuple[str, ...]]:
+    """Where a path or URI points, comparable by path components: (scheme, bucket or host,
+    components). Local paths and ``file://`` URIs become absolute normalised local paths."""
+    if "://" in path:
+        parts = urlsplit(path)
+        if parts.scheme.lower() != "file":
+            names = posixpath.normpath("/" + parts.path).split("/")
+            return parts.scheme.lower(), parts.netloc, tuple(n for n in names if n)
+        path = parts.path
+    names = os.path.abspath(os.path.expanduser(path)).split(os.sep)
+    return "file", "", tuple(n for n in names if n)
+
+
+def _inside(inner: str, outer: str) -> bool:
+    """Whether ``inner`` is ``outer`` or below it (whole path components: /data/images is not
+    inside /data/img)."""
+    (scheme, host, names), (o_scheme, o_host, o_names) = _location(inner), _location(outer)
+    return (scheme, host) == (o_scheme, o_host) and names[: len(o_names)] == o_names
+
+
+def paths_apart(data, train) -> None:
+    """The folders raytuner writes (cache, runs) and the image folders it reads never nest:
+    preprocess would list what raytuner wrote there (validation PNGs, exports) as images, and
+    ``cache gc`` or a new run could delete or overwrite images."""
+    written = {"data.cache": data.cache, "train.output": train.output}
+    for key, value in written.items():
+        if not value.strip():
+            raise ConfigError(f'{key} is empty: set a folder or URI (e.g. {key} = "runs")')
+    sources = [("data.images", data.images)] if data.images else []
+    sources += [(f"data.sources[{i}].path", s.path) for i, s in enumerate(data.sources)]
+    for key, value in sources:
+        if not value.strip():
+            raise ConfigError(f"{key} is empty: set the image folder (a local path or a URI)")
+        for w_key, w_value in written.items():
+            if _inside(w_value, value):
+                nesting = f"{w_key} = {w_value!r} is inside the image folder {key} = {value!r}"
+            elif _inside(value, w_value):
+                nesting = f"the image folder {key} = {value!r} is inside {w_key} = {w_value!r}"
+            else:
+                continue
+            raise ConfigError(
+                f"{nesting}: preprocess would read what raytuner writes as training images; "
+                f"move {w_key} outside every image folder (e.g. to a sibling folder)"
+            )

@@ -1,0 +1,186 @@
+"""The training-side sections of a job: one frozen keyword-only dataclass per component, each
+checking its own values (the input sections, [model] [data] [preprocess], are in
+``config/inputs.py``; the objective's in ``config/objective.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raytuner.config.loader import ConfigError, one_of, positive
+
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
+LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The optimisation run."""
+
+    output: str
+    name: str = ""  # run name; "" means the job file's stem
+    max_steps: int = 100
+    global_batch_size: int = 4
+    learning_rate: float = 1e-4
+    weight_decay: float = 1e-2
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    remainder: str = "drop"
+    micro_batch_size: int = 0  # 0: a rank's whole slice in one pass; else gradient accumulation
+    prefetch: int = 2  # batches a worker assembles ahead of the step
+    log_every: int = 10
+    sample_log: bool = False  # write the cache rows of every step under <run>/samples/
+    mode: str = "lora"  # lora: a peft adapter on the denoiser; full: the whole denoiser
+    caption_dropout: float = 0.0  # share of samples trained with the empty caption
+    ema_decay: float = 0.0  # > 0: keep an EMA of the trained weights; exports use it
+    gradient_checkpointing: bool = False
+    mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
+    tensorboard: bool = True  # event files under <run>/tensorboard (local outputs)
+    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes) | adafactor | prodigy
+    lr_scheduler: str = "constant"  # after train.warmup_steps: constant | linear | cosine | ...
+    lr_cycles: int = 1  # cosine_with_restarts: how many restarts
+    lr_power: float = 1.0  # polynomial: the decay's power
+
+    def __post_init__(self) -> None:
+        positive("train.max_steps", self.max_steps)
+        one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+        one_of("train.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        positive("train.lr_cycles", self.lr_cycles)
+        positive("train.lr_power", self.lr_power)
+        positive("train.micro_batch_size", self.micro_batch_size, zero_ok=True)
+        positive("train.prefetch", self.prefetch)
+        positive("train.global_batch_size", self.global_batch_size)
+        positive("train.learning_rate", self.learning_rate)
+        positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
+        positive("train.log_every", self.log_every)
+        one_of("train.remainder", self.remainder, ("drop", "pad"))
+        one_of("train.mode", self.mode, ("lora", "full"))
+        one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
+        for key in ("ema_decay", "caption_dropout"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} = {getattr(self, key)}: must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA adapter on the denoiser."""
+
+    rank: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=list)  # empty: the family's default
+    init_from: str = ""  # a LoRA file (diffusers or kohya keys) training starts from
+
+    def __post_init__(self) -> None:
+        positive("lora.rank", self.rank)
+        positive("lora.alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout = {self.dropout}: must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """Where a training worker keeps what does not fit its GPU (``raytuner plan`` sizes it)."""
+
+    # the denoiser's last N blocks keep their frozen weights in pinned CPU memory and stream to
+    # the GPU just before they run (LoRA, transformer families, gradient checkpointing)
+    blocks_to_swap: int = 0
+    swap_ring: int = 2  # streamed blocks resident at once (the one running + the next)
+    activation_offload: bool = False  # the checkpointed blocks' inputs wait in pinned CPU memory
+
+    def __post_init__(self) -> None:
+        positive("memory.blocks_to_swap", self.blocks_to_swap, zero_ok=True)
+        positive("memory.swap_ring", self.swap_ring)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingConfig:
+    """Training world: an int, or [min, max] for elastic training."""
+
+    workers: int | list[int] = 1
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    elastic_resize_interval_s: float = 60.0  # how often a running elastic group may resize
+    resource_wait_s: float = 600.0  # how long training waits for its workers' resources
+
+    def __post_init__(self) -> None:
+        bounds = self.workers if isinstance(self.workers, list) else [self.workers]
+        if len(bounds) not in (1, 2) or min(bounds) < 1 or bounds != sorted(bounds):
+            raise ConfigError(
+                f"scaling.workers = {self.workers}: use an int >= 1 or [min, max] with min <= max"
+            )
+        positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s, zero_ok=True)
+        positive("scaling.resource_wait_s", self.resource_wait_s, zero_ok=True)
+        if self.gpus_per_worker > 0 and not self.use_gpu:
+            raise ConfigError(
+                f"scaling.gpus_per_worker = {self.gpus_per_worker} with scaling.use_gpu = false: "
+                "CPU workers reserve no GPU; set use_gpu = true to train on GPUs, or "
+                "gpus_per_worker = 0"
+            )
+
+    @property
+    def max_workers(self) -> int:
+        return self.workers[-1] if isinstance(self.workers, list) else self.workers
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidationConfig:
+    """Images rendered from checkpoints while training runs, by a Ray actor beside the workers."""
+
+    every_steps: int = 0  # 0: no validation; else a checkpoint and a render every N steps
+    prompts: list[str] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=lambda: [0])
+    steps: int = 20  # denoising steps per image
+    width: int = 0  # 0: the job's resolution
+    height: int = 0
+    prompts_file: str = ""  # one prompt per line, kohya style: "a cat --w 512 --s 20 --n ugly"
+    negative_prompt: str = ""
+    guidance_scale: float = 0.0  # classifier-free guidance; 0: the family's default
+    cpus: float = 0.0  # resources the validation actor reserves (0: none, it shares)
+    gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        positive("validation.every_steps", self.every_steps, zero_ok=True)
+        positive("validation.steps", self.steps)
+        positive("validation.cpus", self.cpus, zero_ok=True)
+        positive("validation.gpus", self.gpus, zero_ok=True)
+        positive("validation.guidance_scale", self.guidance_scale, zero_ok=True)
+        if self.every_steps and not ((self.prompts or self.prompts_file) and self.seeds):
+            raise ConfigError(
+                "validation.every_steps > 0 needs validation.prompts (or prompts_file) and seeds"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    """Experiment trackers rank 0 reports to besides TensorBoard (``train.tensorboard``)."""
+
+    wandb: bool = False  # Weights & Biases: scalars, validation grids, the job as run config
+    wandb_project: str = "raytuner"
+    wandb_entity: str = ""  # "": the logged-in user's default
+    wandb_mode: str = "online"  # online | offline (runs saved locally; `wandb sync` later)
+
+    def __post_init__(self) -> None:
+        one_of("tracking.wandb_mode", self.wandb_mode, ("online", "offline"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Checkpoints through ray.train.report."""
+
+    every_steps: int = 50
+    keep: int = 2
+    max_failures: int = 0
+    resume: bool = True
+    preemption_check_every: int = 10  # steps between checks for an announced preemption; 0: never
+    max_preemption_failures: int = 20  # node preemptions a run recovers from (Ray: no limit)
+    controller_failure_limit: int = 3  # Ray Train controller failures tolerated (Ray: no limit)
+
+    def __post_init__(self) -> None:
+        positive("checkpoint.every_steps", self.every_steps)
+        positive("checkpoint.max_preemption_failures", self.max_preemption_failures, zero_ok=True)
+        positive("checkpoint.controller_failure_limit", self.controller_failure_limit, zero_ok=True)
+        positive("checkpoint.keep", self.keep)
+        positive("checkpoint.max_failures", self.max_failures, zero_ok=True)
+        positive("checkpoint.preemption_check_every", self.preemption_check_every, zero_ok=True)

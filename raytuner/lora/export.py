@@ -1,0 +1,116 @@
+"""The LoRA a user takes away, safetensors with the run's metadata, in the layouts the family's
+tools read (``family.lora_files``):
+
+- ``pytorch_lora_weights.safetensors``: the diffusers/peft layout the family's pipeline loads
+  with ``load_lora_weights`` (written by the family's own ``save_lora``), every family;
+- ``lora_kohya.safetensors``: sd-scripts' layout (``raytuner.lora.kohya``) that ComfyUI,
+  AUTOMATIC1111 / Forge and kohya's tools read, where the family has one.
+
+Both carry raytuner's keys, the ``ss_*`` keys sd-scripts writes (A1111 / Forge classify a LoRA
+by ``ss_base_model_version``) and the SAI model-spec ``modelspec.*`` keys as sd-scripts writes
+them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from raytuner.lora import kohya
+from raytuner.runs import DIFFUSERS_FILE, KOHYA_FILE
+from raytuner.version import __version__
+
+MODELSPEC_VERSION = "1.0.1"  # the SAI model spec sd-scripts writes
+
+
+def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str) -> dict[str, str]:
+    """What a LoRA file says about itself: raytuner's keys plus kohya's ``ss_*`` ones."""
+    return {
+        "raytuner.family": family,
+        "raytuner.base_model": model.pretrained,
+        "raytuner.revision": model.revision,
+        "raytuner.rank": str(lora.rank),
+        "raytuner.alpha": str(lora.alpha),
+        "raytuner.steps": str(step),
+        "raytuner.run": run,
+        "raytuner.cache_fingerprint": fingerprint,
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(lora.rank),
+        "ss_network_alpha": str(lora.alpha),
+        "ss_network_dropout": str(lora.dropout),
+        "ss_steps": str(step),
+        "ss_output_name": run,
+        "ss_sd_model_name": model.pretrained,
+        "ss_v2": "False",
+    }
+
+
+def family_metadata(family, meta: dict[str, str], now: float | None = None) -> dict[str, str]:
+    """The keys the UIs read that depend on the family: ``ss_base_model_version``, sd-scripts'
+    network module and the model-spec keys (none where the family has no model-spec id)."""
+    files, now = family.lora_files, time.time() if now is None else now
+    out = {"ss_network_module": files.network_module, "ss_training_finished_at": str(now)}
+    if files.base_model_version:
+        out["ss_base_model_version"] = files.base_model_version
+    if files.architecture:
+        side = family.default_resolution
+        out |= {
+            "modelspec.sai_model_spec": MODELSPEC_VERSION,
+            "modelspec.architecture": f"{files.architecture}/lora",
+            "modelspec.implementation": files.implementation,
+            "modelspec.implementation_version": f"raytuner/{__version__}",
+            "modelspec.title": meta.get("raytuner.run", "LoRA"),
+            "modelspec.resolution": f"{side}x{side}",
+            "modelspec.date": datetime.datetime.fromtimestamp(int(now)).isoformat(),
+        }
+    return out
+
+
+def out_dims(denoiser: torch.nn.Module) -> dict[str, int]:
+    """Each linear / conv module's output features (a fused kohya linear's pieces' sizes)."""
+    dims = {}
+    for name, module in denoiser.named_modules():
+        layer = getattr(module, "base_layer", module)  # a peft LoRA layer wraps its linear
+        if isinstance(layer, torch.nn.Linear):
+            dims[name] = layer.out_features
+        elif isinstance(layer, torch.nn.Conv2d):
+            dims[name] = layer.out_channels
+    return dims
+
+
+def kohya_names(family, denoiser: torch.nn.Module):
+    """The family's kohya layout for this denoiser; None where the family writes no kohya file."""
+    kind = family.lora_files.kohya
+    return kohya.layout(kind, denoiser.config) if kind else None
+
+
+def _add_metadata(path: str, meta: dict[str, str]) -> None:
+    with safe_open(path, framework="pt") as f:
+        existing = f.metadata() or {}
+    tensors = load_file(path)
+    save_file(tensors, path + ".tmp", metadata=existing | meta)
+    os.replace(path + ".tmp", path)
+
+
+def write_lora(
+    directory: str, lora_state: dict, *, family, adapter_config: dict, meta: dict, denoiser
+) -> None:
+    """The family's layouts into ``directory``, each with ``meta`` and the family's keys;
+    ``adapter_config``: the peft LoraConfig as a dict, so loaders apply the trained alpha /
+    rank scale; ``denoiser``: the model the LoRA is on (its module sizes and config)."""
+    meta = meta | family_metadata(family, meta)
+    family.save_lora(directory, lora_state, adapter_config)
+    _add_metadata(os.path.join(directory, DIFFUSERS_FILE), meta)
+    names = kohya_names(family, denoiser)
+    if names is None:
+        return
+    alpha = adapter_config["lora_alpha"]
+    tensors = kohya.to_kohya(lora_state, names, alpha, out_dims(denoiser))
+    path = os.path.join(directory, KOHYA_FILE)
+    save_file(tensors, path + ".tmp", metadata=meta)
+    os.replace(path + ".tmp", path)

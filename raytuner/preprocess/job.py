@@ -1,0 +1,145 @@
+"""The preprocess job: one Ray Data stream and a commit.
+
+The stream (``pipeline.py``) probes every listed file (content hash, caption), decodes the
+new ones, and encodes their latents and the captions not cached yet in one encoder actor pool;
+then the index of trained rows (where each one's bytes lie) and the manifest, written last
+(``index.commit``). Training ranks never write here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from raytuner import storage
+from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
+from raytuner.data import cache, index
+from raytuner.data.cache import caption_key
+from raytuner.families import get_family
+from raytuner.observe import metrics
+from raytuner.preprocess import pipeline
+from raytuner.preprocess.buckets import make_buckets
+from raytuner.preprocess.decode import DecodeSpec
+from raytuner.preprocess.encode import FAILED
+from raytuner.preprocess.images import ImagePolicy
+from raytuner.preprocess.progress import ProgressLine
+from raytuner.preprocess.sources import folder_report, image_repeats, list_source
+from raytuner.preprocess.worklist import plan, report
+
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(family_name: str, pre: PreprocessConfig) -> list[tuple[int, int]]:
+    family = get_family(family_name)
+    resolution = pre.resolution or family.default_resolution
+    step = pre.bucket_step or family.pixel_multiple
+    return make_buckets(resolution, step, pre.min_aspect, pre.max_aspect)
+
+
+def _listing(data: DataConfig, located: index.Located) -> list[dict]:
+    """Every image file of every source, with its key from the last index if unchanged."""
+    known = {
+        (r["source"], r["path"]): (r["size"], r["mtime_ns"], r["key"]) for r in located.indexed
+    }
+    rows = []
+    for i, source in enumerate(data.all_sources()):
+        root = storage.absolute(source.path)
+        for row in list_source(i, source):
+            size, mtime, key = known.get((root, row["path"]), (None, None, ""))
+            unchanged = (size, mtime) == (row["size"], row["mtime_ns"])
+            rows.append({**row, "known_key": key if unchanged else ""})
+    return rows
+
+
+def decode_spec(model: ModelConfig, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:
+    return DecodeSpec(
+        roots=[storage.absolute(s.path) for s in data.all_sources()],
+        buckets=bucket_sizes(model.family, pre),
+        crop=pre.crop,
+        seed=pre.seed,
+        min_aspect=pre.min_aspect,
+        max_aspect=pre.max_aspect,
+        aspect_policy=pre.aspect_policy,
+        image=ImagePolicy(
+            max_pixels=pre.max_pixels, min_size=pre.min_size, background=tuple(pre.background)
+        ),
+    )
+
+
+COMMIT_ATTEMPTS = 3  # a run that finds another's commit lists again (reusing every file)
+
+
+def preprocess(
+    model: ModelConfig,
+    data: DataConfig,
+    pre: PreprocessConfig,
+    tag: str = "preprocess",
+) -> dict:
+    """Bring the cache version of this model and encoding up to date with the sources;
+    ``tag``: the run name the dashboard's metrics carry. The version is leased meanwhile:
+    ``cache gc`` leaves it alone."""
+    version = cache.Version(data.cache, cache.fingerprint(model, pre))
+    run = f"parts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    with version.lease(f"preprocess-{tag}"):
+        for attempt in range(COMMIT_ATTEMPTS):
+            try:
+                return _preprocess(version, run, model, data, pre, tag)
+            except cache.StaleCommit:
+                if attempt + 1 == COMMIT_ATTEMPTS:
+                    raise
+                log.info("preprocess: another run committed meanwhile; listing again")
+    raise AssertionError("unreachable")
+
+
+def _stream(version, run: str, listing, located, model, data, pre, tag) -> tuple[list, float]:
+    """The stream over every listed file: its rows (see ``pipeline.run``) and the wall time of
+    the first encoded image (None: nothing was encoded)."""
+    known = (set(located.latents), set(located.captions))
+    todo = sum(1 for r in listing if r["known_key"] not in known[0])  # at most this many new
+    line = ProgressLine("images encoded", todo, tag, "raytuner_images_encoded")
+    with line as progress:
+        spec, sources = decode_spec(model, data, pre), data.all_sources()
+        rows = pipeline.run(listing, sources, known, spec, model, pre, version, run, progress)
+    return rows, line.first_at
+
+
+def _preprocess(version, run: str, model, data, pre, tag: str) -> dict:
+    """One listing, encoding and commit into the run folder ``run`` (kept when it retries)."""
+    start, wall, generation = time.monotonic(), time.time(), version.generation()
+    located = index.Located(version, pre.dtype, version.manifest())
+    located.refresh()
+    listing = _listing(data, located)
+    if not listing:
+        raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
+    sources = data.all_sources()
+    roots = [storage.absolute(s.path) for s in sources]
+    log.info("preprocess: %d files -> %s/%s", len(listing), version.root, run)
+    available = set(located.latents)
+    rows, first_at = _stream(version, run, listing, located, model, data, pre, tag)
+    p = plan([{**r, "source_index": r["source"]} for r in rows], available, roots)
+    p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
+    located.refresh()
+    indexed = []
+    for r in p.cached + p.new:
+        if (latent := located.latents.get(r["key"])) is not None:
+            bucket = f"{latent['width']}x{latent['height']}"
+            repeats = image_repeats(sources[r["source_index"]], r["path"])
+            indexed.append({**r, "bucket": bucket, "repeats": repeats})
+    need = {r["caption_key"] for r in indexed} | {caption_key("")}
+    if missing := sorted(need - set(located.captions)):
+        raise RuntimeError(
+            f"{len(missing)} caption(s) were not encoded (their text file is damaged or gone, "
+            f"e.g. {missing[0]}): run the preprocess again, it encodes only what is missing"
+        )
+    truncated = sum(located.captions[k]["truncated"] for k in need)
+    rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
+    rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
+    rep["folders"] = folder_report(indexed, sources)  # repeats_from_folder sources only
+    index.commit(
+        version, run, indexed, located, generation, family=model.family, dtype=pre.dtype, report=rep
+    )
+    metrics.gauge("raytuner_cache_hits", len(p.cached), tag)
+    metrics.gauge("raytuner_skipped_inputs", len(rep["skipped"]), tag)
+    metrics.gauge("raytuner_images_encoded_per_s", rep["images_per_s"], tag)
+    return rep

@@ -1,0 +1,96 @@
+"""The preprocess pass as one Ray Data stream: every listed file flows through
+
+    listing -> probe + decode (tasks) -> Encoder actor pool (VAE + text) -> PartSink
+
+so the encoder actors start once, while the first files are still being probed, and a batch's
+new captions are encoded beside its images. Each row keeps its probe fields (key, caption,
+reason) to the end; the sink (``preprocess/sink.py``) writes the latents and text tensors as the
+cache's data files and hands the driver every other column, from which the run's plan and
+report are made.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ray
+
+from raytuner.data.cache import caption_key
+from raytuner.preprocess.decode import ENCODE, DecodeSpec, probe_decode
+from raytuner.preprocess.encode import Encoder
+from raytuner.preprocess.sink import PROBE_COLUMNS, PartSink
+
+BLOCK_PIXEL_BYTES = 64 * 1024**2  # decoded pixels per stream block, at most (about)
+BLOCK_ROWS = 512  # rows per stream block, at most
+
+
+def rows_per_block(files: int, batch_size: int, side: int, actors: int) -> int:
+    """Rows of each stream block: a whole number of encoder batches, about 64 MiB of pixels at
+    the bucket resolution ``side``, and at least two blocks per encoder actor and two more, so
+    that decoding the next blocks overlaps encoding this one. Every block costs a task per step
+    (~0.2 s of Ray overhead on a small machine): blocks of one batch made that the bottleneck."""
+    rows = min(BLOCK_ROWS, BLOCK_PIXEL_BYTES // (side * side * 3))
+    rows = min(rows, math.ceil(files / (2 * actors + 2)))
+    return max(1, math.ceil(rows / batch_size)) * batch_size
+
+
+def run(
+    listing: list[dict], sources, known, spec: DecodeSpec, model, pre, version, run_rel, progress
+):
+    """Stream every listed file of ``sources`` through probe, decode and encode into the data
+    files of the run folder ``run_rel``; ``known``: (latent keys, caption keys) the version
+    holds already; ``progress``: the counting actor of the encoded images.
+    Returns one row per listed file: its probe columns, ``status`` and ``failure``."""
+    latent_keys, caption_keys = known
+    side = max(max(w, h) for w, h in spec.buckets)
+    rows = rows_per_block(len(listing), pre.batch_size, side, pre.max_actors)
+    preload = any(r["known_key"] not in latent_keys for r in listing)  # images to encode, likely
+    probe = {"sources": sources, "spec": spec, "known": frozenset(latent_keys)}
+    if not preload:  # every image unchanged: probe alone, no encoder starts unless a caption is new
+        probed = _probed(listing, rows, probe)
+        if _nothing_new(probed, caption_keys):
+            return probed
+    sink = PartSink(version.fs, version.root, run_rel)
+    args = (model, pre.dtype, pre.store_std, set(caption_keys), progress, preload)
+    (
+        _probe_stream(listing, rows, probe)
+        .map_batches(
+            Encoder,
+            fn_constructor_args=args,
+            compute=ray.data.ActorPoolStrategy(min_size=pre.min_actors, max_size=pre.max_actors),
+            num_gpus=pre.gpus_per_actor or None,
+            num_cpus=pre.cpus_per_actor,
+            batch_size=pre.batch_size,
+            batch_format="pyarrow",
+            # bounded: an encoder that dies each time (out of memory) fails the preprocess
+            max_restarts=pre.max_restarts,
+            max_task_retries=pre.max_restarts,
+        )
+        .write_datasink(sink, ray_remote_args={"num_cpus": 0.25})
+    )
+    return sink.rows
+
+
+def _probe_stream(listing: list[dict], rows: int, probe: dict) -> ray.data.Dataset:
+    # half a CPU: decode tasks run beside the encoder actors, not fused into them
+    return ray.data.from_items(
+        listing, override_num_blocks=math.ceil(len(listing) / rows)
+    ).map_batches(
+        probe_decode,
+        fn_kwargs=probe,
+        batch_size=None,  # one call per block
+        batch_format="pyarrow",
+        num_cpus=0.5,
+    )
+
+
+def _probed(listing: list[dict], rows: int, probe: dict) -> list[dict]:
+    """The probe step alone (a rerun over unchanged images): every file's probe columns."""
+    refs = _probe_stream(listing, rows, probe).select_columns(PROBE_COLUMNS).to_arrow_refs()
+    return [r for ref in refs for r in ray.get(ref).to_pylist()]
+
+
+def _nothing_new(probed: list[dict], caption_keys) -> bool:
+    """No image to decode (a file changed since it was listed) and every caption cached."""
+    need = {r["caption_key"] for r in probed if not r["reason"]} | {caption_key("")}
+    return all(r["status"] != ENCODE for r in probed) and need <= set(caption_keys)

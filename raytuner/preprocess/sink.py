@@ -1,0 +1,56 @@
+"""The preprocess stream's sink: Ray Data write tasks that store each block's latents and text
+tensors as the cache's data files (``cache.write_part``: atomic, in the cache's layout) and hand
+the driver the probe columns of every listed file. No torch here: write tasks start fast."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from ray.data import Datasink
+from ray.data.block import BlockAccessor
+
+from raytuner.data import cache
+from raytuner.preprocess.decode import ENCODE, STREAM_SCHEMA, TEXT
+
+# What the driver gets back of each listed file.
+PROBE_COLUMNS = STREAM_SCHEMA.names[: STREAM_SCHEMA.names.index("pixels")]
+LATENT_COLUMNS = ["key", "path", "width", "height", "original_size", "crop_top_left"]
+
+
+class PartSink(Datasink):
+    """Writes each block's latents and text tensors as cache data files of ``run`` and returns
+    its image rows' probe columns; on the driver, ``rows`` then holds all of them."""
+
+    def __init__(self, fs, root: str, run: str):
+        self.fs, self.root, self.run = fs, root, run
+        self.rows: list[dict] = []
+
+    def _write(self, table: pa.Table, kind: str, columns: list[str]) -> None:
+        if table.num_rows:
+            rel = cache.part_file(self.run, kind, uuid.uuid4().hex[:16])
+            cache.write_part(self.fs, f"{self.root}/{rel}", table.select(columns))
+
+    def write(self, blocks: Iterable, ctx) -> pa.Table:
+        probed = []
+        for block in blocks:
+            table = BlockAccessor.for_block(block).to_arrow()
+            status = table.column("status")
+            latents = [*LATENT_COLUMNS, "latent", "latent_shape"]
+            latents += ["latent_std"] if "latent_std" in table.column_names else []
+            self._write(table.filter(pc.equal(status, ENCODE)), cache.LATENTS, latents)
+            text = table.filter(pc.equal(status, TEXT))
+            tensors = [n for n in cache.tensor_columns(text.schema) if not n.startswith("latent")]
+            names = ["caption_key", "caption", "truncated"]
+            names += [c for t in tensors for c in (t, cache.shape_column(t))]
+            self._write(text, cache.TEXT, names)
+            probed.append(table.filter(pc.not_equal(status, TEXT)).select(PROBE_COLUMNS))
+        return pa.concat_tables(probed) if probed else STREAM_SCHEMA.empty_table()
+
+    def on_write_complete(self, write_result) -> None:
+        self.rows = [r for t in write_result.write_returns for r in t.to_pylist()]
+
+    def get_name(self) -> str:
+        return "RaytunerCacheParts"

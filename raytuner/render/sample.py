@@ -1,0 +1,204 @@
+"""Images from trained weights: the family's diffusers pipeline with a run's LoRA or fine-tuned
+denoiser, a PNG per prompt and seed, and a grid of them (prompts as rows, seeds as columns).
+
+Used by `raytuner sample` and by the validation renders during training.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import torch
+from PIL import Image
+
+from raytuner import placement, runs, storage
+from raytuner.render.prompts import Defaults, PromptLine, Render, resolve
+from raytuner.runs import DIFFUSERS_FILE, EXPORT, KOHYA_FILE, LORA_DIR, MODEL_DIR
+
+LATEST = "latest"  # --checkpoint: the run's newest complete checkpoint
+BASE = "base"  # --checkpoint: the pretrained model alone, for comparison
+
+
+@dataclass(frozen=True)
+class ExportedWeights:
+    """Trained weights on local disk: a LoRA safetensors file or a model folder holding
+    ``<denoiser part>/``."""
+
+    kind: str  # "lora" | "model"
+    path: str
+
+
+def local_copy(fs: pafs.FileSystem, path: str, scratch: str) -> str:
+    """A local path for ``path`` on ``fs``: itself, or a copy of the remote file or folder."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        return path
+    target = os.path.join(scratch, os.path.basename(path.rstrip("/")))
+    pafs.copy_files(path, target, source_filesystem=fs)
+    return target
+
+
+def find_weights(path: str) -> ExportedWeights:
+    """What a user may point at: a checkpoint folder, its ``export/``, the run's ``lora/`` or
+    ``model/`` folder, a LoRA safetensors file (diffusers or kohya keys)."""
+    p = Path(path)
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise ValueError(f"{path}: a LoRA file must be .safetensors")
+        return ExportedWeights("lora", str(p))
+    if not p.is_dir():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    for folder in (p / EXPORT, p):
+        if (folder / LORA_DIR / DIFFUSERS_FILE).is_file():
+            return ExportedWeights("lora", str(folder / LORA_DIR / DIFFUSERS_FILE))
+        if (folder / MODEL_DIR).is_dir():
+            return ExportedWeights("model", str(folder / MODEL_DIR))
+    for name in (DIFFUSERS_FILE, KOHYA_FILE):
+        if (p / name).is_file():
+            return ExportedWeights("lora", str(p / name))
+    if any(p.glob("*/config.json")):  # model/: the denoiser folder inside
+        return ExportedWeights("model", str(p))
+    if (p / "config.json").is_file():  # model/<part>/
+        return ExportedWeights("model", str(p.parent))
+    raise FileNotFoundError(
+        f"{path}: no trained weights found (expected a checkpoint folder, export/, lora/, "
+        f"model/ or a .safetensors LoRA)"
+    )
+
+
+def latest_checkpoint(output: str, name: str) -> tuple[pafs.FileSystem, str]:
+    """The newest complete checkpoint of the job's runs (a run started beside it with
+    ``checkpoint.resume = false`` included)."""
+    if (found := runs.latest_checkpoint(output, name)) is None:
+        where = runs.run_dir(output, name)
+        raise FileNotFoundError(f"no complete checkpoint under {where}: train the job first")
+    return found
+
+
+def load_pipeline(family, source, weights: ExportedWeights | None, device: str, blocks_to_swap=0):
+    """The family's pipeline on ``device``, its weights in ``source.dtype`` (``model.dtype``:
+    bfloat16 on CUDA, float32 on a CPU by default), with ``weights`` applied, the denoiser's
+    last ``blocks_to_swap`` blocks streamed as in training (``memory.blocks_to_swap``)."""
+    pipe = family.pipeline(source)
+    pipe.set_progress_bar_config(disable=True)
+    apply_weights(pipe, family, weights, device, source.dtype, blocks_to_swap)
+    return pipe
+
+
+def apply_weights(
+    pipe, family, weights: ExportedWeights | None, device: str, dtype=None, blocks_to_swap=0
+) -> None:
+    """Put ``weights`` into ``pipe`` in place of any applied before (a LoRA is unloaded first;
+    a fine-tuned denoiser replaces the current one, loaded in ``dtype``), then place it."""
+    placement.unplace_pipeline(pipe)  # streamed blocks back whole before weights change
+    if weights is not None and weights.kind == "lora":
+        pipe.unload_lora_weights()
+        path = Path(weights.path)  # a .safetensors file
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+    elif weights is not None:
+        part = family.denoiser_part
+        cls = type(getattr(pipe, part))
+        dtype = dtype or getattr(pipe, part).dtype
+        denoiser = cls.from_pretrained(os.path.join(weights.path, part), torch_dtype=dtype)
+        pipe.register_modules(**{part: denoiser})
+    placement.place_pipeline(pipe, family, device, blocks_to_swap)
+
+
+def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image]]:
+    """One image per render (a prompt with its settled options, ``render/prompts.py``) and seed
+    (rows: renders); the same seed gives the same noise for every prompt of a size, so rows
+    compare. ``options``: the family's ``pipeline_options``."""
+    device = pipe.device
+    return [
+        [
+            pipe(
+                r.prompt,
+                generator=torch.Generator(device).manual_seed(seed),
+                output_type="pil",
+                **r.call(),
+                **options,
+            ).images[0]
+            for seed in r.seeds
+        ]
+        for r in renders
+    ]
+
+
+def grid(rows: list[list[Image.Image]]) -> Image.Image:
+    """The images as a grid, a row per prompt. Every cell is as large as the largest image;
+    a smaller one (a prompt line of another size) is centred in its cell on white."""
+    w = max(image.width for row in rows for image in row)
+    h = max(image.height for row in rows for image in row)
+    columns = max(len(r) for r in rows)
+    sheet = Image.new("RGB", (w * columns, h * len(rows)), "white")
+    for y, row in enumerate(rows):
+        for x, image in enumerate(row):
+            sheet.paste(image, (x * w + (w - image.width) // 2, y * h + (h - image.height) // 2))
+    return sheet
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _slug(text: str) -> str:
+    kept = "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+    return "-".join(part for part in kept.split("-") if part)[:40] or "prompt"
+
+
+def write_samples(rows, renders: list[Render], out: Path, record: dict) -> list:
+    """``<i>-<prompt>-seed<s>.png`` per image, ``grid.png`` when there are several, and
+    ``samples.json`` (what was rendered with which weights, and each prompt's options under
+    ``lines``); returns the PNG paths."""
+    local, out = pafs.LocalFileSystem(), out.resolve()
+    paths = []
+    for i, (r, row) in enumerate(zip(renders, rows, strict=True)):
+        for seed, image in zip(r.seeds, row, strict=True):
+            paths.append(out / f"{i:02d}-{_slug(r.prompt)}-seed{seed}.png")
+            storage.write_atomic(local, str(paths[-1]), png_bytes(image))
+    if len(paths) > 1:
+        paths.append(out / "grid.png")
+        storage.write_atomic(local, str(paths[-1]), png_bytes(grid(rows)))
+    record |= {"prompts": [r.prompt for r in renders], "lines": [r.record() for r in renders]}
+    record["files"] = [p.name for p in paths]
+    storage.write_json_atomic(local, str(out / "samples.json"), record)
+    return paths
+
+
+def sample(job, checkpoint: str, lines: list[PromptLine], defaults: Defaults, out: str) -> list:
+    """`raytuner sample`: render each prompt line with its options (else ``defaults``: every
+    seed, the size, the steps) with the job's trained weights."""
+    from raytuner.families import get_family, parts
+
+    family = get_family(job.model.family)
+    renders = resolve(lines, family, defaults)  # refuses what the family cannot render
+    if checkpoint == LATEST:
+        fs, source = latest_checkpoint(job.train.output, job.train.name)
+    elif checkpoint != BASE:
+        fs, source = storage.resolve(checkpoint)
+    device = default_device()
+    with tempfile.TemporaryDirectory() as scratch:
+        weights = None if checkpoint == BASE else find_weights(local_copy(fs, source, scratch))
+        m = job.model
+        model = parts.model_source(m, device)
+        pipe = load_pipeline(family, model, weights, device, job.memory.blocks_to_swap)
+        options = family.pipeline_options(pipe)
+        rows = render(pipe, options, renders)
+    record = {"checkpoint": BASE if checkpoint == BASE else source, "steps": defaults.steps}
+    record |= {"size": list(defaults.size), "seeds": list(defaults.seeds)}
+    return write_samples(rows, renders, Path(out), record)
+
+
+def default_size(job, family) -> tuple[int, int]:
+    side = job.preprocess.resolution or family.default_resolution
+    return side, side
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,137 @@
+"""`raytuner bench preprocess`: the whole preprocess (probe, decode, encode, commit) against
+the stream's own steps called in one process without Ray, alternated in rounds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import tempfile
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raytuner import runtime
+from raytuner.config import DataConfig, JobConfig
+from raytuner.data import cache
+from raytuner.preprocess.decode import ENCODE, probe_decode
+from raytuner.preprocess.encode import Encoder
+from raytuner.preprocess.job import decode_spec, preprocess
+from raytuner.preprocess.sources import list_source
+from raytuner.tools.bench.common import (
+    alternate,
+    load_average,
+    print_figures,
+    round_figures,
+    torch_threads,
+    wait_for_quiet,
+)
+
+
+def _bench_data(job: JobConfig, images: int, workdir: str) -> DataConfig:
+    """The job's data, or ``images`` drawn images (three aspect ratios) in a fresh folder."""
+    if images <= 0:
+        return dataclasses.replace(job.data, cache=os.path.join(workdir, "cache"))
+    from raytuner.tools.demo_images import make_demo_images
+
+    folder = make_demo_images(os.path.join(workdir, "images"), per_aspect=math.ceil(images / 3))
+    return DataConfig(images=str(folder), cache=os.path.join(workdir, "cache"))
+
+
+def _bare(job: JobConfig, data: DataConfig) -> tuple[int, float]:
+    """Probe, decode and encode every image in this process, with the stream's own steps
+    (``probe_decode``, then one ``Encoder`` over the same batches) called directly, without
+    Ray: (images encoded, seconds)."""
+    pre = job.preprocess
+    encoder = Encoder(job.model, pre.dtype, pre.store_std)
+    sources = data.all_sources()
+    listing = [{**r, "known_key": ""} for i, s in enumerate(sources) for r in list_source(i, s)]
+    spec = decode_spec(job.model, data, pre)
+    # the Encoder builds its models on first use: one image first, off the clock, builds both
+    # (as the bare loop always did before timing); then it forgets the captions it encoded
+    encoder(probe_decode(pa.Table.from_pylist(listing[:1]), sources, spec, frozenset()))
+    encoder.seen = set()
+    start, done = time.perf_counter(), 0
+    for i in range(0, len(listing), pre.batch_size):
+        batch = pa.Table.from_pylist(listing[i : i + pre.batch_size])
+        encoded = encoder(probe_decode(batch, sources, spec, frozenset()))
+        done += encoded.column("status").to_pylist().count(ENCODE)
+    return done, time.perf_counter() - start
+
+
+def _latent_bytes(version: cache.Version, manifest: dict) -> tuple[int, int]:
+    """(bytes the latent column takes in the Parquet files, bytes of the tensors it holds)."""
+    stored = tensor = 0
+    itemsize = cache.itemsize(manifest["dtype"])
+    for entry in manifest["latents"]:
+        meta = pq.read_metadata(version.path(entry["path"]), filesystem=version.fs)
+        names = [meta.schema.column(j).name for j in range(meta.num_columns)]
+        col = names.index("latent")
+        stored += sum(
+            meta.row_group(g).column(col).total_compressed_size for g in range(meta.num_row_groups)
+        )
+        shapes = version.read(entry["path"], ["latent_shape"]).column(0).to_pylist()
+        tensor += sum(math.prod(s) * itemsize for s in shapes)
+    return stored, tensor
+
+
+def bench_preprocess(job: JobConfig, images: int, as_json: bool, rounds: int = 3) -> dict:
+    """``rounds`` rounds, each a whole preprocess into a fresh cache folder and then the bare
+    loop over the same images; the figures are the medians over the rounds."""
+    runtime.connect()
+    # one thread, like one encoder actor (Ray gives it OMP_NUM_THREADS=1)
+    with torch_threads(1), tempfile.TemporaryDirectory(prefix="raytuner-bench-") as workdir:
+        data = _bench_data(job, images, workdir)
+
+        def pipeline(r: int) -> dict:
+            cache_r = os.path.join(workdir, f"cache-{r}")
+            return preprocess(job.model, dataclasses.replace(data, cache=cache_r), job.preprocess)
+
+        def bare(r: int) -> tuple[int, float]:
+            return _bare(job, data)
+
+        load_before = load_average()
+        sides = alternate(rounds, {"pipeline": pipeline, "bare": bare}, wait_for_quiet)
+        load_after = load_average()
+        first = os.path.join(workdir, "cache-0")  # every round's cache holds the same rows
+        version = cache.Version(first, cache.fingerprint(job.model, job.preprocess))
+        stored, tensor = _latent_bytes(version, version.manifest())
+    reports = sides["pipeline"]
+    rates = {
+        "pipeline": [r["encoded"] / r["seconds"] for r in reports],
+        "bare": [done / seconds for done, seconds in sides["bare"]],
+    }
+    bare = statistics.median(rates["bare"])
+    startup, marginal = _startup(reports)
+    result = {
+        "images": reports[0]["encoded"],
+        "pipeline_images_per_s": round(statistics.median(rates["pipeline"]), 2),
+        "bare_images_per_s": round(bare, 2),
+        "ratio": round(statistics.median(rates["pipeline"]) / bare, 3),
+        "startup_s": None if startup is None else round(startup, 2),
+        "marginal_ratio": None if marginal is None else round(marginal / bare, 3),
+        "bytes_per_latent_ratio": round(stored / tensor, 4),
+        "latent_bytes_stored": stored,
+        "latent_tensor_bytes": tensor,
+        "encoder_actors": [job.preprocess.min_actors, job.preprocess.max_actors],
+        "cpus": os.cpu_count(),
+        **round_figures(rounds, rates, load_before, load_after),
+    }
+    return print_figures(result, as_json)
+
+
+def _startup(reports: list[dict]) -> tuple[float | None, float | None]:
+    """(median seconds to the first encoded image, median marginal images/s after it) over the
+    rounds' preprocess reports; (None, None) where the reports do not carry
+    ``first_encoded_s``."""
+    firsts = [r.get("first_encoded_s") for r in reports]
+    if any(f is None for f in firsts):
+        return None, None
+    marginal = [
+        r["encoded"] / (r["seconds"] - f)
+        for r, f in zip(reports, firsts, strict=True)
+        if r["seconds"] > f
+    ]
+    return statistics.median(firsts), statistics.median(marginal) if marginal else None

@@ -1,0 +1,79 @@
+"""`raytuner bench step`: one process trains the job's denoiser on random batches of the job's
+largest bucket (no Ray, no cache) and reports samples/s and the measured peak GPU memory beside
+what ``raytuner plan`` traces for the same step. On a CPU it runs the same code (tiny models)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import torch
+
+from raytuner.config import JobConfig
+from raytuner.families import get_family
+from raytuner.tools import plan
+from raytuner.train import optim, step
+from raytuner.train.feed import RankSlice
+from raytuner.train.weights import trainable_model
+
+
+def bench_step(job: JobConfig, steps: int, as_json: bool) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    family = get_family(job.model.family)
+    size = plan.largest_bucket(job, family)
+    if job.model.pretrained == "random":  # the released shapes, no encoder trace needed
+        shapes = family.cache_shapes(*size)
+    else:
+        shapes = plan.trace_encoders(job, size)[1]
+    micro = plan.micro_batch(job)
+    planned = plan.trace_step(job, shapes, size, micro, job.train.gradient_checkpointing)
+    started = time.perf_counter()
+    trained = trainable_model(job.model, job.train, job.lora, family, device, job.memory)
+    loss_fn = family.loss(trained.source, job.objective.for_family(family))
+    dtype = trained.source.dtype
+    load_s = time.perf_counter() - started
+    opt, sched = optim.for_run(job.train, trained.weights.params)
+    one = dataclasses.replace(job.train, global_batch_size=micro, micro_batch_size=0)
+    args = (trained, trained.denoiser, loss_fn, opt, sched, one, job.memory, device)
+    train_step = step.train_step(*args)
+    batch = {k: torch.randn(micro, *s, device=device) for k, s in shapes.items()}
+    for key in plan.CONDITIONING:
+        batch[key] = torch.full((micro, 2), float(max(size)), device=device)
+    if "prompt_attention_mask" in batch:
+        batch["prompt_attention_mask"] = torch.ones_like(batch["prompt_attention_mask"])
+
+    def run(i: int) -> None:  # the training step itself, on one micro-batch of random inputs
+        train_step(RankSlice(0, i, 1, batch, [i * micro + j for j in range(micro)], []))
+
+    for i in range(2):  # warm-up: kernels chosen, optimizer state made
+        run(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for i in range(steps):
+        run(2 + i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    # what the bare step holds: no DDP buckets, no CUDA context (not counted by the allocator)
+    planned_step = planned["weights_bytes"] + planned["ema_bytes"] + planned["step_peak_bytes"]
+    measured = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    result = {
+        "family": family.name,
+        "pretrained": job.model.pretrained,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "bucket": list(size),
+        "micro_batch": micro,
+        "gradient_checkpointing": job.train.gradient_checkpointing,
+        "steps": steps,
+        "load_s": round(load_s, 1),
+        "samples_per_s": round(steps * micro / seconds, 3),
+        "planned_bytes": planned_step,
+        "measured_peak_bytes": measured,
+        "planned_over_measured": round(planned_step / measured, 3) if measured else None,
+    }
+    print(json.dumps(result) if as_json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    return result
