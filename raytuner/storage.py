@@ -127,3 +127,12 @@ def copy_stream(src_fs: pafs.FileSystem, src: str, dst_fs: pafs.FileSystem, dst:
 def copy_file(src: str, dst_fs: pafs.FileSystem, dst: str) -> None:
     """A local file to any filesystem (``copy_stream``)."""
     copy_stream(pafs.LocalFileSystem(), os.path.abspath(src), dst_fs, dst)
+
+
+def local_copy(fs: pafs.FileSystem, path: str, scratch: str) -> str:
+    """A local path for ``path`` on ``fs``: itself, or a copy of the remote file or folder."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        return path
+    target = os.path.join(scratch, os.path.basename(path.rstrip("/")))
+    pafs.copy_files(path, target, source_filesystem=fs)
+    return target

@@ -13,8 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "raytuner"
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["version", "errors", "storage", "runs", "runtime", "config", "placement"]),
     ("reporting", ["observe"]),
-    ("models", ["families"]),
     ("lora", ["lora"]),
+    ("models", ["families"]),
     ("data", ["data"]),
     ("preprocess", ["preprocess"]),
     ("rendering", ["render"]),

@@ -21,6 +21,7 @@ from raytuner import runs
 from raytuner.cli import main
 from raytuner.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from raytuner.families import FAMILIES
+from raytuner.families.flux import kohya_names as flux_kohya_names
 from raytuner.families.parts import Source
 from raytuner.lora import export, kohya
 from raytuner.train.weights import Weights, trainable_model
@@ -119,7 +120,7 @@ def test_flux_default_targets_at_flux1_width_convert_exactly_through_diffusers()
         state[f"{m}.lora_A.weight"] = torch.randn(r, width, generator=g) / 50
         state[f"{m}.lora_B.weight"] = torch.randn(width, r, generator=g) / 50
     dims = dict.fromkeys(modules, width) | {"single_transformer_blocks.0.proj_mlp": mlp}
-    tensors = kohya.to_kohya(state, kohya.flux_names, alpha, dims)
+    tensors = kohya.to_kohya(state, flux_kohya_names, alpha, dims)
     assert tensors["lora_unet_single_blocks_0_linear1.lora_up.weight"].shape == (
         3 * width + mlp,
         4 * r,

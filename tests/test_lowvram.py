@@ -241,7 +241,8 @@ def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(
     from run_checks import pipeline_image
 
     from raytuner.families.parts import Source
-    from raytuner.render.sample import apply_weights, find_weights, load_pipeline
+    from raytuner.lora.find import find_weights
+    from raytuner.render.sample import apply_weights, load_pipeline
 
     family = FAMILIES[name]
     trained = _trained(name, MemoryConfig(blocks_to_swap=2))

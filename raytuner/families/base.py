@@ -33,7 +33,7 @@ class LoraFiles:
     """What a family's LoRA export holds besides the diffusers file, and how its files describe
     themselves to the UIs: the values kohya's sd-scripts writes for the same base model."""
 
-    kohya: str = ""  # raytuner.lora.kohya layout of lora_kohya.safetensors; "": none (no tool)
+    kohya: str = ""  # the layout of lora_kohya.safetensors (``Family.kohya_names``); "": none
     base_model_version: str = ""  # ss_base_model_version: A1111 / Forge classify a LoRA by it
     network_module: str = "networks.lora"  # ss_network_module: sd-scripts' LoRA module
     architecture: str = ""  # modelspec.architecture of the base model; "": no modelspec keys
@@ -78,6 +78,9 @@ class Family(Protocol):
     def denoiser(self, source: Source, device: str = "cpu", weights: bool = True) -> nn.Module: ...
     # objective: its kind's settings, DdpmObjective or FlowObjective (ObjectiveConfig.for_family)
     def loss(self, source: Source, objective) -> Loss: ...
+    # how sd-scripts names the LoRA of each module of a denoiser of this config (``Names`` of
+    # raytuner.lora.kohya); None: the family writes no kohya file (``lora_files.kohya`` is "")
+    def kohya_names(self, config): ...
     # the diffusers layout; adapter_config: the peft LoraConfig as a dict (rank, alpha, targets)
     def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None: ...
     def pipeline(self, source: Source): ...  # a diffusers DiffusionPipeline, on the CPU

@@ -4,6 +4,7 @@ guidance-distilled checkpoints (dev)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import torch
 
 from raytuner import placement
 from raytuner.families import base, parts
+from raytuner.lora import kohya
 
 VAE_FACTOR = 8
 PARTS = {
@@ -58,6 +60,45 @@ _BFL_SINGLE = {
     "linear2": "proj_out",
     "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
 }
+
+
+def _kohya_table() -> dict[str, tuple[str, bool]]:
+    """diffusers' module names (inside a block: ``attn.to_q``; outside: ``x_embedder``) -> BFL's
+    name of the linear holding it, and whether that linear is fused (q, k, v in one), from the
+    tables above (their norms' scales are tensors, no module a LoRA adapts)."""
+    table = {}
+    for where, names in (("", _BFL), ("double.", _BFL_DOUBLE), ("single.", _BFL_SINGLE)):
+        for bfl, modules in names.items():
+            if bfl.endswith(".scale"):
+                continue
+            fused = isinstance(modules, tuple)
+            for module in modules if fused else (modules,):
+                table[where + module] = (bfl, fused)
+    return table
+
+
+_KOHYA = _kohya_table()
+
+
+def kohya_names(module: str) -> list[tuple[str, tuple[str, ...]]]:
+    """sd-scripts' name of the Flux linear holding ``module`` (BFL's, dots as underscores) and
+    the modules fused there; [] for a module it has none for (``norm_out.linear``: its halves
+    are in the other order there, which no converter here undoes for a LoRA)."""
+    if module in _KOHYA:
+        return [(kohya.PREFIX + _KOHYA[module][0].replace(".", "_"), (module,))]
+    m = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)", module)
+    if m is None:
+        return []
+    blocks, i, inner = m.groups()
+    kind = "double" if blocks == "transformer_blocks" else "single"
+    if f"{kind}.{inner}" not in _KOHYA:
+        return []
+    bfl, fused = _KOHYA[f"{kind}.{inner}"]
+    name = f"{kohya.PREFIX}{kind}_blocks_{i}_{bfl.replace('.', '_')}"
+    if not fused:
+        return [(name, (module,))]
+    pieces = (_BFL_DOUBLE if kind == "double" else _BFL_SINGLE)[bfl]
+    return [(name, tuple(f"{blocks}.{i}.{p}" for p in pieces))]
 
 
 def _from_bfl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -159,6 +200,9 @@ class Flux:
         pixels, T5-XXL's 512 x 4096 hidden states, CLIP-L's pooled 768."""
         latent = (16, height // VAE_FACTOR, width // VAE_FACTOR)
         return {"latent": latent, "prompt_embeds": (512, 4096), "pooled_prompt_embeds": (768,)}
+
+    def kohya_names(self, config):
+        return kohya_names
 
     def part_classes(self) -> dict[str, str]:
         return dict(PARTS)

@@ -96,6 +96,9 @@ class Sana:
         tokens = (MAX_TOKENS,)
         return {"latent": latent, "prompt_embeds": (*tokens, 2304), "prompt_attention_mask": tokens}
 
+    def kohya_names(self, config):
+        return None  # no tool reads a kohya Sana LoRA
+
     def part_classes(self) -> dict[str, str]:
         return dict(PARTS)
 

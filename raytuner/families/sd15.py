@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from raytuner.families import base, parts
+from raytuner.lora import kohya
 
 PARTS = {
     "unet": "diffusers.UNet2DConditionModel",
@@ -62,6 +63,10 @@ class SD15:
         """What the released model's encoders store per image of a bucket: 4-channel latents
         at 1/8 of the pixels, CLIP-L's 77 x 768 hidden states."""
         return {"latent": (4, height // 8, width // 8), "prompt_embeds": (77, 768)}
+
+    def kohya_names(self, config):
+        """sd-scripts' SD1.5 UNet uses the diffusers module names."""
+        return kohya.unet_names
 
     def part_classes(self) -> dict[str, str]:
         return dict(PARTS)

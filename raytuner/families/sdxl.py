@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from raytuner.families import base, parts
+from raytuner.lora import kohya
 
 PARTS = {
     "unet": "diffusers.UNet2DConditionModel",
@@ -15,6 +17,56 @@ PARTS = {
     "text_encoder": "transformers.CLIPTextModel",
     "text_encoder_2": "transformers.CLIPTextModelWithProjection",
 }
+
+
+# sd-scripts names an SDXL LoRA in Stability's sgm block names: diffusers' names -> those
+_RESNET = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1"}
+_RESNET |= {"conv_shortcut": "skip_connection", "norm1": "in_layers.0", "norm2": "out_layers.0"}
+_SGM_OUTER = {
+    "conv_in": "input_blocks.0.0",
+    "time_embedding.linear_1": "time_embed.0",
+    "time_embedding.linear_2": "time_embed.2",
+    "add_embedding.linear_1": "label_emb.0.0",
+    "add_embedding.linear_2": "label_emb.0.2",
+    "conv_norm_out": "out.0",
+    "conv_out": "out.2",
+}
+
+
+def sgm_names(config) -> kohya.Names:
+    """SDXL's sgm block names for a UNet of this config (``layers_per_block`` resnets a down
+    block, one more an up block), as sd-scripts writes them; the diffusers names too."""
+    per = config.layers_per_block
+    attn_up = ["CrossAttn" in t for t in config.up_block_types]
+
+    def sgm(module: str) -> str | None:
+        if module in _SGM_OUTER:
+            return _SGM_OUTER[module]
+        if m := re.fullmatch(r"down_blocks\.(\d+)\.(attentions|resnets)\.(\d+)\.(.+)", module):
+            i, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
+            rest = _RESNET.get(rest, rest) if kind == "resnets" else rest
+            return f"input_blocks.{1 + i * (per + 1) + j}.{int(kind == 'attentions')}.{rest}"
+        if m := re.fullmatch(r"down_blocks\.(\d+)\.downsamplers\.0\.conv", module):
+            return f"input_blocks.{(int(m[1]) + 1) * (per + 1)}.0.op"
+        if m := re.fullmatch(r"mid_block\.(attentions|resnets)\.(\d+)\.(.+)", module):
+            kind, j, rest = m[1], int(m[2]), m[3]
+            if kind == "attentions":
+                return f"middle_block.1.{rest}"
+            return f"middle_block.{2 * j}.{_RESNET.get(rest, rest)}"
+        if m := re.fullmatch(r"up_blocks\.(\d+)\.(attentions|resnets)\.(\d+)\.(.+)", module):
+            i, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
+            rest = _RESNET.get(rest, rest) if kind == "resnets" else rest
+            return f"output_blocks.{i * (per + 1) + j}.{int(kind == 'attentions')}.{rest}"
+        if m := re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.conv", module):
+            i = int(m[1])
+            return f"output_blocks.{i * (per + 1) + per}.{1 + attn_up[i]}.conv"
+        return None
+
+    def names(module: str) -> list[tuple[str, tuple[str, ...]]]:
+        name = sgm(module)
+        return ([(kohya.flat(name), (module,))] if name else []) + kohya.unet_names(module)
+
+    return names
 
 
 def _tokenizers(source: parts.Source) -> list:
@@ -73,6 +125,9 @@ class SDXL:
         projection (1280)."""
         latent = (4, height // 8, width // 8)
         return {"latent": latent, "prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)}
+
+    def kohya_names(self, config):
+        return sgm_names(config)
 
     def part_classes(self) -> dict[str, str]:
         return dict(PARTS)

@@ -85,8 +85,7 @@ def out_dims(denoiser: torch.nn.Module) -> dict[str, int]:
 
 def kohya_names(family, denoiser: torch.nn.Module):
     """The family's kohya layout for this denoiser; None where the family writes no kohya file."""
-    kind = family.lora_files.kohya
-    return kohya.layout(kind, denoiser.config) if kind else None
+    return family.kohya_names(denoiser.config)
 
 
 def _add_metadata(path: str, meta: dict[str, str]) -> None:

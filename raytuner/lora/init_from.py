@@ -91,8 +91,9 @@ def file_modules(tensors: dict, meta: dict, family, denoiser) -> dict:
     dims = export.out_dims(denoiser)
     if not any(k.endswith(".lora_down.weight") for k in tensors):
         return from_diffusers(tensors, meta, family.denoiser_part)
-    kind = family.lora_files.kohya or "unet"  # the diffusers names, as kohya writes them
-    table = kohya.reverse(kohya.layout(kind, denoiser.config), dims)
+    # a family without a kohya layout: the diffusers names, as kohya writes them
+    names = family.kohya_names(denoiser.config) or kohya.unet_names
+    table = kohya.reverse(names, dims)
     # diffusers' convert_state_dict_to_kohya (raytuner's earlier exports) names the part
     part = f"lora_{family.denoiser_part}_"
     table = {part + m.replace(".", "_"): (m,) for m in dims} | table

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -17,57 +16,11 @@ import torch
 from PIL import Image
 
 from raytuner import placement, runs, storage
+from raytuner.lora.find import ExportedWeights, find_weights
 from raytuner.render.prompts import Defaults, PromptLine, Render, resolve
-from raytuner.runs import DIFFUSERS_FILE, EXPORT, KOHYA_FILE, LORA_DIR, MODEL_DIR
 
 LATEST = "latest"  # --checkpoint: the run's newest complete checkpoint
 BASE = "base"  # --checkpoint: the pretrained model alone, for comparison
-
-
-@dataclass(frozen=True)
-class ExportedWeights:
-    """Trained weights on local disk: a LoRA safetensors file or a model folder holding
-    ``<denoiser part>/``."""
-
-    kind: str  # "lora" | "model"
-    path: str
-
-
-def local_copy(fs: pafs.FileSystem, path: str, scratch: str) -> str:
-    """A local path for ``path`` on ``fs``: itself, or a copy of the remote file or folder."""
-    if isinstance(fs, pafs.LocalFileSystem):
-        return path
-    target = os.path.join(scratch, os.path.basename(path.rstrip("/")))
-    pafs.copy_files(path, target, source_filesystem=fs)
-    return target
-
-
-def find_weights(path: str) -> ExportedWeights:
-    """What a user may point at: a checkpoint folder, its ``export/``, the run's ``lora/`` or
-    ``model/`` folder, a LoRA safetensors file (diffusers or kohya keys)."""
-    p = Path(path)
-    if p.is_file():
-        if p.suffix != ".safetensors":
-            raise ValueError(f"{path}: a LoRA file must be .safetensors")
-        return ExportedWeights("lora", str(p))
-    if not p.is_dir():
-        raise FileNotFoundError(f"{path}: no such file or folder")
-    for folder in (p / EXPORT, p):
-        if (folder / LORA_DIR / DIFFUSERS_FILE).is_file():
-            return ExportedWeights("lora", str(folder / LORA_DIR / DIFFUSERS_FILE))
-        if (folder / MODEL_DIR).is_dir():
-            return ExportedWeights("model", str(folder / MODEL_DIR))
-    for name in (DIFFUSERS_FILE, KOHYA_FILE):
-        if (p / name).is_file():
-            return ExportedWeights("lora", str(p / name))
-    if any(p.glob("*/config.json")):  # model/: the denoiser folder inside
-        return ExportedWeights("model", str(p))
-    if (p / "config.json").is_file():  # model/<part>/
-        return ExportedWeights("model", str(p.parent))
-    raise FileNotFoundError(
-        f"{path}: no trained weights found (expected a checkpoint folder, export/, lora/, "
-        f"model/ or a .safetensors LoRA)"
-    )
 
 
 def latest_checkpoint(output: str, name: str) -> tuple[pafs.FileSystem, str]:
@@ -184,7 +137,9 @@ def sample(job, checkpoint: str, lines: list[PromptLine], defaults: Defaults, ou
         fs, source = storage.resolve(checkpoint)
     device = default_device()
     with tempfile.TemporaryDirectory() as scratch:
-        weights = None if checkpoint == BASE else find_weights(local_copy(fs, source, scratch))
+        weights = (
+            None if checkpoint == BASE else find_weights(storage.local_copy(fs, source, scratch))
+        )
         m = job.model
         model = parts.model_source(m, device)
         pipe = load_pipeline(family, model, weights, device, job.memory.blocks_to_swap)

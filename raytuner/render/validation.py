@@ -27,6 +27,7 @@ from ray.train import UserCallback
 
 from raytuner import storage
 from raytuner.config import ConfigError, TrackingConfig
+from raytuner.lora.find import find_weights
 from raytuner.observe import metrics
 from raytuner.observe.observer import ValidationReport
 from raytuner.render import prompts
@@ -140,7 +141,7 @@ class Validator:
             tracked = TrackingConfig(**s.tracking) if s.tracking else None
             self.writer = ValidationReport(s.run_dir, s.tensorboard, tracked)
         try:
-            weights = render.find_weights(local)
+            weights = find_weights(local)
             render.apply_weights(self.pipe, family, weights, device, None, s.blocks_to_swap)
             options = family.pipeline_options(self.pipe)
             renders = prompts.resolve(_prompt_lines(s), family, _defaults(s))

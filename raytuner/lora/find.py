@@ -1,0 +1,47 @@
+"""Trained weights where a user points: a checkpoint folder, its ``export/``, a run's ``lora/`` or
+``model/`` folder, or a LoRA ``.safetensors`` file (diffusers or kohya keys), on local disk;
+what `raytuner sample` and the validation actor load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytuner.runs import DIFFUSERS_FILE, EXPORT, KOHYA_FILE, LORA_DIR, MODEL_DIR
+
+
+@dataclass(frozen=True)
+class ExportedWeights:
+    """Trained weights on local disk: a LoRA safetensors file or a model folder holding
+    ``<denoiser part>/``."""
+
+    kind: str  # "lora" | "model"
+    path: str
+
+
+def find_weights(path: str) -> ExportedWeights:
+    """What a user may point at: a checkpoint folder, its ``export/``, the run's ``lora/`` or
+    ``model/`` folder, a LoRA safetensors file (diffusers or kohya keys)."""
+    p = Path(path)
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise ValueError(f"{path}: a LoRA file must be .safetensors")
+        return ExportedWeights("lora", str(p))
+    if not p.is_dir():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    for folder in (p / EXPORT, p):
+        if (folder / LORA_DIR / DIFFUSERS_FILE).is_file():
+            return ExportedWeights("lora", str(folder / LORA_DIR / DIFFUSERS_FILE))
+        if (folder / MODEL_DIR).is_dir():
+            return ExportedWeights("model", str(folder / MODEL_DIR))
+    for name in (DIFFUSERS_FILE, KOHYA_FILE):
+        if (p / name).is_file():
+            return ExportedWeights("lora", str(p / name))
+    if any(p.glob("*/config.json")):  # model/: the denoiser folder inside
+        return ExportedWeights("model", str(p))
+    if (p / "config.json").is_file():  # model/<part>/
+        return ExportedWeights("model", str(p.parent))
+    raise FileNotFoundError(
+        f"{path}: no trained weights found (expected a checkpoint folder, export/, lora/, "
+        f"model/ or a .safetensors LoRA)"
+    )
