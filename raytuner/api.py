@@ -4,7 +4,7 @@ are thin callers of these; ``import raytuner`` gives them (``raytuner.train(job)
     import raytuner
 
     job = raytuner.load_job("jobs/tiny.toml", ["train.max_steps=20"])
-    raytuner.check(job)                       # what `raytuner check` refuses, as ConfigError
+    raytuner.check(job)                       # what every call refuses, as ConfigError
     report = raytuner.preprocess(job)         # the cache's report (dict)
     summary = raytuner.train(job)             # step, loss, where the LoRA / model went
     files = raytuner.sample(job, ["a red circle"], seeds=[0, 1])
@@ -22,54 +22,52 @@ __all__ = ["ConfigError", "JobConfig", "check", "load_job", "plan", "preprocess"
 __all__ += ["sample", "train"]
 
 
-def check(job: JobConfig, family=None, where: str = "job") -> None:
+def check(job: JobConfig):
     """Refuse (``ConfigError``) what the job's family and this installation cannot run, before
-    anything starts; the config's own sections checked each other when it was loaded."""
-    from raytuner import placement
-    from raytuner.families import get_family, parts
-    from raytuner.tools.check import check_job
-    from raytuner.train.optim import missing_package
+    anything starts; returns the job's family. Every operation below calls it once; the
+    config's own sections checked each other when it was loaded."""
+    from raytuner.families import get_family
+    from raytuner.tools.check import check as refuse
 
-    if family is None:
-        try:
-            family = get_family(job.model.family)
-        except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from None
-    if package := missing_package(job.train.optimizer):
-        raise ConfigError(
-            f"{where}: train.optimizer = {job.train.optimizer!r} needs the {package} package: "
-            "pip install 'raytuner[lowvram]', or use adamw or adafactor"
-        )
-    source = parts.model_source(job.model, "cpu")  # a released repo: architecture from the package
-    try:
-        check_job(job, family)
-        placement.check(job.memory, family, source)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+    family = get_family(job.model.family)
+    refuse(job, family)
+    return family
 
 
-def preprocess(job: JobConfig) -> dict:
-    """Bring the job's cache up to date with its images; returns the preprocess report."""
+def _preprocess(job: JobConfig, family) -> dict:
     from raytuner import runtime
     from raytuner.preprocess.job import preprocess as encode
 
     runtime.connect()
-    return encode(job.model, job.data, job.preprocess, job.train.name)
+    return encode(job.model, job.data, job.preprocess, job.train.name, family=family)
 
 
-def train(job: JobConfig) -> dict:
-    """Train (or resume) the job's run on its committed cache; returns the summary."""
+def _train(job: JobConfig, family) -> dict:
     from raytuner import runtime
     from raytuner.train.trainer import train as fit
 
     runtime.connect()
-    return fit(job)
+    return fit(job, family)
 
 
-def run(job: JobConfig) -> dict:
-    """Preprocess, then train: ``{"report": …, **summary}``."""
-    report = preprocess(job)
-    return {"report": report, **train(job)}
+def preprocess(job: JobConfig) -> dict:
+    """Bring the job's cache up to date with its images; returns the preprocess report."""
+    return _preprocess(job, check(job))
+
+
+def train(job: JobConfig) -> dict:
+    """Train (or resume) the job's run on its committed cache; returns the summary."""
+    return _train(job, check(job))
+
+
+def run(job: JobConfig, on_report=None) -> dict:
+    """Preprocess, then train: ``{"report": …, **summary}``; ``on_report(report)`` is called
+    between the two (the CLI prints it)."""
+    family = check(job)
+    report = _preprocess(job, family)
+    if on_report is not None:
+        on_report(report)
+    return {"report": report, **_train(job, family)}
 
 
 def sample(
@@ -88,12 +86,11 @@ def sample(
     trained weights: ``checkpoint`` is "latest" (the newest checkpoint of the job's runs),
     "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution.
     Returns the files written under ``out``."""
-    from raytuner.families import get_family
     from raytuner.render import prompts as prompt_lines
     from raytuner.render.sample import default_size
     from raytuner.render.sample import sample as render_sample
 
-    family = get_family(job.model.family)
+    family = check(job)
     lines = [prompt_lines.PromptLine(prompt=p) for p in prompts]
     try:
         lines += prompt_lines.read_prompts_file(prompts_file) if prompts_file else []
@@ -112,7 +109,7 @@ def sample(
         guidance_scale=v.guidance_scale,
         negative_prompt=v.negative_prompt,
     )
-    return render_sample(job, checkpoint, lines, defaults, out)
+    return render_sample(job, family, checkpoint, lines, defaults, out)
 
 
 def plan(job: JobConfig, gpu_memory: int | str | None = None) -> dict:
@@ -122,4 +119,4 @@ def plan(job: JobConfig, gpu_memory: int | str | None = None) -> dict:
     from raytuner.tools.plan_report import parse_size
 
     memory = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
-    return size_up(job, memory)
+    return size_up(job, check(job), memory)

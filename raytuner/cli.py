@@ -184,25 +184,21 @@ def print_report(report: dict) -> None:
     print("\n".join(report_lines(report)))
 
 
-def do_preprocess(job: JobConfig, report_path: str | None) -> dict:
-    report = api.preprocess(job)
+def _reported(report: dict, report_path: str | None) -> None:
     print_report(report)
     if report_path:
         Path(report_path).write_text(json.dumps(report, indent=2))
-    return report
 
 
-def do_train(job: JobConfig) -> dict:
-    summary = api.train(job)
+def _trained(summary: dict) -> None:
     exported = f"LoRA: {summary['lora']}" if "lora" in summary else f"model: {summary['model']}"
     print(
         f"trained {summary['step']} steps, loss {summary['first_loss']:.4f} -> "
         f"{summary['loss']:.4f}; {exported}"
     )
-    return summary
 
 
-def do_cache(job: JobConfig, args: argparse.Namespace) -> int:
+def do_cache(job: JobConfig, family, args: argparse.Namespace) -> int:
     from raytuner.data import cache, verify
 
     version = cache.Version(job.data.cache, cache.fingerprint(job.model, job.preprocess))
@@ -220,7 +216,8 @@ def do_cache(job: JobConfig, args: argparse.Namespace) -> int:
         runtime.connect()
         for path in verify.quarantine(version, bad):
             print(f"quarantined {path} as {path}.corrupt")
-        print_report(preprocess(job.model, job.data, job.preprocess, job.train.name))
+        pre = job.preprocess
+        print_report(preprocess(job.model, job.data, pre, job.train.name, family=family))
         bad = verify.verify(version)
     print(f"{version.root}: {'ok' if not bad else f'{len(bad)} bad file(s)'}")
     return 1 if bad else 0
@@ -249,48 +246,51 @@ def do_plan(job: JobConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def do_bench(job: JobConfig, family, args: argparse.Namespace) -> None:
+    if args.action == "preprocess":
+        from raytuner.tools.bench.preprocess import bench_preprocess
+
+        bench_preprocess(job, family, args.images, args.json, args.rounds)
+    elif args.action == "train":
+        from raytuner.tools.bench.train import bench_train
+
+        bench_train(job, family, args.steps, args.json, args.rounds)
+    elif args.action == "feed":
+        from raytuner.tools.bench.feed import bench_feed
+
+        bench_feed(job, family, args.rows, args.workers, args.steps, args.json, args.workdir)
+    else:
+        from raytuner.tools.bench.step import bench_step
+
+        bench_step(job, family, args.steps, args.json)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    """Each command's API call checks the job once (``api.check``); commands the API does not
+    cover (cache, bench) check it through ``api.check`` themselves."""
     if args.command == "demo":
         from raytuner.demo import run_demo
 
         run_demo(args.workdir)
         return 0
-    from raytuner.families import get_family
-
     job = load_job(args.job, args.overrides)
-    try:
-        family = get_family(job.model.family)
-    except ValueError as e:
-        raise ConfigError(f"{args.job}: {e}") from None
-    api.check(job, family, args.job)
     if args.command == "check":
+        api.check(job)
         print(json.dumps(job.to_dict(), indent=2))
-    if args.command == "cache":
-        return do_cache(job, args)
-    if args.command == "sample":
+    elif args.command == "cache":
+        return do_cache(job, api.check(job), args)
+    elif args.command == "bench":
+        do_bench(job, api.check(job), args)
+    elif args.command == "sample":
         do_sample(job, args)
-    if args.command == "plan":
+    elif args.command == "plan":
         return do_plan(job, args)
-    if args.command == "bench" and args.action == "preprocess":
-        from raytuner.tools.bench.preprocess import bench_preprocess
-
-        bench_preprocess(job, args.images, args.json, args.rounds)
-    if args.command == "bench" and args.action == "train":
-        from raytuner.tools.bench.train import bench_train
-
-        bench_train(job, args.steps, args.json, args.rounds)
-    if args.command == "bench" and args.action == "feed":
-        from raytuner.tools.bench.feed import bench_feed
-
-        bench_feed(job, args.rows, args.workers, args.steps, args.json, args.workdir)
-    if args.command == "bench" and args.action == "step":
-        from raytuner.tools.bench.step import bench_step
-
-        bench_step(job, args.steps, args.json)
-    if args.command in ("preprocess", "run"):
-        do_preprocess(job, args.report)
-    if args.command in ("train", "run"):
-        do_train(job)
+    elif args.command == "preprocess":
+        _reported(api.preprocess(job), args.report)
+    elif args.command == "train":
+        _trained(api.train(job))
+    elif args.command == "run":
+        _trained(api.run(job, on_report=lambda report: _reported(report, args.report)))
     return 0
 
 
@@ -303,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = _dispatch(args)
     except ConfigError as e:
-        print(f"raytuner: config error: {e}", file=sys.stderr)
+        where = getattr(args, "job", None)  # the job file, named once in front of the message
+        text = str(e) if not where or str(e).startswith(where) else f"{where}: {e}"
+        print(f"raytuner: config error: {text}", file=sys.stderr)
         return 2
     except Exception as e:  # the one place that turns any failure into exit 1 + a reason
         if os.environ.get("RAYTUNER_DEBUG"):

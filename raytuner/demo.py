@@ -47,10 +47,13 @@ def run_demo(workdir: str) -> dict:
     job_file = root / "demo.toml"
     job_file.write_text(DEMO_JOB.format(workdir=root.as_posix()))
     job = load_job(job_file)
-    report = api.preprocess(job)
-    print("\n".join(report_lines(report)))
-    (root / "preprocess-report.json").write_text(json.dumps(report, indent=2))
-    summary = api.train(job)
+
+    def reported(report: dict) -> None:
+        print("\n".join(report_lines(report)))
+        (root / "preprocess-report.json").write_text(json.dumps(report, indent=2))
+
+    summary = api.run(job, on_report=reported)
+    report = summary.pop("report")
     print("\n== raytuner demo ==")
     print(f"images encoded : {report['encoded']} of {report['total']}")
     print(f"buckets        : {', '.join(f'{b} ({n})' for b, n in report['buckets'].items())}")

@@ -82,8 +82,8 @@ def job_file(ray_local, tmp_path_factory) -> Path:
     import numpy as np
     from PIL import Image
 
+    from raytuner.api import preprocess
     from raytuner.config import load_job
-    from raytuner.preprocess.job import preprocess
 
     root = tmp_path_factory.mktemp("skewed")
     rng = np.random.default_rng(0)
@@ -96,6 +96,6 @@ def job_file(ray_local, tmp_path_factory) -> Path:
     path = root / "job.toml"
     path.write_text(SKEWED_JOB.format(root=root))
     job = load_job(path)
-    report = preprocess(job.model, job.data, job.preprocess)
+    report = preprocess(job)
     assert report["encoded"] == sum(n for _, n in SKEWED_SHAPES.values())
     return path

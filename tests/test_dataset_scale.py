@@ -9,13 +9,13 @@ import pytest
 import torch
 from conftest import SKEWED_JOB
 
+from raytuner.api import train
 from raytuner.config import load_job
 from raytuner.data import cache
 from raytuner.data.index import describe_change
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.tools import synthetic
-from raytuner.train.trainer import train
 
 TINY = Source("tiny")
 

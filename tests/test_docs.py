@@ -1,5 +1,6 @@
-"""What the documentation points to exists: every repository path the READMEs and the shipped
-job and cluster files name, every in-page link of the READMEs; and ``raytuner --version``."""
+"""What the documentation points to exists: every repository path the READMEs, docs/ and the
+shipped job and cluster files name, every link between the markdown files (to a file, and to a
+heading of it); the README stays short and lists every page of docs/; and ``raytuner --version``."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import pytest
 from raytuner import cli
 
 REPO = Path(__file__).resolve().parents[1]
+PAGES = sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))
+MARKDOWN = ["README.md", "cluster/README.md", "jobs/README.md", *PAGES]
 DOCS = [
-    "README.md",
-    "cluster/README.md",
-    "jobs/README.md",
+    *MARKDOWN,
     *sorted(str(p.relative_to(REPO)) for p in (REPO / "jobs").glob("*.toml")),
     *sorted(str(p.relative_to(REPO)) for p in (REPO / "jobs").glob("*.yaml")),
     *sorted(str(p.relative_to(REPO)) for p in (REPO / "cluster").rglob("*.yaml")),
@@ -23,7 +24,12 @@ DOCS = [
 ]
 # a path in the repository: starts at one of its top folders, not inside an absolute path or a
 # URI (s3://bucket/jobs/… is no file here); templated tails (<family>, *, …) are cut off
-PATH = re.compile(r"(?<![\w./:-])(?:jobs|cluster|raytuner|tests|\.ci)/[\w.+-]*(?:/[\w.+-]+)*/?")
+PATH = re.compile(
+    r"(?<![\w./:-])(?:jobs|cluster|raytuner|tests|docs|\.ci)/[\w.+-]*(?:/[\w.+-]+)*/?"
+)
+# a markdown link's target: [text](target)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+README_MAX_LINES = 450
 
 
 def _paths(text: str) -> set[str]:
@@ -43,13 +49,44 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-@pytest.mark.parametrize("doc", ["README.md", "cluster/README.md", "jobs/README.md"])
+def _anchors(path: Path) -> set[str]:
+    body = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # no headings in code blocks
+    return {_slug(h) for h in re.findall(r"^#+ (.+)$", body, flags=re.M)}
+
+
+@pytest.mark.parametrize("doc", MARKDOWN)
 def test_every_in_page_link_has_its_heading(doc):
     text = (REPO / doc).read_text()
-    body = re.sub(r"```.*?```", "", text, flags=re.S)  # no headings inside code blocks
-    anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", body, flags=re.M)}
+    anchors = _anchors(REPO / doc)
     links = set(re.findall(r"\]\(#([^)\s]+)\)", text.replace("\n", " ")))
     assert not sorted(links - anchors), f"{doc}: links to no heading: {sorted(links - anchors)}"
+
+
+@pytest.mark.parametrize("doc", MARKDOWN)
+def test_every_link_to_another_file_finds_it_and_its_heading(doc):
+    """``[x](docs/figures.md#anchor)``, ``[x](../README.md)``, ``[x](job-toml.md#model)``: the
+    file exists (relative to the linking file), and an ``#anchor`` is one of its headings."""
+    source = REPO / doc
+    broken = []
+    for target in LINK.findall(source.read_text()):
+        if target.startswith("#") or re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # in-page (the test above), or a URL (http:, https:, mailto:)
+        name, _, anchor = target.partition("#")
+        path = (source.parent / name).resolve()
+        if not path.is_relative_to(REPO) or not path.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and (path.suffix != ".md" or anchor not in _anchors(path)):
+            broken.append(f"{target} (no such heading in {path.relative_to(REPO)})")
+    assert not broken, f"{doc}: broken links: {broken}"
+
+
+def test_the_readme_is_short_and_lists_every_page_of_the_docs():
+    readme = (REPO / "README.md").read_text()
+    lines = len(readme.splitlines())
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines; move details into docs/"
+    assert PAGES, "docs/ has no pages"
+    unlisted = [page for page in PAGES if f"]({page})" not in readme]
+    assert not unlisted, f"README.md links to no {unlisted}: add them to its Documentation list"
 
 
 def test_version_names_raytuner_and_what_it_runs_on(capsys):

@@ -17,12 +17,11 @@ from run_checks import pipeline_image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from raytuner.api import preprocess, train
 from raytuner.cli import main
 from raytuner.config import load_job
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.preprocess.job import preprocess
-from raytuner.train.trainer import train
 
 TINY = Source("tiny")
 TRAINED: dict[str, dict] = {}  # family -> the summary of its plain 2-worker LoRA run
@@ -72,7 +71,7 @@ def prepared(ray_local, tmp_path_factory):
             text = JOB.format(family=name, folder=root / "model", images=images, root=root)
             (root / "job.toml").write_text(text)
             job = load_job(root / "job.toml")
-            report = preprocess(job.model, job.data, job.preprocess)
+            report = preprocess(job)
             assert report["encoded"] == 12 and not report["skipped"]
             jobs[name] = root / "job.toml"
         return jobs[name]
@@ -171,7 +170,7 @@ def test_float8_weights_with_8bit_adamw_and_swapped_blocks_train_a_lora_that_loa
     optimizer = ['train.optimizer="adamw8bit"', 'train.lr_scheduler="cosine"']
     one = ["scaling.workers=1", "scaling.cpus_per_worker=1"]  # two: the test above
     job = load_job(prepared("flux"), ['train.name="fp8"', *low, *optimizer, *one])
-    assert preprocess(job.model, job.data, job.preprocess)["encoded"] == 12  # bf16 encoders
+    assert preprocess(job)["encoded"] == 12  # bf16 encoders
     summary = train(job)
     assert summary["step"] == 3 and np.isfinite(summary["loss"])
     pipe = FAMILIES["flux"].pipeline(Source(job.model.pretrained))

@@ -74,7 +74,7 @@ def test_plan_is_within_15_percent_of_the_measured_peak():
     the step against ``torch.cuda.max_memory_allocated`` of the same step."""
     overrides = ['model.pretrained="random"', "train.micro_batch_size=2"]
     job = load_job(REPO / "jobs" / "sd15.toml", overrides)
-    result = bench_step(job, steps=2, as_json=True)
+    result = bench_step(job, get_family(job.model.family), steps=2, as_json=True)
     assert 0.85 <= result["planned_over_measured"] <= 1.15
 
 
@@ -86,7 +86,7 @@ def _tiny_shapes() -> dict:
     from raytuner.tools import plan
 
     job = load_job(REPO / "jobs" / "tiny.toml")
-    return plan.trace_encoders(job, plan.largest_bucket(job, family))[1]
+    return plan.trace_encoders(job, family, plan.largest_bucket(job, family))[1]
 
 
 def _generators(n: int) -> list[torch.Generator]:

@@ -12,10 +12,12 @@ from PIL import Image
 from raytuner.cli import print_report
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
 from raytuner.data import cache
+from raytuner.families import FAMILIES
 from raytuner.preprocess.job import preprocess
 from raytuner.preprocess.sources import KohyaFolder, image_repeats, kohya_folder
 
 MODEL = ModelConfig(family="sdxl", pretrained="tiny")
+SDXL = FAMILIES["sdxl"]
 PRE = PreprocessConfig(resolution=64, bucket_step=16)
 # the kohya tree: image -> its .caption text (None: no caption file)
 TREE = {
@@ -79,10 +81,10 @@ def kohya(ray_local, tmp_path_factory):
     )
     source = SourceConfig(path=str(img), caption_extension=".caption", repeats_from_folder=True)
     data = DataConfig(cache=str(root / "cache"), sources=[source])
-    first = preprocess(MODEL, data, PRE)
+    first = preprocess(MODEL, data, PRE, family=SDXL)
     manifest, rows = _committed(data)
     (img / "10_ohwx person").rename(img / "5_ohwx person")
-    second = preprocess(MODEL, data, PRE)
+    second = preprocess(MODEL, data, PRE, family=SDXL)
     renamed_manifest, renamed = _committed(data)
     return first, manifest, rows, second, renamed_manifest, renamed
 

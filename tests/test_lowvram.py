@@ -279,10 +279,12 @@ def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_
         )
     )
     rank = ["lora.rank=256"]  # LoRA matrices over bitsandbytes' 8-bit threshold
-    plain = plan(load_job(path, rank), 2**40, compare=False)
+    plain = plan(load_job(path, rank), FAMILIES["flux"], 2**40, compare=False)
     worker = plain["worker"]
     assert len(worker["block_bytes"]) == 4 and min(worker["block_bytes"]) > 0
-    swapped = plan(load_job(path, rank + ["memory.blocks_to_swap=3"]), 2**40, compare=False)
+    swapped = plan(
+        load_job(path, rank + ["memory.blocks_to_swap=3"]), FAMILIES["flux"], 2**40, compare=False
+    )
     streamed = worker["block_bytes"][1:]
     expected = plain["peak_bytes"] - sum(streamed) + sum(sorted(streamed)[-2:])
     assert swapped["peak_bytes"] == expected < plain["peak_bytes"]
@@ -291,20 +293,29 @@ def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_
     )
 
     # float8: every linear weight at one byte instead of bfloat16's two (norms, biases stay)
-    fp8 = plan(load_job(path, rank + ['model.dtype="float8"']), 2**40, compare=False)
-    half = plan(load_job(path, rank + ['model.dtype="bfloat16"']), 2**40, compare=False)
+    fp8 = plan(
+        load_job(path, rank + ['model.dtype="float8"']), FAMILIES["flux"], 2**40, compare=False
+    )
+    half = plan(
+        load_job(path, rank + ['model.dtype="bfloat16"']), FAMILIES["flux"], 2**40, compare=False
+    )
     fp8_bytes, bf16_bytes = fp8["worker"]["weights_by_dtype"], half["worker"]["weights_by_dtype"]
     assert fp8_bytes["float8_e4m3fn"] > bf16_bytes["bfloat16"] / 4
     linear = bf16_bytes["bfloat16"] - fp8_bytes["bfloat16"]
     assert fp8_bytes["float8_e4m3fn"] * 2 == linear
 
-    eight = plan(load_job(path, rank + ['train.optimizer="adamw8bit"']), 2**40, compare=False)
+    eight = plan(
+        load_job(path, rank + ['train.optimizer="adamw8bit"']),
+        FAMILIES["flux"],
+        2**40,
+        compare=False,
+    )
     assert eight["worker"]["optimizer_bytes"] < worker["optimizer_bytes"] / 3
 
     # a GPU just too small for two streamed blocks: plan names three, the fewest that fit
     gpu = swapped_peak(worker, 3, 2)
     assert swapped_peak(worker, 2, 2) > gpu
-    suggested = plan(load_job(path, rank), gpu, compare=False)["suggestions"]
+    suggested = plan(load_job(path, rank), FAMILIES["flux"], gpu, compare=False)["suggestions"]
     swaps = [s for s in suggested if "blocks_to_swap" in s["set"] and "float8" not in s["set"]]
     assert swaps[0]["set"].endswith("memory.blocks_to_swap = 3") and swaps[0]["fits"]
 
@@ -322,7 +333,7 @@ def test_the_shipped_12gb_flux_job_fits_12gib():
     job = load_job(path)
     size = largest_bucket(job, FAMILIES["flux"])
     shapes = FAMILIES["flux"].cache_shapes(*size)  # the released encoders' outputs
-    worker = trace_step(job, shapes, size, micro_batch(job), True)
+    worker = trace_step(job, FAMILIES["flux"], shapes, size, micro_batch(job), True)
     assert worker["blocks_to_swap"] == 25 and worker["peak_bytes"] <= 12 * GiB
     assert f"{worker['peak_bytes'] / GiB:.1f} GiB" in path.read_text()  # its comment says so
     assert worker["weights_by_dtype"]["float8_e4m3fn"] > 10 * GiB  # the linear weights

@@ -35,7 +35,7 @@ def test_every_shipped_job_fits_the_gpu_its_comment_names(family):
     package (no network here) and traces one training step at the largest bucket."""
     job = load_job(str(REPO / "jobs" / f"{family}.toml"), [])
     assert "L40S (48 GB)" in (REPO / "jobs" / f"{family}.toml").read_text()
-    result = plan(job, parse_size("48GiB"), compare=False)
+    result = plan(job, FAMILIES[family], parse_size("48GiB"), compare=False)
     published, tolerance = PUBLISHED[family]
     assert abs(result["denoiser_params"] - published) <= tolerance * published
     # frozen weights in bfloat16 on GPUs by default: 2 bytes a parameter, the LoRA in float32
@@ -86,7 +86,7 @@ def test_plan_matches_what_a_real_step_allocates_on_cpu():
     family = FAMILIES["sd15"]
     size = planner.largest_bucket(job, family)
     shapes = family.cache_shapes(*size)
-    planned = planner.trace_step(job, shapes, size, 1, False)["backward_peak_bytes"]
+    planned = planner.trace_step(job, family, shapes, size, 1, False)["backward_peak_bytes"]
     cpu = torch.device("cpu")
     denoiser, _, source, _, _ = trainable_model(job.model, job.train, job.lora, family, cpu)
     batch = planner._meta_batch(shapes, 1, torch.float32, size)

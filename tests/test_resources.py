@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from raytuner.api import train
 from raytuner.config import load_job
 from raytuner.data import cache
 from raytuner.tools import synthetic
-from raytuner.train.trainer import train
 
 JOB = """
 [model]

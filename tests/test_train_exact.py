@@ -24,12 +24,11 @@ from conftest import SKEWED_JOB
 from run_checks import committed, lora_changes_the_pipeline
 from safetensors.torch import load_file
 
+from raytuner.api import preprocess, train
 from raytuner.config import ConfigError, load_job
 from raytuner.data import cache
 from raytuner.data.reader import open_dataset
-from raytuner.preprocess.job import preprocess
 from raytuner.train import sample_log
-from raytuner.train.trainer import train
 
 STEPS = 12  # the skewed job of conftest.py: 5 global batches an epoch
 
@@ -123,7 +122,7 @@ def _commit_then_kill(run_dir: str, step: int, job: Path, killed: list, errors: 
                 at_step = max(sample_log.read_attempts(run_dir)[0])
                 (job.parent / "images" / "square8.png").unlink()
                 config = load_job(job)
-                preprocess(config.model, config.data, config.preprocess)
+                preprocess(config)
                 workers[-1].kill()
                 for worker in workers[:-1]:
                     worker.resume()

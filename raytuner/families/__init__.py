@@ -1,5 +1,6 @@
 """The model families raytuner can fine-tune. Adding one: its file, its job TOML, one entry here."""
 
+from raytuner.config import ConfigError
 from raytuner.families.base import Family
 from raytuner.families.flux import Flux
 from raytuner.families.sana import Sana
@@ -15,9 +16,11 @@ FAMILIES: dict[str, Family] = {
 
 
 def get_family(name: str) -> Family:
+    """The family ``model.family`` names; the one lookup is ``tools.check``'s (every other place
+    is handed the family object)."""
     try:
         return FAMILIES[name]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"model.family = {name!r} is unknown; available: {', '.join(FAMILIES)}"
         ) from None

@@ -20,7 +20,7 @@ import torch
 
 from raytuner.data.cache import caption_key
 from raytuner.data.tensors import to_cells
-from raytuner.families import get_family, parts
+from raytuner.families import parts
 from raytuner.preprocess.decode import ENCODE, FAILED, SHAPE, TEXT
 
 
@@ -29,16 +29,18 @@ def _device() -> str:
 
 
 class Encoder:
-    """``Encoder(model, dtype, store_std, known, progress, preload)(batch) -> batch``.
+    """``Encoder(family, model, dtype, store_std, known, progress, preload)(batch) -> batch``.
 
-    ``model``: the job's ModelConfig; ``dtype``: the cache's storage dtype; ``known``:
-    the caption keys the cache holds already (never encoded again); ``progress``: a counting
-    actor told how many images each batch encoded; ``preload``: start loading both encoders
-    now, on a thread, while the first blocks are still being decoded."""
+    ``family``: the job's Family; ``model``: its ModelConfig; ``dtype``: the cache's storage
+    dtype; ``known``: the caption keys the cache holds already (never encoded again);
+    ``progress``: a counting actor told how many images each batch encoded; ``preload``: start
+    loading both encoders now, on a thread, while the first blocks are still being decoded."""
 
-    def __init__(self, model, dtype: str, store_std: bool, known=(), progress=None, preload=False):
+    def __init__(
+        self, family, model, dtype: str, store_std: bool, known=(), progress=None, preload=False
+    ):
         self.model, self.dtype, self.store_std, self.progress = model, dtype, store_std, progress
-        self.family = get_family(model.family)
+        self.family = family
         self.seen = set(known)  # caption keys encoded by the cache or by this actor
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="raytuner-encoder-load")
         self._loading: dict[str, Future] = {}

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from raytuner import storage
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
 from raytuner.data import cache, index
 from raytuner.data.cache import caption_key
-from raytuner.families import get_family
 from raytuner.observe import metrics
 from raytuner.preprocess import pipeline
 from raytuner.preprocess.buckets import make_buckets
@@ -30,8 +30,7 @@ from raytuner.preprocess.worklist import plan, report
 log = logging.getLogger(__name__)
 
 
-def bucket_sizes(family_name: str, pre: PreprocessConfig) -> list[tuple[int, int]]:
-    family = get_family(family_name)
+def bucket_sizes(family, pre: PreprocessConfig) -> list[tuple[int, int]]:
     resolution = pre.resolution or family.default_resolution
     step = pre.bucket_step or family.pixel_multiple
     return make_buckets(resolution, step, pre.min_aspect, pre.max_aspect)
@@ -52,10 +51,10 @@ def _listing(data: DataConfig, located: index.Located) -> list[dict]:
     return rows
 
 
-def decode_spec(model: ModelConfig, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:
+def decode_spec(family, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:
     return DecodeSpec(
         roots=[storage.absolute(s.path) for s in data.all_sources()],
-        buckets=bucket_sizes(model.family, pre),
+        buckets=bucket_sizes(family, pre),
         crop=pre.crop,
         seed=pre.seed,
         min_aspect=pre.min_aspect,
@@ -70,21 +69,37 @@ def decode_spec(model: ModelConfig, data: DataConfig, pre: PreprocessConfig) -> 
 COMMIT_ATTEMPTS = 3  # a run that finds another's commit lists again (reusing every file)
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """One preprocess: the version and run folder it writes, and what it encodes with."""
+
+    version: cache.Version
+    run: str  # the part folder its data files go to (kept when it lists again)
+    family: object
+    model: ModelConfig
+    data: DataConfig
+    pre: PreprocessConfig
+    tag: str  # the run name the dashboard's metrics carry
+
+
 def preprocess(
     model: ModelConfig,
     data: DataConfig,
     pre: PreprocessConfig,
     tag: str = "preprocess",
+    *,
+    family,
 ) -> dict:
     """Bring the cache version of this model and encoding up to date with the sources;
-    ``tag``: the run name the dashboard's metrics carry. The version is leased meanwhile:
-    ``cache gc`` leaves it alone."""
+    ``tag``: the run name the dashboard's metrics carry; ``family``: the model's Family. The
+    version is leased meanwhile: ``cache gc`` leaves it alone."""
     version = cache.Version(data.cache, cache.fingerprint(model, pre))
     run = f"parts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    job = _Pass(version, run, family, model, data, pre, tag)
     with version.lease(f"preprocess-{tag}"):
         for attempt in range(COMMIT_ATTEMPTS):
             try:
-                return _preprocess(version, run, model, data, pre, tag)
+                return _preprocess(job)
             except cache.StaleCommit:
                 if attempt + 1 == COMMIT_ATTEMPTS:
                     raise
@@ -92,20 +107,23 @@ def preprocess(
     raise AssertionError("unreachable")
 
 
-def _stream(version, run: str, listing, located, model, data, pre, tag) -> tuple[list, float]:
+def _stream(job: _Pass, listing, located) -> tuple[list, float]:
     """The stream over every listed file: its rows (see ``pipeline.run``) and the wall time of
     the first encoded image (None: nothing was encoded)."""
     known = (set(located.latents), set(located.captions))
     todo = sum(1 for r in listing if r["known_key"] not in known[0])  # at most this many new
-    line = ProgressLine("images encoded", todo, tag, "raytuner_images_encoded")
+    line = ProgressLine("images encoded", todo, job.tag, "raytuner_images_encoded")
     with line as progress:
-        spec, sources = decode_spec(model, data, pre), data.all_sources()
-        rows = pipeline.run(listing, sources, known, spec, model, pre, version, run, progress)
+        spec, sources = decode_spec(job.family, job.data, job.pre), job.data.all_sources()
+        encoder = (job.family, job.model)
+        args = (known, spec, encoder, job.pre, job.version, job.run, progress)
+        rows = pipeline.run(listing, sources, *args)
     return rows, line.first_at
 
 
-def _preprocess(version, run: str, model, data, pre, tag: str) -> dict:
-    """One listing, encoding and commit into the run folder ``run`` (kept when it retries)."""
+def _preprocess(job: _Pass) -> dict:
+    """One listing, encoding and commit into the run folder ``job.run`` (kept when it retries)."""
+    version, data, pre = job.version, job.data, job.pre
     start, wall, generation = time.monotonic(), time.time(), version.generation()
     located = index.Located(version, pre.dtype, version.manifest())
     located.refresh()
@@ -114,9 +132,9 @@ def _preprocess(version, run: str, model, data, pre, tag: str) -> dict:
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
     sources = data.all_sources()
     roots = [storage.absolute(s.path) for s in sources]
-    log.info("preprocess: %d files -> %s/%s", len(listing), version.root, run)
+    log.info("preprocess: %d files -> %s/%s", len(listing), version.root, job.run)
     available = set(located.latents)
-    rows, first_at = _stream(version, run, listing, located, model, data, pre, tag)
+    rows, first_at = _stream(job, listing, located)
     p = plan([{**r, "source_index": r["source"]} for r in rows], available, roots)
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
     located.refresh()
@@ -136,10 +154,9 @@ def _preprocess(version, run: str, model, data, pre, tag: str) -> dict:
     rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
     rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
     rep["folders"] = folder_report(indexed, sources)  # repeats_from_folder sources only
-    index.commit(
-        version, run, indexed, located, generation, family=model.family, dtype=pre.dtype, report=rep
-    )
-    metrics.gauge("raytuner_cache_hits", len(p.cached), tag)
-    metrics.gauge("raytuner_skipped_inputs", len(rep["skipped"]), tag)
-    metrics.gauge("raytuner_images_encoded_per_s", rep["images_per_s"], tag)
+    extra = {"family": job.family.name, "dtype": pre.dtype, "report": rep}
+    index.commit(version, job.run, indexed, located, generation, **extra)
+    metrics.gauge("raytuner_cache_hits", len(p.cached), job.tag)
+    metrics.gauge("raytuner_skipped_inputs", len(rep["skipped"]), job.tag)
+    metrics.gauge("raytuner_images_encoded_per_s", rep["images_per_s"], job.tag)
     return rep

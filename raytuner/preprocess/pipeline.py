@@ -35,11 +35,12 @@ def rows_per_block(files: int, batch_size: int, side: int, actors: int) -> int:
 
 
 def run(
-    listing: list[dict], sources, known, spec: DecodeSpec, model, pre, version, run_rel, progress
+    listing: list[dict], sources, known, spec: DecodeSpec, encoder, pre, version, run_rel, progress
 ):
     """Stream every listed file of ``sources`` through probe, decode and encode into the data
     files of the run folder ``run_rel``; ``known``: (latent keys, caption keys) the version
-    holds already; ``progress``: the counting actor of the encoded images.
+    holds already; ``encoder``: (family, ModelConfig) the encoder actors load; ``progress``: the
+    counting actor of the encoded images.
     Returns one row per listed file: its probe columns, ``status`` and ``failure``."""
     latent_keys, caption_keys = known
     side = max(max(w, h) for w, h in spec.buckets)
@@ -51,7 +52,7 @@ def run(
         if _nothing_new(probed, caption_keys):
             return probed
     sink = PartSink(version.fs, version.root, run_rel)
-    args = (model, pre.dtype, pre.store_std, set(caption_keys), progress, preload)
+    args = (*encoder, pre.dtype, pre.store_std, set(caption_keys), progress, preload)
     (
         _probe_stream(listing, rows, probe)
         .map_batches(

@@ -124,12 +124,11 @@ def write_samples(rows, renders: list[Render], out: Path, record: dict) -> list:
     return paths
 
 
-def sample(job, checkpoint: str, lines: list[PromptLine], defaults: Defaults, out: str) -> list:
+def sample(job, family, checkpoint: str, lines: list[PromptLine], defaults: Defaults, out: str):
     """`raytuner sample`: render each prompt line with its options (else ``defaults``: every
-    seed, the size, the steps) with the job's trained weights."""
-    from raytuner.families import get_family, parts
+    seed, the size, the steps) with the job's trained weights; returns the PNGs written."""
+    from raytuner.families import parts
 
-    family = get_family(job.model.family)
     renders = resolve(lines, family, defaults)  # refuses what the family cannot render
     if checkpoint == LATEST:
         fs, source = latest_checkpoint(job.train.output, job.train.name)

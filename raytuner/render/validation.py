@@ -198,14 +198,12 @@ def _file_lines(path: str) -> list[dict]:
         raise ConfigError(f"validation.prompts_file = {path!r}: {e}") from None
 
 
-def start(job, run_dir: str):
+def start(job, family, run_dir: str):
     """The validation actor and its Ray Train callback, or (None, []) when validation is off."""
     v = job.validation
     if not v.every_steps:
         return None, []
-    from raytuner.families import get_family
-
-    width, height = render.default_size(job, get_family(job.model.family))
+    width, height = render.default_size(job, family)
     spec = RenderSpec(
         family=job.model.family,
         pretrained=job.model.pretrained,

@@ -1,14 +1,24 @@
-"""What a job asks that its family's model or this install cannot do, refused by ``raytuner
-check`` (and every command) before anything starts:
+"""The one place a job is refused before anything starts: ``check(job, family)``, called once by
+the API (``raytuner.api``) for every operation, so `raytuner check` and every command refuse the
+same jobs. A job's own sections checked their values and each other when it was loaded
+(``config/``); what is refused here needs the family or this installation:
 
 - image sizes off the model's pixel grid;
 - ``[objective.<kind>]`` settings of the kind of objective it does not train with, and
   ``objective.flow.guidance`` without a guidance embedding;
-- a tracker that is not installed (``tracking.wandb`` without the wandb package);
+- an optimizer or tracker whose package is not installed;
+- a ``[memory]`` section the family's denoiser cannot run (``placement.check``);
 - a single-file ``model.pretrained`` that is missing or that its family cannot load;
 - a validation prompts file that is missing, or a line the family cannot render (``--n``
   without negative prompts, ``--g`` without a guidance embedding, sizes off its grid);
 - a ``lora.init_from`` file that is not there, or set for a run that trains no LoRA.
+
+What needs the cache, the run folder or the cluster is refused where they are read, before any
+worker starts: a bucket too small for one global batch and a resume of a run trained on other
+settings (``train/trainer.py``), a worker group larger than the cluster can hold within
+``scaling.resource_wait_s`` (``runtime.wait_for_resources``). The LoRA targets the family's
+kohya layout has no name for, and the content of a ``lora.init_from`` file, are refused when
+the worker builds its adapter (the model must exist for both).
 
 The family says what it is (``pixel_grid``, ``pixel_multiple``, ``objective_kind``,
 ``guidance_embedding``, ``single_file_parts``); nothing here asks which family it holds.
@@ -19,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from raytuner import placement
 from raytuner.config import (
     ConfigError,
     JobConfig,
@@ -29,24 +40,36 @@ from raytuner.config import (
     ValidationConfig,
 )
 from raytuner.config.objective import KINDS
+from raytuner.families import parts
 from raytuner.observe import tracking
+from raytuner.train.optim import missing_package
 
 
-def check_job(job: JobConfig, family) -> None:
+def check(job: JobConfig, family) -> None:
     """Raise ConfigError naming the key, its value and what to change."""
     _bucket_sizes(job.preprocess, family)
     _objective_kind(job.objective, family)
     _init_from(job)
-    _trackers(job.tracking)
+    _packages(job)
     _model_file(job.model, family)
     _validation_prompts(job.validation, family)
+    # a released repo: its architecture from the package, no download
+    placement.check(job.memory, family, parts.model_source(job.model, "cpu"))
+
+
+def _packages(job: JobConfig) -> None:
+    """The optimizer's and the trackers' packages are installed."""
+    if package := missing_package(job.train.optimizer):
+        raise ConfigError(
+            f"train.optimizer = {job.train.optimizer!r} needs the {package} package: "
+            "pip install 'raytuner[lowvram]', or use adamw or adafactor"
+        )
+    _trackers(job.tracking)
 
 
 def _model_file(model: ModelConfig, family) -> None:
     """A single-file ``model.pretrained`` exists locally and its family can load one; a file of
     another kind (a pickled ``.ckpt``) is refused, as is a config for no single file."""
-    from raytuner.families import parts
-
     if not parts.is_single_file(model.pretrained):
         if os.path.isfile(model.pretrained):
             raise ConfigError(

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from raytuner import placement
 from raytuner.config import JobConfig
-from raytuner.families import get_family, parts
+from raytuner.families import parts
 from raytuner.preprocess.buckets import make_buckets
 from raytuner.train import optim
 from raytuner.train.weights import Weights
@@ -174,9 +174,9 @@ def swapped_peak(worker: dict, n: int, ring: int) -> int:
     return worker["peak_bytes_unswapped"] - sum(streamed) + sum(resident)
 
 
-def trace_step(job: JobConfig, shapes: dict, size, micro: int, checkpointing: bool) -> dict:
+def trace_step(job: JobConfig, family, shapes: dict, size, micro: int, checkpointing: bool) -> dict:
     """One training worker's step at ``micro`` samples of ``shapes``, traced on meta."""
-    family, t, memory = get_family(job.model.family), job.train, job.memory
+    t, memory = job.train, job.memory
     source = _source(job, t.mode == "full")
     denoiser = family.denoiser(source, "meta", weights=False).train()
     if job.model.dtype == parts.FLOAT8:
@@ -243,10 +243,10 @@ def _lora(weights: Weights) -> int:
     return sum(p.numel() for p in weights.params) if weights.mode == "lora" else 0
 
 
-def trace_encoders(job: JobConfig, size) -> tuple[dict, dict]:
+def trace_encoders(job: JobConfig, family, size) -> tuple[dict, dict]:
     """An encoder actor (VAE encode of ``preprocess.batch_size`` images at ``size``, then the
     text encoders on as many captions) and the tensor shapes it produces per image."""
-    family, pre = get_family(job.model.family), job.preprocess
+    pre = job.preprocess
     source = _source(job)
     n, (w, h) = pre.batch_size, size
     encode_image = family.image_encoder(source, "meta", weights=False)
@@ -257,18 +257,17 @@ def trace_encoders(job: JobConfig, size) -> tuple[dict, dict]:
     with traced() as text_live:
         text = encode_text(["a caption of average length for a photograph"] * n)
     shapes = {"latent": tuple(latent.shape[1:])} | {k: tuple(v.shape[1:]) for k, v in text.items()}
-    weights = _part_bytes(job, ("vae",)) + _text_bytes(job)
+    weights = _part_bytes(job, family, ("vae",)) + _text_bytes(job, family)
     peak = weights + max(image_live.peak, text_live.peak) + OVERHEAD
     return {"weights_bytes": weights, "peak_bytes": peak, "batch_size": n}, shapes
 
 
-def _text_bytes(job: JobConfig) -> int:
-    names = [p for p in get_family(job.model.family).part_classes() if p.startswith("text_")]
-    return _part_bytes(job, tuple(names))
+def _text_bytes(job: JobConfig, family) -> int:
+    names = [p for p in family.part_classes() if p.startswith("text_")]
+    return _part_bytes(job, family, tuple(names))
 
 
-def _part_bytes(job: JobConfig, names: tuple[str, ...]) -> int:
-    family = get_family(job.model.family)
+def _part_bytes(job: JobConfig, family, names: tuple[str, ...]) -> int:
     source = _source(job)
     total = 0
     for name in names:
@@ -278,10 +277,9 @@ def _part_bytes(job: JobConfig, names: tuple[str, ...]) -> int:
     return total
 
 
-def trace_validation(job: JobConfig, shapes: dict, size) -> dict:
+def trace_validation(job: JobConfig, family, shapes: dict, size) -> dict:
     """The validation actor: the whole pipeline's weights, and the larger of a denoiser forward
     (batch 2: classifier-free guidance) and the VAE decode of one image."""
-    family = get_family(job.model.family)
     source = _source(job)
     denoiser = family.denoiser(source, "meta", weights=False).requires_grad_(False)
     loss_fn = family.loss(source, job.objective.for_family(family))
@@ -293,7 +291,7 @@ def trace_validation(job: JobConfig, shapes: dict, size) -> dict:
     latent = torch.zeros(1, *shapes["latent"], device="meta", dtype=source.dtype)
     with torch.no_grad(), traced() as decode:
         vae.decode(latent)
-    weights = _part_bytes(job, tuple(family.part_classes()))
+    weights = _part_bytes(job, family, tuple(family.part_classes()))
     if n := job.memory.blocks_to_swap:  # the denoiser streams as in training
         per_block = _block_bytes(denoiser, family)
         streamed = per_block[len(per_block) - n :]
@@ -329,16 +327,16 @@ def _remedies(job: JobConfig) -> list[tuple[str, JobConfig]]:
     return out
 
 
-def _swap_suggestions(job: JobConfig, shapes, size, gpu_memory: int) -> list[dict]:
+def _swap_suggestions(job: JobConfig, family, shapes, size, gpu_memory: int) -> list[dict]:
     """The fewest ``memory.blocks_to_swap`` that make the worker fit, with gradient
     checkpointing (which block swap needs), in the job's dtype and in float8."""
-    family, out = get_family(job.model.family), []
+    out = []
     if not family.swap_blocks or job.train.mode != "lora":
         return out
     dtypes = [job.model.dtype] + ([parts.FLOAT8] if job.model.dtype != parts.FLOAT8 else [])
     for dtype in dtypes:
         changed = dataclasses.replace(job, model=dataclasses.replace(job.model, dtype=dtype))
-        worker = trace_step(changed, shapes, size, micro_batch(changed), True)
+        worker = trace_step(changed, family, shapes, size, micro_batch(changed), True)
         ring = job.memory.swap_ring
         for n in range(1, len(worker["block_bytes"])):
             if (peak := swapped_peak(worker, n, ring)) <= gpu_memory:
@@ -349,28 +347,31 @@ def _swap_suggestions(job: JobConfig, shapes, size, gpu_memory: int) -> list[dic
     return out
 
 
-def plan(job: JobConfig, gpu_memory: int, compare: bool = True) -> dict:
+def plan(job: JobConfig, family, gpu_memory: int, compare: bool = True) -> dict:
     """Everything ``raytuner plan`` prints (sizes in bytes); ``compare``: also the worker's
     peak with gradient checkpointing switched the other way."""
-    family = get_family(job.model.family)
     size = largest_bucket(job, family)
-    encoder, shapes = trace_encoders(job, size)
+    encoder, shapes = trace_encoders(job, family, size)
     micro = micro_batch(job)
     checkpointing = job.train.gradient_checkpointing
-    worker = trace_step(job, shapes, size, micro, checkpointing)
+    worker = trace_step(job, family, shapes, size, micro, checkpointing)
     if compare:
-        other = trace_step(job, shapes, size, micro, not checkpointing)
+        other = trace_step(job, family, shapes, size, micro, not checkpointing)
         key = "without" if checkpointing else "with"
         worker[f"peak_bytes_{key}_checkpointing"] = other["peak_bytes"]
     fits = worker["peak_bytes"] <= gpu_memory
     suggestions = []
     if not fits:
         for text, changed in _remedies(job):
-            peak = trace_step(
-                changed, shapes, size, micro_batch(changed), changed.train.gradient_checkpointing
-            )["peak_bytes"]
+            micro_changed, checkpointing_changed = (
+                micro_batch(changed),
+                changed.train.gradient_checkpointing,
+            )
+            peak = trace_step(changed, family, shapes, size, micro_changed, checkpointing_changed)[
+                "peak_bytes"
+            ]
             suggestions.append({"set": text, "peak_bytes": peak, "fits": peak <= gpu_memory})
-        suggestions += _swap_suggestions(job, shapes, size, gpu_memory)
+        suggestions += _swap_suggestions(job, family, shapes, size, gpu_memory)
     return {
         "family": family.name,
         "pretrained": job.model.pretrained,
@@ -386,7 +387,7 @@ def plan(job: JobConfig, gpu_memory: int, compare: bool = True) -> dict:
         "fits": fits,
         "worker": worker,
         "encoder_actor": encoder | {"fits": encoder["peak_bytes"] <= gpu_memory},
-        "validation_actor": (validation := trace_validation(job, shapes, size))
+        "validation_actor": (validation := trace_validation(job, family, shapes, size))
         | {"fits": validation["peak_bytes"] <= gpu_memory},
         "cache_shapes": {k: list(v) for k, v in shapes.items()},
         "suggestions": suggestions,

@@ -24,7 +24,6 @@ from raytuner.config import (
     TrackingConfig,
     TrainConfig,
 )
-from raytuner.families import get_family
 from raytuner.lora import export
 from raytuner.observe.memory import PeakMemory
 from raytuner.observe.observer import Observer
@@ -41,6 +40,7 @@ log = logging.getLogger("raytuner.train")
 class LoopConfig:
     """What a worker receives: its own sections, plus where the committed cache is."""
 
+    family: object  # the job's Family (families/)
     model: ModelConfig
     train: TrainConfig
     lora: LoraConfig
@@ -196,7 +196,7 @@ def train_loop(config: dict) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    family, device, t = get_family(cfg.model.family), ray.train.torch.get_device(), cfg.train
+    family, device, t = cfg.family, ray.train.torch.get_device(), cfg.train
     torch.manual_seed(t.seed)  # the same LoRA init on every rank
     trained = trainable_model(cfg.model, t, cfg.lora, family, device, cfg.memory)
     weights, placed = trained.weights, trained.placement

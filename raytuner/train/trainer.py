@@ -16,7 +16,6 @@ from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.index import describe_change
 from raytuner.data.reader import for_readers
-from raytuner.families import get_family
 from raytuner.render import validation
 from raytuner.runs import (
     DATASET,
@@ -160,12 +159,9 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> di
     return paths | state
 
 
-def train(job: JobConfig) -> dict:
-    """Train on the committed cache of this job's model and preprocess settings."""
-    try:
-        get_family(job.model.family)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+def train(job: JobConfig, family) -> dict:
+    """Train on the committed cache of this job's model and preprocess settings (a job
+    ``api.check`` passed; ``family``: its Family)."""
     fp = fingerprint(job.model, job.preprocess)
     manifest = read_manifest(job.data.cache, fp)
     if manifest is None:
@@ -189,6 +185,7 @@ def train(job: JobConfig) -> dict:
         log.info("run %s trained its %d steps before: exporting again", name, t.max_steps)
         return export_final(done, job.train.output, name) | {"metrics": {}}
     loop = LoopConfig(
+        family=family,
         model=job.model,
         train=job.train,
         lora=job.lora,
@@ -207,17 +204,17 @@ def train(job: JobConfig) -> dict:
     )
     _wait_for_workers(job)
     with Version(job.data.cache, fp).lease(f"train-{name}"):  # gc leaves the version alone
-        result = _fit(job, name, loop)
+        result = _fit(job, family, name, loop)
     if result.checkpoint is None:
         raise RuntimeError(f"training run {name} ended without a checkpoint")
     return export_final(result.checkpoint, job.train.output, name) | {"metrics": result.metrics}
 
 
-def _fit(job: JobConfig, name: str, loop: LoopConfig) -> ray.train.Result:
+def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Result:
     """Ray Train's run of the loop, with the validation actor beside it."""
     # the run's state (workers, attempts, checkpoints) on the dashboard's Train page
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
-    validator, callbacks = validation.start(job, loop.run_dir)
+    validator, callbacks = validation.start(job, family, loop.run_dir)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config=vars(loop),

@@ -26,7 +26,6 @@ from raytuner import placement, runtime
 from raytuner.config import JobConfig
 from raytuner.data import cache
 from raytuner.data.reader import for_readers
-from raytuner.families import get_family
 from raytuner.observe.memory import PeakMemory
 from raytuner.preprocess.job import bucket_sizes
 from raytuner.tools import synthetic
@@ -34,27 +33,27 @@ from raytuner.tools.bench.common import print_figures
 from raytuner.train.feed import open_feed
 
 
-def _buckets(job: JobConfig) -> list[tuple[int, int]]:
+def _buckets(job: JobConfig, family) -> list[tuple[int, int]]:
     """The square bucket and its two nearest aspect ratios at the job's resolution."""
-    sizes = bucket_sizes(job.model.family, job.preprocess)
+    sizes = bucket_sizes(family, job.preprocess)
     return sorted(sizes, key=lambda s: (abs(math.log(s[0] / s[1])), s))[:3]
 
 
-def write_synthetic(job: JobConfig, rows: int, root: str) -> dict:
+def write_synthetic(job: JobConfig, family, rows: int, root: str) -> dict:
     """The job's cache version under ``root`` with ``rows`` synthetic rows (reused when one
     with that many rows is committed there); returns its manifest."""
     version = cache.Version(root, cache.fingerprint(job.model, job.preprocess))
     manifest = version.manifest()
     if manifest is not None and manifest["dataset"]["rows"] == rows:
         return manifest
-    buckets = _buckets(job)
+    buckets = _buckets(job, family)
     return synthetic.write_cache(
         version,
         buckets=[buckets[i % len(buckets)] for i in range(rows)],
         captions=list(range(rows)),
         repeats=[1] * rows,
-        shapes=get_family(job.model.family).cache_shapes,
-        family=job.model.family,
+        shapes=family.cache_shapes,
+        family=family.name,
         dtype=job.preprocess.dtype,
         rows_per_file=job.preprocess.batch_size,
     )
@@ -133,7 +132,9 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def bench_feed(job: JobConfig, rows: int, workers: int, steps: int, as_json: bool, workdir=None):
+def bench_feed(
+    job: JobConfig, family, rows: int, workers: int, steps: int, as_json: bool, workdir=None
+):
     runtime.connect()
     if workers > job.train.global_batch_size:
         raise ValueError(f"--workers {workers} > train.global_batch_size: every rank needs a row")
@@ -142,9 +143,9 @@ def bench_feed(job: JobConfig, rows: int, workers: int, steps: int, as_json: boo
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="raytuner-feed-"))
         full_root, base_root = os.path.join(workdir, "full"), os.path.join(workdir, "base")
         tick = time.perf_counter()
-        full = write_synthetic(job, rows, full_root)
+        full = write_synthetic(job, family, rows, full_root)
         written = time.perf_counter() - tick
-        base = write_synthetic(job, max(1, rows // 100), base_root)
+        base = write_synthetic(job, family, max(1, rows // 100), base_root)
         load_before = _load()
         baseline, measured = _run(job, [(base_root, base), (full_root, full)], workers, steps)
         load_after = _load()
@@ -160,8 +161,8 @@ def bench_feed(job: JobConfig, rows: int, workers: int, steps: int, as_json: boo
         "peak_worker_anon_bytes": max(r["peak_anon_bytes"] for r in measured),
         "baseline_worker_anon_bytes": max(r["peak_anon_bytes"] for r in baseline),
         "requests_per_batch": round(sum(r["requests"] for r in measured) / (steps * workers), 2),
-        "family": job.model.family,
-        "shapes": {k: list(v) for k, v in _shapes(job).items()},
+        "family": family.name,
+        "shapes": {k: list(v) for k, v in _shapes(job, family).items()},
         "workers": workers,
         "steps": steps,
         "global_batch_size": job.train.global_batch_size,
@@ -172,6 +173,6 @@ def bench_feed(job: JobConfig, rows: int, workers: int, steps: int, as_json: boo
     return print_figures(result, as_json)
 
 
-def _shapes(job: JobConfig) -> dict[str, tuple[int, ...]]:
-    w, h = _buckets(job)[0]
-    return get_family(job.model.family).cache_shapes(w, h)
+def _shapes(job: JobConfig, family) -> dict[str, tuple[int, ...]]:
+    w, h = _buckets(job, family)[0]
+    return family.cache_shapes(w, h)

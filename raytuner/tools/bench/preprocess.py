@@ -40,15 +40,15 @@ def _bench_data(job: JobConfig, images: int, workdir: str) -> DataConfig:
     return DataConfig(images=str(folder), cache=os.path.join(workdir, "cache"))
 
 
-def _bare(job: JobConfig, data: DataConfig) -> tuple[int, float]:
+def _bare(job: JobConfig, family, data: DataConfig) -> tuple[int, float]:
     """Probe, decode and encode every image in this process, with the stream's own steps
     (``probe_decode``, then one ``Encoder`` over the same batches) called directly, without
     Ray: (images encoded, seconds)."""
     pre = job.preprocess
-    encoder = Encoder(job.model, pre.dtype, pre.store_std)
+    encoder = Encoder(family, job.model, pre.dtype, pre.store_std)
     sources = data.all_sources()
     listing = [{**r, "known_key": ""} for i, s in enumerate(sources) for r in list_source(i, s)]
-    spec = decode_spec(job.model, data, pre)
+    spec = decode_spec(family, data, pre)
     # the Encoder builds its models on first use: one image first, off the clock, builds both
     # (as the bare loop always did before timing); then it forgets the captions it encoded
     encoder(probe_decode(pa.Table.from_pylist(listing[:1]), sources, spec, frozenset()))
@@ -77,7 +77,7 @@ def _latent_bytes(version: cache.Version, manifest: dict) -> tuple[int, int]:
     return stored, tensor
 
 
-def bench_preprocess(job: JobConfig, images: int, as_json: bool, rounds: int = 3) -> dict:
+def bench_preprocess(job: JobConfig, family, images: int, as_json: bool, rounds: int = 3) -> dict:
     """``rounds`` rounds, each a whole preprocess into a fresh cache folder and then the bare
     loop over the same images; the figures are the medians over the rounds."""
     runtime.connect()
@@ -87,10 +87,11 @@ def bench_preprocess(job: JobConfig, images: int, as_json: bool, rounds: int = 3
 
         def pipeline(r: int) -> dict:
             cache_r = os.path.join(workdir, f"cache-{r}")
-            return preprocess(job.model, dataclasses.replace(data, cache=cache_r), job.preprocess)
+            data_r = dataclasses.replace(data, cache=cache_r)
+            return preprocess(job.model, data_r, job.preprocess, family=family)
 
         def bare(r: int) -> tuple[int, float]:
-            return _bare(job, data)
+            return _bare(job, family, data)
 
         load_before = load_average()
         sides = alternate(rounds, {"pipeline": pipeline, "bare": bare}, wait_for_quiet)

@@ -11,23 +11,22 @@ import time
 import torch
 
 from raytuner.config import JobConfig
-from raytuner.families import get_family
 from raytuner.tools import plan
 from raytuner.train import optim, step
 from raytuner.train.feed import RankSlice
 from raytuner.train.weights import trainable_model
 
 
-def bench_step(job: JobConfig, steps: int, as_json: bool) -> dict:
+def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    family = get_family(job.model.family)
     size = plan.largest_bucket(job, family)
     if job.model.pretrained == "random":  # the released shapes, no encoder trace needed
         shapes = family.cache_shapes(*size)
     else:
-        shapes = plan.trace_encoders(job, size)[1]
+        shapes = plan.trace_encoders(job, family, size)[1]
     micro = plan.micro_batch(job)
-    planned = plan.trace_step(job, shapes, size, micro, job.train.gradient_checkpointing)
+    checkpointing = job.train.gradient_checkpointing
+    planned = plan.trace_step(job, family, shapes, size, micro, checkpointing)
     started = time.perf_counter()
     trained = trainable_model(job.model, job.train, job.lora, family, device, job.memory)
     loss_fn = family.loss(trained.source, job.objective.for_family(family))

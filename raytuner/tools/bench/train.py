@@ -21,7 +21,6 @@ from raytuner import runtime
 from raytuner.config import JobConfig, ValidationConfig
 from raytuner.data.cache import fingerprint, read_manifest
 from raytuner.data.reader import open_dataset
-from raytuner.families import get_family
 from raytuner.preprocess.job import preprocess
 from raytuner.tools.bench.common import (
     alternate,
@@ -82,20 +81,20 @@ def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
     return out
 
 
-def bare_loop(job: JobConfig, steps: int, threads: int, batches: list | None = None) -> float:
+def bare_loop(job: JobConfig, family, steps: int, threads: int, batches=None) -> float:
     """Samples/s of a plain single-process loop over the same batches (no Ray); ``batches``:
     those of ``_batches(job, 2 * steps)`` when already read."""
     if batches is None:
         batches = _batches(job, 2 * steps)
     with torch_threads(threads):
-        return _bare_loop(job, steps, batches)
+        return _bare_loop(job, family, steps, batches)
 
 
-def _bare_loop(job: JobConfig, steps: int, batches: list[tuple[dict, list[int]]]) -> float:
+def _bare_loop(job: JobConfig, family, steps: int, batches: list) -> float:
     """The loop ``bare_loop`` times: the worker's own model setup and step (``TrainStep``, the
     same object the loop calls) on this machine's device (a GPU when there is one), without
     Ray, the cache reads or the feed."""
-    family, t = get_family(job.model.family), job.train
+    t = job.train
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(t.seed)
     trained = trainable_model(job.model, t, job.lora, family, device, job.memory)
@@ -117,26 +116,26 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench_train(job: JobConfig, steps: int, as_json: bool, rounds: int = 3) -> dict:
+def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int = 3) -> dict:
     """``rounds`` rounds, each one ``train()`` run (one worker, a fresh output folder) and then
     the bare loop; the figures are the medians over the rounds."""
     from raytuner.train.trainer import train
 
     runtime.connect()
     if read_manifest(job.data.cache, fingerprint(job.model, job.preprocess)) is None:
-        preprocess(job.model, job.data, job.preprocess)
+        preprocess(job.model, job.data, job.preprocess, family=family)
     batches = _batches(job, 2 * steps)  # read once: the bare loop's clock never sees them
     threads: list[int] = []
     with tempfile.TemporaryDirectory(prefix="raytuner-bench-train-") as output:
 
         def pipeline(r: int) -> dict:
             run = _one_worker_job(job, steps, os.path.join(output, f"round-{r}"))
-            metrics = train(run)["metrics"]
+            metrics = train(run, family)["metrics"]
             threads.append(int(metrics["threads"]))
             return metrics
 
         def bare(r: int) -> float:  # with the torch thread count its round's worker had
-            return bare_loop(job, steps, threads[-1], batches)
+            return bare_loop(job, family, steps, threads[-1], batches)
 
         load_before = load_average()
         sides = alternate(rounds, {"pipeline": pipeline, "bare": bare}, wait_for_quiet)
