@@ -90,44 +90,6 @@ class Meter:
         return out
 
 
-def _report(cfg: LoopConfig, st, metrics: dict, weights, opt, sched, family, jit: bool) -> None:
-    """A checkpoint through ``ray.train.report`` (a barrier: every rank calls it, rank 0 attaches
-    the files). Only checkpoints are reported: Ray Train 2.60 takes one report per worker each
-    health check (2 s), and a report blocks until the previous one is taken, so reporting every
-    log window would throttle fast steps."""
-    checkpoint = None
-    if ray.train.get_context().get_world_rank() == 0:
-        if jit:
-            log.warning("preemption announced: checkpoint at step %d before the node goes", st.step)
-        directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")  # Ray deletes it after upload
-        identity = checkpoints.run_identity(
-            cfg.model, cfg.lora, cfg.train, cfg.fingerprint, cfg.dataset["id"]
-        )
-        records = {runs.RUN: identity, runs.JOB: cfg.job, runs.DATASET: cfg.dataset}
-        run = storage.basename(cfg.run_dir)
-        meta = export.metadata(
-            family=family.name,
-            model=cfg.model,
-            lora=cfg.lora,
-            step=st.step,
-            run=run,
-            fingerprint=cfg.fingerprint,
-        )
-        save = functools.partial(weights.export, family=family, meta=meta)
-        try:
-            checkpoints.save_checkpoint(directory, weights, opt, sched, st, records, save)
-        except OSError as e:  # a full disk: no half-written folder left behind
-            shutil.rmtree(directory, ignore_errors=True)
-            need = sum(t.numel() * t.element_size() for t in weights.params)
-            raise RuntimeError(
-                f"checkpoint of step {st.step} could not be written to {directory} ({e}): it "
-                f"needs room for the trained weights ({need:,} bytes) about three times over "
-                "(weights, optimizer state, export); free space there or set TMPDIR"
-            ) from e
-        checkpoint = ray.train.Checkpoint.from_directory(directory)
-    ray.train.report(metrics, checkpoint=checkpoint)
-
-
 def _quiet_ray_train_reports() -> None:
     """Ray 2.60 logs one INFO line per report and rank from a logger named by its file path,
     which RunConfig's LoggingConfig (a ``ray.train.*`` filter) does not reach."""
@@ -146,96 +108,177 @@ def _candidates(restored: ray.train.Checkpoint, run_dir: str):
             yield ray.train.Checkpoint(path, filesystem=fs)
 
 
-def _restore(cfg: LoopConfig, weights, opt, sched, rank: int) -> checkpoints.TrainState:
-    """The newest readable checkpoint's state, applied; a broken one is skipped with a warning."""
-    if (restored := ray.train.get_checkpoint()) is None:
-        return checkpoints.TrainState()
-    for candidate in _candidates(restored, cfg.run_dir):
-        try:
-            with candidate.as_directory() as directory:
-                st = checkpoints.load_checkpoint(directory, weights, opt, sched)
-        except checkpoints.CheckpointError as e:
-            log.warning("rank %d: skipping unreadable checkpoint: %s", rank, e)
-            continue
-        log.info(
-            "rank %d resumed at step %d (epoch %d, batch %d) from %s",
-            *(rank, st.step, st.epoch, st.index, candidate.path),
+class Worker:
+    """One Ray Train worker's training, built once per worker: its peak-memory sampler, the
+    trained weights (placed, wrapped for DDP), optimizer, LR schedule and train step, the state
+    restored from the newest readable checkpoint, the feed started at its cursor, the metrics
+    meter, the sample log and, on rank 0, the observer. ``close()`` stops what it started."""
+
+    def __init__(self, cfg: LoopConfig) -> None:
+        self.cfg, t = cfg, cfg.train
+        self.memory = PeakMemory().start()
+        ctx = ray.train.get_context()
+        self.rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        device = ray.train.torch.get_device()
+        torch.manual_seed(t.seed)  # the same LoRA init on every rank
+        trained = trainable_model(cfg.model, t, cfg.lora, cfg.family, device, cfg.memory)
+        self.weights, placed = trained.weights, trained.placement
+        self.opt, self.sched = optim.for_run(t, self.weights.params)
+        self.state = self.restore()
+        # restored optimizer state beside its parameter, every block in its place
+        placed.check(self.opt)
+        model = placed.distributed(ray.train.torch.prepare_model)
+        loss_fn = cfg.family.loss(trained.source, cfg.objective.for_family(cfg.family))
+        opt, sched = self.opt, self.sched
+        self.step = train_step(trained, model, loss_fn, opt, sched, t, cfg.memory, device, world)
+        pin = device.type == "cuda"
+        self.feed = open_feed(t, cfg.cache, cfg.fingerprint, cfg.manifest, self.rank, world, pin)
+        self.feed.start(self.state.epoch, self.state.index)
+        run_dir = cfg.run_dir if t.sample_log else None
+        self.samples = SampleLog(run_dir, attempt_id(), self.rank, world)
+        self.meter = Meter(device)
+        self.observer = None
+        if self.rank == 0:
+            self.observer = Observer(cfg.run_dir, t.max_steps, t.tensorboard, cfg.tracking, cfg.job)
+        self._announced = False  # a preemption was announced and checkpointed for
+
+    def restore(self) -> checkpoints.TrainState:
+        """The newest readable checkpoint's state, applied to the weights, optimizer and LR
+        schedule; a broken one is skipped with a warning. A fresh state without a checkpoint."""
+        if (restored := ray.train.get_checkpoint()) is None:
+            return checkpoints.TrainState()
+        for candidate in _candidates(restored, self.cfg.run_dir):
+            try:
+                with candidate.as_directory() as directory:
+                    st = checkpoints.load_checkpoint(directory, self.weights, self.opt, self.sched)
+            except checkpoints.CheckpointError as e:
+                log.warning("rank %d: skipping unreadable checkpoint: %s", self.rank, e)
+                continue
+            log.info(
+                "rank %d resumed at step %d (epoch %d, batch %d) from %s",
+                *(self.rank, st.step, st.epoch, st.index, candidate.path),
+            )
+            return st
+        raise RuntimeError(f"no readable checkpoint in {self.cfg.run_dir}: start a new run instead")
+
+    def train_batch(self) -> None:
+        """Train this rank's slice of the next global batch; the step and cursor move past it."""
+        st = self.state
+        batch = self.feed.next(st.epoch, st.index)
+        self.meter.add(self.step(batch))
+        st.step, (st.epoch, st.index) = st.step + 1, batch.after()
+        self.samples.add(st.step, batch.epoch, batch.index, batch.ids)
+
+    def preemption_announced(self) -> bool:
+        """Whether Ray announced a preemption of a node of this group (one actor round trip,
+        every ``checkpoint.preemption_check_every`` steps); true once, for one checkpoint."""
+        if self._announced:
+            return False
+        every, step = self.cfg.checkpoint.preemption_check_every, self.state.step
+        self._announced = (
+            bool(every) and step % every == 0 and ray.train.get_preemption_info() is not None
         )
-        return st
-    raise RuntimeError(f"no readable checkpoint in {cfg.run_dir}: start a new run instead")
+        return self._announced
 
+    def checkpoint_due(self) -> bool:
+        """A checkpoint every ``checkpoint.every_steps``, every validation's steps and at the
+        last step."""
+        cfg, step = self.cfg, self.state.step
+        every = [cfg.checkpoint.every_steps] + [cfg.validation_every] * bool(cfg.validation_every)
+        return step == cfg.train.max_steps or any(step % n == 0 for n in every)
 
-def _preempted(cfg: LoopConfig, step: int) -> bool:
-    """Whether Ray announced a preemption of a node of this group (one actor round trip)."""
-    every = cfg.checkpoint.preemption_check_every
-    return bool(every) and step % every == 0 and ray.train.get_preemption_info() is not None
+    def end_window(self) -> dict:
+        """Close the metrics window: report it on rank 0, write the sample log, return the metrics
+        (with this worker's peak memory so far)."""
+        st, lr = self.state, self.sched.get_last_lr()[0]
+        metrics = self.meter.flush(self.cfg.train.global_batch_size, self.feed.take_wait())
+        st.loss = metrics["loss"]
+        st.first_loss = st.loss if st.first_loss is None else st.first_loss
+        if self.observer is not None:
+            self.observer.window(st.step, metrics, lr)
+        self.samples.flush()
+        position = {"step": st.step, "epoch": st.epoch, "first_loss": st.first_loss}
+        extra = {"lr": lr, "threads": torch.get_num_threads()}
+        return metrics | position | self.memory.peaks() | extra
 
+    def checkpoint(self, metrics: dict, preempted: bool) -> None:
+        """A checkpoint through ``ray.train.report`` (a barrier: every rank calls it, rank 0
+        attaches the files). Only checkpoints are reported: Ray Train 2.60 takes one report per
+        worker each health check (2 s), and a report blocks until the previous one is taken, so
+        reporting every log window would throttle fast steps. ``preempted``: taken because a
+        preemption was announced (rank 0 warns)."""
+        started, step = time.perf_counter(), self.state.step
+        checkpoint = None
+        if self.rank == 0:
+            if preempted:
+                log.warning(
+                    "preemption announced: checkpoint at step %d before the node goes", step
+                )
+            directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")  # Ray deletes it after upload
+            try:
+                self.save(directory)
+            except OSError as e:  # a full disk: no half-written folder left behind
+                shutil.rmtree(directory, ignore_errors=True)
+                need = sum(t.numel() * t.element_size() for t in self.weights.params)
+                raise RuntimeError(
+                    f"checkpoint of step {step} could not be written to {directory} ({e}): it "
+                    f"needs room for the trained weights ({need:,} bytes) about three times over "
+                    "(weights, optimizer state, export); free space there or set TMPDIR"
+                ) from e
+            checkpoint = ray.train.Checkpoint.from_directory(directory)
+        ray.train.report(metrics, checkpoint=checkpoint)
+        if self.observer is not None:
+            self.observer.checkpoint(step, time.perf_counter() - started)
 
-def _checkpoint_due(cfg: LoopConfig, step: int) -> bool:
-    every = [cfg.checkpoint.every_steps] + [cfg.validation_every] * bool(cfg.validation_every)
-    return step == cfg.train.max_steps or any(step % n == 0 for n in every)
+    def save(self, directory: str) -> None:
+        """The training state into ``directory`` (checkpoints.save_checkpoint's files): trained
+        tensors, optimizer and LR schedule, the cursor, the export with the run's metadata and
+        the records (run identity, job, dataset)."""
+        cfg, st = self.cfg, self.state
+        identity = checkpoints.run_identity(
+            cfg.model, cfg.lora, cfg.train, cfg.fingerprint, cfg.dataset["id"]
+        )
+        records = {runs.RUN: identity, runs.JOB: cfg.job, runs.DATASET: cfg.dataset}
+        run = storage.basename(cfg.run_dir)
+        meta = export.metadata(
+            family=cfg.family.name,
+            model=cfg.model,
+            lora=cfg.lora,
+            step=st.step,
+            run=run,
+            fingerprint=cfg.fingerprint,
+        )
+        save = functools.partial(self.weights.export, family=cfg.family, meta=meta)
+        checkpoints.save_checkpoint(
+            directory, self.weights, self.opt, self.sched, st, records, save
+        )
 
-
-def _end_window(cfg: LoopConfig, st, meter: Meter, feed, samples: SampleLog, lr, observer, memory):
-    """Close the metrics window: report it on rank 0, write the sample log, return the metrics
-    (with this worker's peak memory so far)."""
-    metrics = meter.flush(cfg.train.global_batch_size, feed.take_wait())
-    st.loss = metrics["loss"]
-    st.first_loss = st.loss if st.first_loss is None else st.first_loss
-    if observer is not None:
-        observer.window(st.step, metrics, lr)
-    samples.flush()
-    position = {"step": st.step, "epoch": st.epoch, "first_loss": st.first_loss}
-    return metrics | position | memory.peaks() | {"lr": lr, "threads": torch.get_num_threads()}
+    def close(self) -> None:
+        """Stop the feed and its data, the memory sampler and rank 0's observer."""
+        self.feed.close()
+        self.feed.data.close()
+        self.memory.stop()
+        if self.observer is not None:
+            self.observer.close()
 
 
 def train_loop(config: dict) -> None:
+    """A Ray Train worker: from the newest readable checkpoint to ``train.max_steps``, a metrics
+    window every ``train.log_every`` steps and a checkpoint where one is due."""
     cfg = LoopConfig(**config)
-    memory = PeakMemory().start()
     _quiet_ray_train_reports()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    family, device, t = cfg.family, ray.train.torch.get_device(), cfg.train
-    torch.manual_seed(t.seed)  # the same LoRA init on every rank
-    trained = trainable_model(cfg.model, t, cfg.lora, family, device, cfg.memory)
-    weights, placed = trained.weights, trained.placement
-    opt, sched = optim.for_run(t, weights.params)
-    st = _restore(cfg, weights, opt, sched, rank)
-    placed.check(opt)  # restored optimizer state beside its parameter, every block in its place
-    model = placed.distributed(ray.train.torch.prepare_model)
-    loss_fn = family.loss(trained.source, cfg.objective.for_family(family))
-    step = train_step(trained, model, loss_fn, opt, sched, t, cfg.memory, device, world)
-    pin = device.type == "cuda"
-    feed = open_feed(cfg.train, cfg.cache, cfg.fingerprint, cfg.manifest, rank, world, pin)
-    feed.start(st.epoch, st.index)
-    samples = SampleLog(cfg.run_dir if t.sample_log else None, attempt_id(), rank, world)
-    meter, warned = Meter(device), False
-    observer = None
-    if rank == 0:
-        observer = Observer(cfg.run_dir, t.max_steps, t.tensorboard, cfg.tracking, cfg.job)
+    worker = Worker(cfg)
     try:
-        while st.step < t.max_steps:
-            batch = feed.next(st.epoch, st.index)
-            meter.add(step(batch))
-            st.step, (st.epoch, st.index) = st.step + 1, batch.after()
-            samples.add(st.step, batch.epoch, batch.index, batch.ids)
+        while worker.state.step < cfg.train.max_steps:
+            worker.train_batch()
             # a spot reclaim announced to any rank: every rank checkpoints now (once), so the
             # restart loses no finished step; the call is a barrier that agrees across ranks
-            jit = not warned and _preempted(cfg, st.step)
-            warned |= jit
-            due = jit or _checkpoint_due(cfg, st.step)
-            if due or st.step % t.log_every == 0:
-                lr = sched.get_last_lr()[0]
-                metrics = _end_window(cfg, st, meter, feed, samples, lr, observer, memory)
+            preempted = worker.preemption_announced()
+            due = preempted or worker.checkpoint_due()
+            if due or worker.state.step % cfg.train.log_every == 0:
+                metrics = worker.end_window()
                 if due:
-                    started = time.perf_counter()
-                    _report(cfg, st, metrics, weights, opt, sched, family, jit)
-                    if observer is not None:
-                        observer.checkpoint(st.step, time.perf_counter() - started)
+                    worker.checkpoint(metrics, preempted)
     finally:
-        feed.close()
-        feed.data.close()
-        memory.stop()
-        if observer is not None:
-            observer.close()
+        worker.close()
