@@ -34,8 +34,7 @@ def test_frozen_weights_are_bfloat16_on_a_gpu_and_the_step_autocasts():
     frozen = {p.dtype for p in denoiser.parameters() if not p.requires_grad}
     assert frozen == {torch.bfloat16} and source.dtype == torch.bfloat16
     assert {p.dtype for p in weights.params} == {torch.float32} and amp == torch.bfloat16
-    batch = {k: torch.randn(2, *s, device=CUDA) for k, s in _tiny_shapes().items()}
-    batch |= {k: torch.full((2, 2), 64.0, device=CUDA) for k in _CONDITIONING}
+    batch = family.example_batch(_tiny_shapes(), 2, (64, 64), CUDA, torch.float32)
     with torch.autocast("cuda", dtype=amp):
         loss_fn = family.loss(source, job.objective.for_family(family))
         loss = loss_fn(denoiser, batch, _generators(2)).mean()
@@ -76,9 +75,6 @@ def test_plan_is_within_15_percent_of_the_measured_peak():
     job = load_job(REPO / "jobs" / "sd15.toml", overrides)
     result = bench_step(job, get_family(job.model.family), steps=2, as_json=True)
     assert 0.85 <= result["planned_over_measured"] <= 1.15
-
-
-_CONDITIONING = ("original_size", "crop_top_left", "target_size")
 
 
 def _tiny_shapes() -> dict:

@@ -20,7 +20,8 @@ from raytuner.config.objective import KINDS, DdpmObjective, FlowObjective
 from raytuner.families.parts import Source
 
 # A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
-# per-image conditioning "original_size", "crop_top_left", "target_size" ([B,2], (h, w) order).
+# per-image conditioning "original_size", "crop_top_left", "target_size" ([B,2] int64, (h, w)
+# order: the image before its crop, the crop's corner, the bucket), as the training feed reads it.
 Batch = dict[str, torch.Tensor]
 # pixels [B,3,H,W] in [-1,1] -> (latent mean, latent std), both in the denoiser's latent scale
 ImageEncoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -92,6 +93,30 @@ class Family(Protocol):
     # a single file's tensors of ``part`` (the keys under its prefix) in the layout diffusers'
     # ``from_single_file`` converts (most families: as they are)
     def single_file_state(self, part: str, state: dict[str, torch.Tensor]) -> dict: ...
+    # ``n`` samples of the cached tensors of ``shapes`` (``cache_shapes``, or what its encoders
+    # make) at the bucket ``size`` (width, height), as the training feed hands them to ``loss``:
+    # random latent and text tensors in ``dtype``, the per-image conditioning, and what else its
+    # loss needs (``raytuner plan`` traces one on "meta", ``bench step`` trains on one)
+    def example_batch(
+        self, shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype
+    ) -> Batch: ...
+
+
+def example_batch(shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype) -> Batch:
+    """What every family's example batch holds (``Family.example_batch``): random tensors of
+    ``shapes`` in ``dtype`` (the feed reads the cache in float32), and the conditioning the
+    feed adds to every row, here an uncropped image of the bucket's size."""
+    batch = {k: torch.randn(n, *s, device=device, dtype=dtype) for k, s in shapes.items()}
+    width, height = size
+
+    def rows(pair: tuple[int, int]) -> torch.Tensor:
+        return torch.tensor([pair] * n, dtype=torch.int64).to(device)
+
+    return batch | {
+        "original_size": rows((height, width)),
+        "crop_top_left": rows((0, 0)),
+        "target_size": rows((height, width)),
+    }
 
 
 def preset_pipeline(pipe):

@@ -201,6 +201,12 @@ class Flux:
         latent = (16, height // VAE_FACTOR, width // VAE_FACTOR)
         return {"latent": latent, "prompt_embeds": (512, 4096), "pooled_prompt_embeds": (768,)}
 
+    def example_batch(
+        self, shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype
+    ) -> base.Batch:
+        """Random cached tensors and the per-image conditioning (``base.example_batch``)."""
+        return base.example_batch(shapes, n, size, device, dtype)
+
     def kohya_names(self, config):
         return kohya_names
 

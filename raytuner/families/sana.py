@@ -96,6 +96,16 @@ class Sana:
         tokens = (MAX_TOKENS,)
         return {"latent": latent, "prompt_embeds": (*tokens, 2304), "prompt_attention_mask": tokens}
 
+    def example_batch(
+        self, shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype
+    ) -> base.Batch:
+        """Random cached tensors and the per-image conditioning (``base.example_batch``), the
+        Gemma attention mask all ones: every caption token attended, as for a caption that
+        fills the tokens kept."""
+        batch = base.example_batch(shapes, n, size, device, dtype)
+        batch["prompt_attention_mask"] = torch.ones_like(batch["prompt_attention_mask"])
+        return batch
+
     def kohya_names(self, config):
         return None  # no tool reads a kohya Sana LoRA
 

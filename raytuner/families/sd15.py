@@ -64,6 +64,12 @@ class SD15:
         at 1/8 of the pixels, CLIP-L's 77 x 768 hidden states."""
         return {"latent": (4, height // 8, width // 8), "prompt_embeds": (77, 768)}
 
+    def example_batch(
+        self, shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype
+    ) -> base.Batch:
+        """Random cached tensors and the per-image conditioning (``base.example_batch``)."""
+        return base.example_batch(shapes, n, size, device, dtype)
+
     def kohya_names(self, config):
         """sd-scripts' SD1.5 UNet uses the diffusers module names."""
         return kohya.unet_names

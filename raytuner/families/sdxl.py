@@ -126,6 +126,12 @@ class SDXL:
         latent = (4, height // 8, width // 8)
         return {"latent": latent, "prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)}
 
+    def example_batch(
+        self, shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype
+    ) -> base.Batch:
+        """Random cached tensors and the per-image conditioning (``base.example_batch``)."""
+        return base.example_batch(shapes, n, size, device, dtype)
+
     def kohya_names(self, config):
         return sgm_names(config)
 

@@ -1,8 +1,9 @@
 """`raytuner plan`: the GPU memory a job needs, per training worker, encoder actor and validation
 actor, measured by running the real step on the meta device (nothing is allocated).
 
-The training worker's figure is one real training step of the job (the family's loss, the peft
-adapter, AdamW, gradient checkpointing when set), run once on meta tensors; a later step is the
+The training worker's figure is one real training step of the job (the worker's own model setup,
+``train.weights.trainable_model``, on the meta device; the family's loss on its example batch;
+AdamW), run once on meta tensors (``tools/trace.py`` counts them); a later step is the
 same with the optimizer state alive: its peak is the weights (by dtype) plus the peak of every
 tensor the step keeps alive at once (activations saved for backward, gradients, optimizer state,
 temporaries).
@@ -14,94 +15,22 @@ gradients; counted below) and the pinned host batches of the feed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import weakref
-from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from raytuner import placement
 from raytuner.config import JobConfig
 from raytuner.families import parts
 from raytuner.preprocess.buckets import make_buckets
+from raytuner.tools.trace import offloaded, traced
 from raytuner.train import optim
-from raytuner.train.weights import Weights
+from raytuner.train.weights import Trainable, Weights, trainable_model
 
 GiB = 2**30
 OVERHEAD = GiB  # CUDA context + library workspaces, per process
-CONDITIONING = ("original_size", "crop_top_left", "target_size")
-
-
-class LiveBytes(TorchDispatchMode):
-    """The peak of the bytes held by tensors created while active (each storage counted once,
-    until it is freed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = self.peak = 0
-        self._sizes: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # a view of an input (a weight's transpose, a reshape) holds no new memory
-        inputs = {
-            t.untyped_storage()._cdata
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                self._track(t.untyped_storage())
-        return out
-
-    def _track(self, storage) -> None:
-        key = storage._cdata
-        if key in self._sizes:
-            return
-        self._sizes[key] = storage.nbytes()
-        self.now += self._sizes[key]
-        self.peak = max(self.peak, self.now)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.now -= self._sizes.pop(key, 0)
-
-
-def _fused_attention(*args, **kwargs):
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-    given = dict(zip(names, args, strict=False)) | kwargs
-    q, k, v = given.pop("query"), given.pop("key"), given.pop("value")
-    return _fused(q, k, v, **given)
-
-
-def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-    if kw.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
-        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        attn_mask = attn_mask.to(q.dtype)
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return op(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-
-@contextlib.contextmanager
-def traced() -> Iterator[LiveBytes]:
-    """Count the bytes of what runs inside, with ``scaled_dot_product_attention`` traced as a
-    fused kernel: on meta tensors torch would otherwise trace the math fallback, which keeps the
-    whole score matrix for backward. (Patched on the module, not through a torch-function mode:
-    gradient checkpointing recomputes the forward in backward, outside any such mode.)"""
-    live, original = LiveBytes(), F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _fused_attention
-    try:
-        with live:
-            yield live
-    finally:
-        F.scaled_dot_product_attention = original
+META = torch.device("meta")
 
 
 def _bytes_by_dtype(module) -> dict[str, int]:
@@ -120,43 +49,13 @@ def largest_bucket(job: JobConfig, family) -> tuple[int, int]:
     return max(buckets, key=lambda b: (b[0] * b[1], b[0]))
 
 
-def _meta_batch(shapes: dict, n: int, dtype: torch.dtype, size: tuple[int, int]) -> dict:
-    batch = {k: torch.zeros(n, *s, device="meta", dtype=dtype) for k, s in shapes.items()}
-    if "prompt_attention_mask" in batch:
-        batch["prompt_attention_mask"] = torch.ones_like(batch["prompt_attention_mask"])
-    for key in CONDITIONING:
-        batch[key] = torch.full((n, 2), float(max(size)), device="meta", dtype=dtype)
-    return batch
-
-
-def _source(job: JobConfig, full: bool = False) -> parts.Source:
+def _source(job: JobConfig) -> parts.Source:
     """The job's model on a GPU; a released repo the package knows is planned from its shipped
     architecture (the ``random`` preset), with no download."""
     m = job.model
-    dtype = parts.resolve_dtype(m.dtype, "cuda")
-    if full:
-        dtype = parts.DTYPES[m.trainable_dtype]
     source = parts.model_source(m, "cuda")  # a single file: described by its config repo
     pretrained = parts.released(m.family, source.repo) or m.pretrained
-    return dataclasses.replace(source, pretrained=pretrained, dtype=dtype)
-
-
-@contextlib.contextmanager
-def _offloaded(on: bool) -> Iterator[None]:
-    """``memory.activation_offload`` in a trace: a tensor saved outside the checkpointed blocks
-    leaves the device until backward unpacks it (a new device tensor, counted from then)."""
-    if not on:
-        yield
-        return
-
-    def pack(t):
-        return (t.shape, t.dtype, t.device)
-
-    def unpack(saved):
-        return torch.empty(saved[0], dtype=saved[1], device=saved[2])
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    return dataclasses.replace(source, pretrained=pretrained)
 
 
 def _block_bytes(denoiser, family) -> list[int]:
@@ -174,48 +73,52 @@ def swapped_peak(worker: dict, n: int, ring: int) -> int:
     return worker["peak_bytes_unswapped"] - sum(streamed) + sum(resident)
 
 
-def trace_step(job: JobConfig, family, shapes: dict, size, micro: int, checkpointing: bool) -> dict:
-    """One training worker's step at ``micro`` samples of ``shapes``, traced on meta."""
-    t, memory = job.train, job.memory
-    source = _source(job, t.mode == "full")
-    denoiser = family.denoiser(source, "meta", weights=False).train()
-    if job.model.dtype == parts.FLOAT8:
-        parts.float8_storage(denoiser.requires_grad_(False))
-    if checkpointing:
-        denoiser.enable_gradient_checkpointing()
-    trainable = parts.DTYPES[job.model.trainable_dtype]
-    weights = Weights(
-        denoiser,
-        mode=t.mode,
-        lora=job.lora,
-        targets=family.lora_targets,
-        ema_decay=t.ema_decay,
-        dtype=trainable,
-    )
-    opt = torch.optim.AdamW(weights.params, lr=t.learning_rate, foreach=False)
-    loss_fn = family.loss(source, job.objective.for_family(family))
-    # the step computes in the denoiser's weight dtype (bf16 by default on GPUs); a float32
-    # denoiser is traced in float32 even where bf16 autocast would halve its activations
-    batch = _meta_batch(shapes, micro, source.dtype, size)
-    with traced() as live, _offloaded(memory.activation_offload and checkpointing):
-        generators = [torch.Generator().manual_seed(j) for j in range(micro)]
-        loss_fn(denoiser, batch, generators).sum().backward()
+def _planned_model(job: JobConfig, family, checkpointing: bool) -> Trainable:
+    """The worker's own setup (``trainable_model``) of the job's denoiser on the meta device,
+    from the model a GPU runs (``_source``), gradient checkpointing as given."""
+    train = dataclasses.replace(job.train, gradient_checkpointing=checkpointing)
+    model = (job.model, train, job.lora, family)
+    return trainable_model(*model, META, job.memory, source=_source(job))
+
+
+def _step_trace(job: JobConfig, family, trained: Trainable, batch: dict, offload: bool) -> dict:
+    """The step itself, run once on meta tensors and counted: the family's loss of ``trained``
+    on ``batch``, backward (``offload``: activation offload) and an AdamW step. Returns the peak
+    bytes of forward + backward, of the whole step, and of AdamW's state (made by the step)."""
+    opt = torch.optim.AdamW(trained.weights.params, lr=job.train.learning_rate, foreach=False)
+    loss_fn = family.loss(trained.source, job.objective.for_family(family))
+    with traced() as live, offloaded(offload):
+        generators = [torch.Generator().manual_seed(j) for j in range(len(batch["latent"]))]
+        loss_fn(trained.denoiser, batch, generators).sum().backward()
         backward_peak = live.peak
         opt.step()
         opt.zero_grad(set_to_none=True)
-    trained = sum(p.numel() * p.element_size() for p in weights.params)
     adamw = sum(
         v.numel() * v.element_size()
         for s in opt.state.values()
         for v in s.values()
         if torch.is_tensor(v)
     )
+    return {"backward_peak": backward_peak, "peak": live.peak, "adamw": adamw}
+
+
+def trace_step(job: JobConfig, family, shapes: dict, size, micro: int, checkpointing: bool) -> dict:
+    """One training worker's step at ``micro`` samples of ``shapes``, traced on meta."""
+    t, memory = job.train, job.memory
+    trained = _planned_model(job, family, checkpointing)
+    denoiser, weights = trained.denoiser, trained.weights
+    # the step computes in the denoiser's weight dtype (bf16 by default on GPUs); a float32
+    # denoiser is traced in float32 even where bf16 autocast would halve its activations
+    batch = family.example_batch(shapes, micro, size, META, trained.source.dtype)
+    counted = _step_trace(job, family, trained, batch, memory.activation_offload and checkpointing)
+    backward_peak = counted["backward_peak"]
+    trained_bytes = sum(p.numel() * p.element_size() for p in weights.params)
     state = optim.state_bytes(t.optimizer, weights.params)
     by_dtype = _bytes_by_dtype(denoiser)
-    ema = trained if t.ema_decay else 0
-    ddp_buckets = trained  # DDP's flat gradient buckets beside the .grad tensors
+    ema = trained_bytes if t.ema_decay else 0
+    ddp_buckets = trained_bytes  # DDP's flat gradient buckets beside the .grad tensors
     # every later step runs the same forward and backward with the optimizer state alive
-    step_peak = max(backward_peak + state, live.peak - adamw + state)
+    step_peak = max(backward_peak + state, counted["peak"] - counted["adamw"] + state)
     unswapped = sum(by_dtype.values()) + ema + ddp_buckets + step_peak + OVERHEAD
     result = {"peak_bytes_unswapped": unswapped, "block_bytes": _block_bytes(denoiser, family)}
     n = memory.blocks_to_swap if checkpointing and t.mode == "lora" else 0
@@ -227,13 +130,13 @@ def trace_step(job: JobConfig, family, shapes: dict, size, micro: int, checkpoin
         "trainable_params": sum(p.numel() for p in weights.params),
         "weights_bytes": sum(by_dtype.values()),
         "weights_by_dtype": by_dtype,
-        "gradients_bytes": trained,
+        "gradients_bytes": trained_bytes,
         "optimizer_bytes": state,
         "ema_bytes": ema,
         "ddp_buckets_bytes": ddp_buckets,
         "step_peak_bytes": step_peak,
         "backward_peak_bytes": backward_peak,  # forward + backward, before the optimizer
-        "activations_bytes": max(0, step_peak - trained - state),
+        "activations_bytes": max(0, step_peak - trained_bytes - state),
         "overhead_bytes": OVERHEAD,
         "peak_bytes": peak,
     }
@@ -283,7 +186,7 @@ def trace_validation(job: JobConfig, family, shapes: dict, size) -> dict:
     source = _source(job)
     denoiser = family.denoiser(source, "meta", weights=False).requires_grad_(False)
     loss_fn = family.loss(source, job.objective.for_family(family))
-    batch = _meta_batch(shapes, 2, source.dtype, size)
+    batch = family.example_batch(shapes, 2, size, META, source.dtype)
     with torch.no_grad(), traced() as forward:
         loss_fn(denoiser, batch, [torch.Generator().manual_seed(i) for i in range(2)])
     cls = family.part_classes()["vae"]

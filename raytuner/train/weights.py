@@ -178,22 +178,34 @@ class Trainable(NamedTuple):
     placement: object  # raytuner.placement.DenoiserPlacement
 
 
-def trainable_model(model, train, lora, family, device: torch.device, memory=None) -> Trainable:
+def trainable_model(
+    model, train, lora, family, device: torch.device, memory=None, source=None
+) -> Trainable:
     """The denoiser a worker trains, placed for ``device`` in train mode (frozen weights in
     ``model.dtype``, trained ones in ``model.trainable_dtype``, ``memory.blocks_to_swap`` of
-    its blocks streamed): one setup for the loop and both benches."""
+    its blocks streamed): one setup for the loop, both benches and ``raytuner plan``.
+
+    ``source``: the parts' Source when not the job's own on ``device`` (plan: the GPU's
+    dtypes, a released repo's shipped architecture). On the meta device (plan) nothing is
+    loaded, read or streamed: the architecture alone, every weight resident, no
+    ``lora.init_from`` (its values change no size); plan counts the streamed blocks itself."""
     from raytuner import placement
     from raytuner.config import MemoryConfig
     from raytuner.families import parts
 
     memory = memory or MemoryConfig()
     trainable = parts.DTYPES[model.trainable_dtype]
-    source = parts.model_source(model, device)
+    source = source or parts.model_source(model, device)
     if train.mode == "full":
         source = dataclasses.replace(source, dtype=trainable)
     attention_backends(device)
     float8 = model.dtype == parts.FLOAT8
-    denoiser = family.denoiser(source, str(placement.load_device(device, memory, float8)))
+    if device.type == "meta":
+        denoiser = family.denoiser(source, "meta", weights=False)
+        lora, swapped = dataclasses.replace(lora, init_from=""), 0
+    else:
+        denoiser = family.denoiser(source, str(placement.load_device(device, memory, float8)))
+        swapped = memory.blocks_to_swap
     denoiser.train()
     if float8:
         parts.float8_storage(denoiser.requires_grad_(False))
@@ -208,9 +220,7 @@ def trainable_model(model, train, lora, family, device: torch.device, memory=Non
         dtype=trainable,
         family=family,
     )
-    placed = placement.DenoiserPlacement(
-        denoiser, family, device, memory.blocks_to_swap, memory.swap_ring
-    )
+    placed = placement.DenoiserPlacement(denoiser, family, device, swapped, memory.swap_ring)
     placed.average(weights.ema)
     amp = autocast_dtype(train.mixed_precision, device, source.dtype)
     return Trainable(denoiser, weights, source, amp, placed)

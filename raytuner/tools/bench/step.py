@@ -36,11 +36,8 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
     one = dataclasses.replace(job.train, global_batch_size=micro, micro_batch_size=0)
     args = (trained, trained.denoiser, loss_fn, opt, sched, one, job.memory, device)
     train_step = step.train_step(*args)
-    batch = {k: torch.randn(micro, *s, device=device) for k, s in shapes.items()}
-    for key in plan.CONDITIONING:
-        batch[key] = torch.full((micro, 2), float(max(size)), device=device)
-    if "prompt_attention_mask" in batch:
-        batch["prompt_attention_mask"] = torch.ones_like(batch["prompt_attention_mask"])
+    # the family's example of what the feed hands the step (float32, as read from the cache)
+    batch = family.example_batch(shapes, micro, size, device, torch.float32)
 
     def run(i: int) -> None:  # the training step itself, on one micro-batch of random inputs
         train_step(RankSlice(0, i, 1, batch, [i * micro + j for j in range(micro)], []))
