@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from raytuner import api
@@ -294,6 +297,21 @@ def _dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM (what `ray job stop` sends a job's driver, SIGKILL following 3 s later) handled
+    as Ctrl-C while the command runs: the training run aborts cleanly and the command says
+    where it can resume."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -301,7 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: usage errors exit 2, --help exits 0
         return int(e.code or 0)
     try:
-        code = _dispatch(args)
+        with _sigterm_interrupts():
+            code = _dispatch(args)
+    except KeyboardInterrupt as e:  # Ctrl-C, or `ray job stop` (SIGTERM): one line, exit 130
+        where = f": {e}" if str(e) else ""
+        print(f"raytuner: {args.command} interrupted{where}", file=sys.stderr, flush=True)
+        return 130
     except ConfigError as e:
         where = getattr(args, "job", None)  # the job file, named once in front of the message
         text = str(e) if not where or str(e).startswith(where) else f"{where}: {e}"

@@ -38,3 +38,8 @@ def root_line(error: BaseException) -> str:
     inner = _chain(error)[-1]
     text = str(inner).strip().splitlines()
     return f"{type(inner).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C (or `ray job stop`): its message says where it can resume; the
+    CLI prints it as one line and exits 130."""

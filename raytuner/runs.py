@@ -4,6 +4,7 @@ job's run lives, its checkpoints, the newest complete one and where the exported
     <train.output>/<run>/                  run: train.name, or <name>-<YYYYmmdd-HHMMSS> when
                                            checkpoint.resume = false found <name> taken
       checkpoint_<timestamp>/              written by the workers through ray.train.report
+      checkpoint_manager_snapshot.json     Ray Train's list of the checkpoints it registered
         weights.safetensors  ema.safetensors  optimizer.pt
         run.json  job.json  dataset.json  state.json (last: a folder without it is incomplete)
         export/lora/ | export/model/<denoiser part>/
@@ -17,6 +18,7 @@ training workers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -35,6 +37,7 @@ RUN = "run.json"  # cache fingerprint and the settings a resume must not change
 JOB = "job.json"  # the resolved job config that trained up to this checkpoint (a record)
 DATASET = "dataset.json"  # the committed dataset it trained on: id, rows, index, manifest hash
 EXPORT = "export"  # what the user takes away (lora/ or model/), inside every checkpoint
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
 
 # in the run folder (and, for the first two, inside a checkpoint's export/)
 LORA_DIR = "lora"  # a LoRA's export: <run>/lora/
@@ -85,6 +88,40 @@ def complete_checkpoints(run: str) -> tuple[pafs.FileSystem, list[str]]:
     """The checkpoint folders that hold their ``state.json`` (written last), newest first."""
     fs, folders = checkpoint_folders(run)
     return fs, [f for f in folders if storage.exists(fs, storage.join(f, STATE))]
+
+
+def registered_checkpoints(run: str) -> set[str] | None:
+    """The checkpoint folders (names) Ray Train's snapshot lists: those it deletes itself once
+    they are beyond ``checkpoint.keep``, and expects to find when it restores the list. None
+    when the snapshot cannot be read (Ray rewrites it in place)."""
+    fs, root = storage.resolve(run)
+    path = storage.join(root, SNAPSHOT)
+    try:
+        if not storage.exists(fs, path):
+            return set()
+        results = storage.read_json(fs, path)["checkpoint_results"]
+        return {r["checkpoint_dir_name"] for r in results}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def prune_checkpoints(run: str, keep: int) -> list[str]:
+    """Delete the run's checkpoint folders that are neither among its newest ``keep`` complete
+    ones nor on Ray Train's list: the checkpoints of reports Ray never registered (an
+    interrupted driver's last ones, which a resume starts from all the same) and half-written
+    folders, once newer ones replace them. Ray deletes the ones it listed. Returns what went.
+    Nothing is deleted while Ray's list cannot be read."""
+    registered = registered_checkpoints(run)
+    if registered is None:
+        return []
+    fs, folders = checkpoint_folders(run)
+    complete = [f for f in folders if storage.exists(fs, storage.join(f, STATE))]
+    kept = set(complete[:keep])
+    gone = [f for f in folders if f not in kept and storage.basename(f) not in registered]
+    for folder in gone:
+        with contextlib.suppress(FileNotFoundError):  # gone meanwhile (a restarted group's)
+            fs.delete_dir(folder)
+    return gone
 
 
 def job_runs(output: str, name: str) -> list[str]:

@@ -29,11 +29,16 @@ class EventFiles:
     training goes (changed files only): on ``flush`` (at most every ``every_s`` seconds), on
     ``push`` and at ``close``."""
 
-    def __init__(self, run_dir: str, suffix: str = "", every_s: float = 0.0) -> None:
+    def __init__(
+        self, run_dir: str, suffix: str = "", every_s: float = 0.0, resumed: int = 0
+    ) -> None:
+        """``resumed``: the step a resumed run restarts from; TensorBoard then drops what an
+        earlier attempt logged after it (``purge_step``), so no step shows twice."""
         from torch.utils.tensorboard import SummaryWriter
 
         folder, self.mirror = tracking.local_folder(run_dir, TENSORBOARD, every_s)
-        self.writer = SummaryWriter(folder, filename_suffix=suffix)
+        purge = resumed + 1 if resumed else None
+        self.writer = SummaryWriter(folder, filename_suffix=suffix, purge_step=purge)
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self.writer.add_scalar(tag, value, step)
@@ -68,10 +73,12 @@ class Observer:
         tensorboard: bool,
         t: TrackingConfig | None = None,
         job: dict | None = None,
+        resumed: int = 0,
     ) -> None:
         self.run = storage.basename(run_dir)
         self.max_steps = max_steps
-        self.writer = EventFiles(run_dir, every_s=PUSH_EVERY_S) if tensorboard else None
+        writer = EventFiles(run_dir, every_s=PUSH_EVERY_S, resumed=resumed) if tensorboard else None
+        self.writer = writer
         use_wandb = t is not None and t.wandb
         self.wandb = tracking.WandbRun(t, run_dir, job, primary=True) if use_wandb else None
 

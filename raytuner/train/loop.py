@@ -98,16 +98,6 @@ def _quiet_ray_train_reports() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
-def _candidates(restored: ray.train.Checkpoint, run_dir: str):
-    """Ray's latest checkpoint first, then the run's older checkpoint folders, newest first."""
-    yield restored
-    fs, folders = runs.checkpoint_folders(run_dir)
-    newest = storage.basename(restored.path)
-    for path in folders:
-        if storage.basename(path) < newest:  # timestamp names sort by age
-            yield ray.train.Checkpoint(path, filesystem=fs)
-
-
 class Worker:
     """One Ray Train worker's training, built once per worker: its peak-memory sampler, the
     trained weights (placed, wrapped for DDP), optimizer, LR schedule and train step, the state
@@ -139,15 +129,23 @@ class Worker:
         self.meter = Meter(device)
         self.observer = None
         if self.rank == 0:
-            self.observer = Observer(cfg.run_dir, t.max_steps, t.tensorboard, cfg.tracking, cfg.job)
+            args = (cfg.run_dir, t.max_steps, t.tensorboard, cfg.tracking, cfg.job)
+            self.observer = Observer(*args, resumed=self.state.step)
         self._announced = False  # a preemption was announced and checkpointed for
 
     def restore(self) -> checkpoints.TrainState:
         """The newest readable checkpoint's state, applied to the weights, optimizer and LR
-        schedule; a broken one is skipped with a warning. A fresh state without a checkpoint."""
-        if (restored := ray.train.get_checkpoint()) is None:
+        schedule; a broken one is skipped with a warning. A fresh state without a checkpoint.
+
+        The run folder's complete checkpoints are the candidates, newest first (the one
+        ``raytuner sample --checkpoint latest`` takes), not Ray Train's latest: Ray registers a
+        checkpoint only once its controller has taken the report, so after an interrupted
+        driver its list lacks the newest ones (``runs.prune_checkpoints`` removes them later)."""
+        fs, folders = runs.complete_checkpoints(self.cfg.run_dir)
+        if not folders:
             return checkpoints.TrainState()
-        for candidate in _candidates(restored, self.cfg.run_dir):
+        for path in folders:
+            candidate = ray.train.Checkpoint(path, filesystem=fs)
             try:
                 with candidate.as_directory() as directory:
                     st = checkpoints.load_checkpoint(directory, self.weights, self.opt, self.sched)
@@ -227,6 +225,8 @@ class Worker:
                 ) from e
             checkpoint = ray.train.Checkpoint.from_directory(directory)
         ray.train.report(metrics, checkpoint=checkpoint)
+        if self.rank == 0:  # uploaded by now: what Ray never registered and keep passed goes
+            runs.prune_checkpoints(self.cfg.run_dir, self.cfg.checkpoint.keep)
         if self.observer is not None:
             self.observer.checkpoint(step, time.perf_counter() - started)
 

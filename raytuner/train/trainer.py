@@ -6,6 +6,9 @@ import hashlib
 import json
 import logging
 import os
+import signal
+import sys
+import threading
 
 import pyarrow.fs as pafs
 import ray.train
@@ -16,6 +19,7 @@ from raytuner.config import ConfigError, JobConfig
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.index import describe_change
 from raytuner.data.reader import for_readers
+from raytuner.errors import Interrupted
 from raytuner.render import validation
 from raytuner.runs import (
     DATASET,
@@ -181,6 +185,9 @@ def train(job: JobConfig, family) -> dict:
     run_dir = runs.run_dir(job.train.output, name)
     dataset = dataset_record(job.data.cache, fp, manifest)
     check_resumable(job, run_dir, fp, dataset)
+    # checkpoints of reports Ray never registered (an interrupted driver's) beyond the newest
+    # checkpoint.keep, and half-written folders: the workers resume from the newest complete one
+    runs.prune_checkpoints(run_dir, job.checkpoint.keep)
     if (done := finished_checkpoint(run_dir, t.max_steps)) is not None:
         log.info("run %s trained its %d steps before: exporting again", name, t.max_steps)
         return export_final(done, job.train.output, name) | {"metrics": {}}
@@ -210,12 +217,48 @@ def train(job: JobConfig, family) -> dict:
     return export_final(result.checkpoint, job.train.output, name) | {"metrics": result.metrics}
 
 
+class _Trainer(TorchTrainer):
+    """Ray Train's trainer with raytuner's Ctrl-C: the first SIGINT aborts the run (Ray Train's
+    controller stops the workers and withdraws its autoscaler request) and ``fit`` ends; a second
+    exits at once. Ray's own handler, which this replaces, needs three and exits the driver
+    without a word. (`ray job stop` sends SIGTERM: the CLI turns it into a SIGINT.)"""
+
+    interrupted = False
+
+    def _register_sigint_handler(self, controller) -> None:
+        def interrupt(signum, frame) -> None:
+            if self.interrupted:
+                print("raytuner: interrupted again: exiting at once", file=sys.stderr, flush=True)
+                os._exit(130)
+            self.interrupted = True
+            log.warning("interrupted: stopping the run (Ctrl-C again to exit at once)")
+            controller.abort.remote()
+
+        signal.signal(signal.SIGINT, interrupt)
+
+
+def resume_hint(run_dir: str) -> str:
+    """Where an interrupted run stands: its newest complete checkpoint, and how to resume."""
+    newest = runs.complete_checkpoints(run_dir)[1][:1]
+    if not newest:
+        return f"run {run_dir} has no complete checkpoint yet: the same command starts it again"
+    fs, folder = storage.resolve(newest[0])
+    step = storage.read_json(fs, storage.join(folder, STATE))["step"]
+    return (
+        f"the newest complete checkpoint is step {step} ({newest[0]}): the same command "
+        "resumes from it"
+    )
+
+
 def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Result:
-    """Ray Train's run of the loop, with the validation actor beside it."""
+    """Ray Train's run of the loop, with the validation actor beside it. Interrupted (Ctrl-C),
+    it raises ``Interrupted`` saying where the run can resume."""
     # the run's state (workers, attempts, checkpoints) on the dashboard's Train page
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     validator, callbacks = validation.start(job, family, loop.run_dir)
-    trainer = TorchTrainer(
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    trainer = _Trainer(
         train_loop,
         train_loop_config=vars(loop),
         scaling_config=_scaling(job),
@@ -232,7 +275,15 @@ def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Resul
     completed = False
     try:
         result = trainer.fit()
-        completed = True
+        completed = not trainer.interrupted
+    except BaseException as e:  # the aborted controller's death, or a Ctrl-C before it started
+        if trainer.interrupted or isinstance(e, KeyboardInterrupt):
+            raise Interrupted(resume_hint(loop.run_dir)) from None
+        raise
     finally:
+        if main:  # Ray leaves its handler in place after fit
+            signal.signal(signal.SIGINT, previous)
         validation.finish(validator, completed)
+    if trainer.interrupted:  # aborted after the last step: the export may be missing
+        raise Interrupted(resume_hint(loop.run_dir))
     return result

@@ -1,0 +1,102 @@
+"""Ctrl-C on `raytuner train` (SIGINT to the process group, as a terminal sends it): one line
+saying where the run stands and that the same command resumes, exit 130; the next submission
+resumes from the newest complete checkpoint on disk (Ray Train's own list may lack the newest,
+its reports never taken), keeps at most ``checkpoint.keep`` + 1 checkpoint folders, logs no step
+twice to TensorBoard and ends with the weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_train_exact import assert_same_weights, run
+
+from raytuner import runs
+from raytuner.train import sample_log
+
+EVERY = 4  # the skewed job's checkpoint.every_steps
+
+
+def _complete_steps(run_dir: Path) -> list[int]:
+    _, folders = runs.complete_checkpoints(str(run_dir))
+    steps = []
+    for folder in folders:
+        with contextlib.suppress(OSError, ValueError):  # being deleted by Ray's retention
+            steps.append(json.loads(Path(folder, runs.STATE).read_text())["step"])
+    return sorted(steps)
+
+
+def _interrupt_after(job_file: Path, run_dir: Path, step: int) -> tuple[int, str, float]:
+    """`raytuner train` of a long run in its own session; SIGINT to its process group once a
+    complete checkpoint of ``step`` or later exists: (exit code, stderr, seconds to exit)."""
+    command = [sys.executable, "-m", "raytuner", "train", str(job_file)]
+    command += ["--set", 'train.name="interrupted"', "--set", "train.max_steps=400"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not any(s >= step for s in _complete_steps(run_dir)):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"no checkpoint of step {step}: {process.stderr.read()[-2000:]}")
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    sent = time.monotonic()
+    try:
+        _, err = process.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process.returncode, err, time.monotonic() - sent
+
+
+def _tensorboard_steps(run_dir: Path) -> list[int]:
+    """The steps of ``train/loss`` TensorBoard shows (an event file's purge applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / runs.TENSORBOARD))
+    events.Reload()
+    return [e.step for e in events.Scalars("train/loss")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ctrl_c_says_where_to_resume_and_the_rerun_resumes_from_the_newest_checkpoint(job_file):
+    run_dir = job_file.parent / "runs" / "interrupted"
+    code, err, seconds = _interrupt_after(job_file, run_dir, 2 * EVERY)
+    lines = [line for line in err.splitlines() if line.startswith("raytuner:")]
+    newest = _complete_steps(run_dir)[-1]
+    print(f"interrupted at checkpoint {newest}: exit {code} after {seconds:.1f} s")
+    assert code == 130, err[-3000:]
+    assert re.fullmatch(
+        rf"raytuner: train interrupted: the newest complete checkpoint is step {newest} "
+        r"\(.+\): the same command resumes from it",
+        lines[-1],
+    ), lines
+    assert seconds < 30
+
+    # Ray's own list may lack it (its controller never took the last reports): resume from disk
+    final = newest + 2 * EVERY
+    summary, _ = run(job_file, "interrupted", f"train.max_steps={final}")
+    attempts = sample_log.read_attempts(str(run_dir))
+    assert min(attempts[-1]) == newest + 1, "the rerun did not resume at the newest checkpoint"
+    expected, _ = run(job_file, f"uninterrupted-{final}", f"train.max_steps={final}")
+    assert summary["step"] == final
+    assert_same_weights(summary, expected, tolerance=1e-6)
+
+    folders = runs.checkpoint_folders(str(run_dir))[1]
+    assert len(folders) <= 2 + 1, f"checkpoint.keep = 2, yet {len(folders)} folders remain"
+    steps = _tensorboard_steps(run_dir)
+    assert steps == sorted(set(steps)), "a step was logged twice"
+    assert steps[-1] == final
