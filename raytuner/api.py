@@ -22,15 +22,19 @@ __all__ = ["ConfigError", "JobConfig", "check", "load_job", "plan", "preprocess"
 __all__ += ["sample", "train"]
 
 
-def check(job: JobConfig):
+def check(job: JobConfig, *, runs: bool = True, reads_images: bool = True):
     """Refuse (``ConfigError``) what the job's family and this installation cannot run, before
     anything starts; returns the job's family. Every operation below calls it once; the
-    config's own sections checked each other when it was loaded."""
+    config's own sections checked each other when it was loaded. ``raytuner.check(job)`` (and
+    `raytuner check`) refuses all a run would trip over. ``runs=False``: the operation only sizes
+    the job (``plan``): no optional package, image folder or output path is looked at;
+    ``reads_images=False``: it reads the committed cache, not the image folders (``train``,
+    ``sample``). See ``raytuner.tools.check``."""
     from raytuner.families import get_family
     from raytuner.tools.check import check as refuse
 
     family = get_family(job.model.family)
-    refuse(job, family)
+    refuse(job, family, runs=runs, reads_images=reads_images)
     return family
 
 
@@ -57,7 +61,7 @@ def preprocess(job: JobConfig) -> dict:
 
 def train(job: JobConfig) -> dict:
     """Train (or resume) the job's run on its committed cache; returns the summary."""
-    return _train(job, check(job))
+    return _train(job, check(job, reads_images=False))
 
 
 def run(job: JobConfig, on_report=None) -> dict:
@@ -90,7 +94,7 @@ def sample(
     from raytuner.render.sample import default_size
     from raytuner.render.sample import sample as render_sample
 
-    family = check(job)
+    family = check(job, reads_images=False)
     lines = [prompt_lines.PromptLine(prompt=p) for p in prompts]
     try:
         lines += prompt_lines.read_prompts_file(prompts_file) if prompts_file else []
@@ -112,11 +116,14 @@ def sample(
     return render_sample(job, family, checkpoint, lines, defaults, out)
 
 
-def plan(job: JobConfig, gpu_memory: int | str | None = None) -> dict:
-    """What one training worker holds at its peak (weights, optimizer, activations) and, with
-    ``gpu_memory`` (bytes or "24GiB"), the settings that fit it."""
+def plan(job: JobConfig, gpu_memory: str = "80GiB") -> dict:
+    """What one training worker holds at its peak (weights, optimizer, activations) and the
+    settings that fit ``gpu_memory``: a number and its unit, ``"24GiB"``/``"512MiB"`` (binary) or
+    ``"24GB"`` (decimal, 22.4 GiB); a bare number is refused (``ConfigError``). Planning runs
+    nothing: the job's optional packages (8-bit AdamW's bitsandbytes, wandb), image folders and
+    outputs need not be there."""
     from raytuner.tools.plan import plan as size_up
     from raytuner.tools.plan_report import parse_size
 
-    memory = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
-    return size_up(job, check(job), memory)
+    memory = parse_size(gpu_memory)
+    return {"gpu_memory": gpu_memory.strip()} | size_up(job, check(job, runs=False), memory)

@@ -281,9 +281,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         api.check(job)
         print(json.dumps(job.to_dict(), indent=2))
     elif args.command == "cache":
-        return do_cache(job, api.check(job), args)
+        # verify and gc read the committed cache; --repair encodes the bad rows' images again
+        images = args.action == "verify" and args.repair
+        return do_cache(job, api.check(job, reads_images=images), args)
     elif args.command == "bench":
-        do_bench(job, api.check(job), args)
+        # the job's own images: bench train's cache, bench preprocess --images 0
+        images = args.action == "train" or (args.action == "preprocess" and args.images <= 0)
+        do_bench(job, api.check(job, reads_images=images), args)
     elif args.command == "sample":
         do_sample(job, args)
     elif args.command == "plan":

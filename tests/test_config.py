@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -121,12 +122,79 @@ def test_override_errors_are_config_errors(tmp_path):
 
 
 @pytest.mark.parametrize("job", sorted(p.name for p in (REPO / "jobs").glob("*.toml")))
-def test_every_shipped_job_passes_check(job, capsys):
-    """Through the CLI's own ``main`` in this process (the exit-code tests below start it)."""
+def test_every_shipped_job_passes_check(job, capsys, monkeypatch, tmp_path):
+    """Through the CLI's own ``main`` in this process (the exit-code tests below start it),
+    from the repository root. The GPU jobs' ``/data/images`` placeholder is refused until it is
+    pointed at a folder with images."""
+    from PIL import Image
+
     from raytuner.cli import main
 
-    assert main(["check", str(REPO / "jobs" / job)]) == 0
+    monkeypatch.chdir(REPO)
+    path = str(REPO / "jobs" / job)
+    sets = []
+    if not Path(images := load_job(path).data.images).is_dir():
+        assert main(["check", path]) == 2
+        assert f"data.images = {images!r}: no such folder" in capsys.readouterr().err
+        (tmp_path / "images").mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
+        sets = ["--set", f"data.images={tmp_path / 'images'}"]
+    assert main(["check", path, *sets]) == 0
     assert '"family"' in capsys.readouterr().out
+
+
+def test_check_prints_only_json_on_stdout_and_the_image_count_on_stderr():
+    result = cli("check", "jobs/tiny.toml")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["data"]["images"] == "jobs/tiny_images"
+    assert "raytuner: data.images = 'jobs/tiny_images': 12 images" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, overrides, where, shown",
+    [
+        ("", ["train.lerning_rate=1"], "--set train.lerning_rate=1", "train.lerning_rate"),
+        ("lerning_rate = 1\n", [], "{path}", "train.lerning_rate"),
+        ("", ["objective.flow.shif=3"], "--set objective.flow.shif=3", "objective.flow.shif"),
+        ("[objective.flow]\nshif = 3\n", [], "{path}", "objective.flow.shif"),
+    ],
+)
+def test_unknown_key_names_where_it_came_from_and_the_nearest_key(
+    tmp_path, extra, overrides, where, shown
+):
+    path = write(tmp_path, MINIMAL + extra)
+    with pytest.raises(ConfigError) as err:
+        load_job(path, overrides)
+    near = "shift" if shown.endswith("shif") else "learning_rate"
+    assert str(err.value).startswith(
+        f"{where.format(path=path)}: unknown key {shown} (did you mean {near}?); allowed keys"
+    ), err.value
+
+
+def test_unknown_section_names_where_it_came_from_and_the_nearest_section(tmp_path):
+    path = write(tmp_path, MINIMAL + "[valdation]\nsteps = 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_job(path)
+    assert str(err.value).startswith(
+        f"{path}: unknown section [valdation] (did you mean [validation]?); allowed sections"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_job(write(tmp_path, MINIMAL), ["traning.max_steps=3"])
+    assert str(err.value).startswith(
+        "--set traning.max_steps=3: unknown section [traning] (did you mean [train]?)"
+    )
+    # nothing near: no guess
+    with pytest.raises(ConfigError) as err:
+        load_job(write(tmp_path, MINIMAL), ["zzz.x=3", "train.max_steps=3"])
+    assert "did you mean" not in str(err.value)
+
+
+def test_a_set_below_a_value_is_blamed_on_the_set(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_job(write(tmp_path, MINIMAL), ["train.max_steps.x=3"])
+    assert str(err.value).startswith(
+        "--set train.max_steps.x=3: train.max_steps is a value in the job file (integer)"
+    )
 
 
 def test_check_misspelt_key_exits_2_with_the_key_and_allowed_keys(tmp_path):

@@ -1,16 +1,22 @@
 """`raytuner check` refuses what a run would trip over later: run names that leave the run's
 folder, written folders nested with image folders, image sizes off the model's pixel grid,
-GPUs reserved by CPU workers and ``[objective.<kind>]`` settings of the objective kind the
-family does not train with."""
+GPUs reserved by CPU workers, ``[objective.<kind>]`` settings of the objective kind the
+family does not train with, image folders that are missing or hold no image, and relative
+outputs inside Ray's copy of a job's working dir."""
 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from raytuner.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 JOB = """
 [model]
@@ -23,8 +29,18 @@ output = "{root}/runs"
 """
 
 
+def image_folder(folder: Path, count: int = 1) -> Path:
+    """``folder`` holding ``count`` small PNGs (what the check lists: names, never pixels)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(folder / f"{i}.png")
+    return folder
+
+
 def check(tmp_path: Path, capsys, *overrides: str, family: str = "sdxl", name: str = "job"):
-    """`raytuner check` of a minimal job under ``tmp_path``: (exit code, stderr)."""
+    """`raytuner check` of a minimal job under ``tmp_path`` (its images/ holding an image):
+    (exit code, stderr)."""
+    image_folder(tmp_path / "images")
     path = tmp_path / f"{name}.toml"
     path.write_text(JOB.format(family=family, root=tmp_path.as_posix()))
     args = ["check", str(path)]
@@ -93,6 +109,7 @@ def test_written_folder_nested_with_an_image_folder_is_refused(
 
 
 def test_a_source_folder_is_checked_like_data_images(tmp_path, capsys):
+    image_folder(tmp_path / "images")
     job = tmp_path / "job.toml"
     job.write_text(
         JOB.format(family="sdxl", root=tmp_path.as_posix())
@@ -120,6 +137,7 @@ def test_relative_paths_are_compared_absolute(tmp_path, capsys, monkeypatch):
     ],
 )
 def test_siblings_and_name_prefixes_pass(tmp_path, capsys, overrides):
+    image_folder(tmp_path / "img")
     accepted(tmp_path, capsys, *(o.format(root=tmp_path.as_posix()) for o in overrides))
 
 
@@ -196,3 +214,144 @@ def test_objective_keys_the_family_ignores_are_refused(tmp_path, capsys, family,
 )
 def test_objective_keys_the_family_reads_pass(tmp_path, capsys, family, overrides):
     accepted(tmp_path, capsys, *overrides, family=family)
+
+
+def test_a_misspelt_set_is_blamed_on_the_set_with_the_nearest_key(tmp_path, capsys):
+    err = refused(tmp_path, capsys, "train.lerning_rate=1")
+    assert (
+        "--set train.lerning_rate=1: unknown key train.lerning_rate (did you mean "
+        "learning_rate?); allowed keys in [train]: output, name" in err
+    )
+    (tmp_path / "job.toml").write_text(
+        JOB.format(family="sdxl", root=tmp_path.as_posix()) + "lerning_rate = 1\n"
+    )
+    assert main(["check", str(tmp_path / "job.toml")]) == 2
+    err = capsys.readouterr().err
+    shown = "unknown key train.lerning_rate (did you mean learning_rate?)"
+    assert f"{tmp_path}/job.toml: {shown}" in err
+    assert "--set" not in err
+
+
+# --- issue 28 item 5: the image folders, and outputs in Ray's copy of a job's working dir ----
+
+
+def test_a_missing_image_folder_is_refused_naming_the_key_and_the_path(tmp_path, capsys):
+    err = refused(tmp_path, capsys, f"data.images={tmp_path}/photos")
+    assert f"data.images = '{tmp_path}/photos': no such folder" in err
+    # a relative one: the path it was looked for at
+    code, err = check(tmp_path, capsys, "data.images=nowhere/photos")
+    assert code == 2 and "data.images = 'nowhere/photos': no such folder (/" in err
+    assert "nowhere/photos)" in err and "relative path is from the working directory" in err
+    # a source: its own key
+    job = tmp_path / "job.toml"
+    job.write_text(
+        JOB.format(family="sdxl", root=tmp_path.as_posix())
+        + f'[[data.sources]]\npath = "{tmp_path.as_posix()}/kohya"\n'
+    )
+    assert main(["check", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"data.sources[0].path = '{tmp_path.as_posix()}/kohya': no such folder" in err
+    (tmp_path / "kohya").write_text("a file")
+    assert main(["check", str(job)]) == 2
+    assert "data.sources[0].path" in (err := capsys.readouterr().err) and "not a folder" in err
+
+
+def test_an_image_folder_without_an_image_is_refused(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    (empty / "sub" / "a.txt").write_text("a caption without its image")
+    (empty / ".hidden.png").write_bytes(b"")  # hidden files are no input
+    (empty / "notes.pdf").write_bytes(b"%PDF")
+    err = refused(tmp_path, capsys, f"data.images={empty}")
+    assert f"data.images = '{empty}': holds no image" in err and ".png" in err
+    # images the listing would skip, all of them: a kohya folder of 0 repeats
+    image_folder(empty / "0_ohwx person")
+    job = tmp_path / "job.toml"
+    job.write_text(
+        JOB.format(family="sdxl", root=tmp_path.as_posix())
+        + f'[[data.sources]]\npath = "{empty.as_posix()}"\nrepeats_from_folder = true\n'
+    )
+    image_folder(tmp_path / "images")
+    assert main(["check", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "data.sources[0].path" in err and "none of its 1 images would be encoded" in err
+    assert "says 0 repeats" in err
+
+
+def test_check_logs_the_image_count_and_keeps_stdout_json(tmp_path, capsys, caplog):
+    image_folder(tmp_path / "images", count=3)
+    (tmp_path / "images" / "3.txt").write_text("not an image")
+    caplog.set_level(logging.INFO, logger="raytuner")
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.format(family="sdxl", root=tmp_path.as_posix()))
+    assert main(["check", str(path)]) == 0
+    assert f"data.images = '{tmp_path.as_posix()}/images': 3 images" in caplog.text
+    assert json.loads(capsys.readouterr().out)["data"]["images"] == f"{tmp_path}/images"
+
+
+def test_uri_folders_are_not_listed_and_reads_images_false_skips_the_folders(tmp_path):
+    """Operations that read the committed cache (train, sample) or nothing (plan) do not need
+    the image folders: a folder removed after its preprocess does not stop them."""
+    from raytuner.api import check as api_check
+    from raytuner.config import ConfigError, load_job
+
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.format(family="sdxl", root=tmp_path.as_posix()))
+    job = load_job(path)
+    with pytest.raises(ConfigError, match="data.images = .*: no such folder"):
+        api_check(job)
+    api_check(job, reads_images=False)
+    api_check(job, runs=False)
+    api_check(load_job(path, ["data.images=s3://bucket/images"]))  # listed by the preprocess
+
+
+def _in_ray_working_dir(tmp_path: Path, monkeypatch) -> Path:
+    """The working directory and environment `ray job submit --working-dir .` gives the job's
+    entrypoint (Ray 2.60): the upload unpacked under the session's runtime_resources, and the
+    job config in RAY_JOB_CONFIG_JSON_ENV_VAR. jobs/ is copied into it."""
+    copy = tmp_path / "session_2026" / "runtime_resources" / "working_dir_files" / "_ray_pkg_1a2b"
+    shutil.copytree(REPO / "jobs", copy / "jobs")
+    config = {"runtime_env": {"working_dir": "gcs://_ray_pkg_1a2b.zip"}, "metadata": {}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(config))
+    monkeypatch.chdir(copy)
+    return copy
+
+
+def test_relative_outputs_in_a_ray_jobs_working_dir_are_refused(tmp_path, capsys, monkeypatch):
+    copy = _in_ray_working_dir(tmp_path, monkeypatch)
+    assert main(["check", "jobs/tiny.toml"]) == 2
+    err = capsys.readouterr().err
+    assert "data.cache = 'runs/cache' and train.output = 'runs' are relative" in err
+    assert f"a Ray job's working dir: they would be written under {copy}" in err
+    assert "an absolute path every node reaches" in err and "s3://" in err
+    assert len(err.strip().splitlines()) == 1, err
+    one = ["--set", f"data.cache={tmp_path}/cache"]
+    assert main(["check", "jobs/tiny.toml", *one]) == 2
+    err = capsys.readouterr().err
+    assert "train.output = 'runs' is relative" in err and "data.cache" not in err
+    assert "--set train.output=s3://bucket/runs" in err
+
+
+def test_the_tiny_jobs_submit_example_passes_in_a_ray_working_dir(tmp_path, capsys, monkeypatch):
+    """jobs/tiny.toml's header example, as the job's entrypoint runs it: absolute outputs, the
+    images read (relative) from the uploaded copy."""
+    header = (REPO / "jobs" / "tiny.toml").read_text().split("\n[")[0]
+    example = " ".join(line.strip("# \\") for line in header.splitlines()[-2:])
+    assert example.startswith("ray job submit --working-dir . -- raytuner run jobs/tiny.toml")
+    sets = example.split(" -- raytuner run jobs/tiny.toml ")[1].split()
+    assert sets == ["--set", "data.cache=/shared/cache", "--set", "train.output=/shared/runs"]
+    _in_ray_working_dir(tmp_path, monkeypatch)
+    assert main(["check", "jobs/tiny.toml", *sets]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["data"]["images"] == "jobs/tiny_images"
+
+
+def test_relative_outputs_outside_a_ray_working_dir_pass(tmp_path, capsys, monkeypatch):
+    """A folder of the same name elsewhere in the path, or Ray's variable alone (a job whose
+    entrypoint changed directory first), is not Ray's copy."""
+    image_folder(tmp_path / "runtime_resources" / "images")
+    monkeypatch.chdir(tmp_path / "runtime_resources")
+    config = {"runtime_env": {"working_dir": "gcs://_ray_pkg_1a2b.zip"}, "metadata": {}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(config))
+    job = tmp_path / "runtime_resources" / "job.toml"
+    job.write_text(JOB.format(family="sdxl", root=".").replace('"./', '"'))
+    assert main(["check", str(job)]) == 0, capsys.readouterr().err

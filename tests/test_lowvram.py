@@ -223,6 +223,11 @@ def test_check_refuses_what_the_model_cannot_run(values, named, tmp_path, capsys
 
 
 def test_check_accepts_every_supported_combination(tmp_path, capsys):
+    from PIL import Image
+
+    (tmp_path / "images").mkdir()  # `check` lists the image folder: one image in it
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
+    images = ["--set", f"data.images={tmp_path / 'images'}"]
     path = tmp_path / "job.toml"
     for values in [
         ("flux", "float8", "lora", "true", 3, "true"),
@@ -230,7 +235,7 @@ def test_check_accepts_every_supported_combination(tmp_path, capsys):
         ("sdxl", "float8", "lora", "false", 0, "false"),
     ]:
         path.write_text(CHECKED.format(**dict(zip(KEYS, values, strict=True))))
-        assert main(["check", str(path)]) == 0, capsys.readouterr().err
+        assert main(["check", str(path), *images]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["flux", "sana"])

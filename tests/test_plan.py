@@ -5,6 +5,8 @@ export a LoRA that loads."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,65 @@ def test_plan_json_names_the_settings_that_fit(capsys):
 def test_a_bad_gpu_memory_is_a_usage_error(capsys):
     assert main(["plan", str(REPO / "jobs" / "tiny.toml"), "--gpu-memory", "lots"]) == 2
     assert "--gpu-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", ["12", "12G", "12 g", "0GiB", "12GiB2", "GiB"])
+def test_gpu_memory_needs_an_explicit_unit(size, capsys):
+    """A bare number was bytes (12: "does NOT fit in 0.0 GiB") and G was GiB while GB was not:
+    now only GiB/MiB (binary) and GB/MB (decimal) are read."""
+    assert main(["plan", str(REPO / "jobs" / "tiny.toml"), "--gpu-memory", size]) == 2
+    err = capsys.readouterr().err
+    assert f"--gpu-memory {size!r}: give a size" in err and len(err.strip().splitlines()) == 1
+    if size in ("12", "12G"):
+        assert "12GiB (binary" in err and "12GB (decimal: 11.2 GiB)" in err
+
+
+def test_gb_is_decimal_and_plan_says_so(capsys):
+    assert parse_size("12GB") == 12 * 10**9 and parse_size("12gb") == 12 * 10**9
+    assert parse_size("12GiB") == parse_size("12288MiB") == 12 * GiB
+    assert parse_size("512MB") == 512 * 10**6 and parse_size("11.5GiB") == int(11.5 * GiB)
+    tiny = str(REPO / "jobs" / "tiny.toml")
+    assert main(["plan", tiny, "--gpu-memory", "12GB"]) == 0
+    out = capsys.readouterr().out
+    assert "the training worker fits in 12GB = 11.2 GiB (GB and MB are decimal)" in out
+    assert main(["plan", tiny, "--gpu-memory", "12GiB", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["gpu_memory"] == "12GiB" and result["gpu_memory_bytes"] == 12 * GiB
+
+
+def test_the_api_plan_refuses_a_bare_number():
+    import raytuner
+
+    job = raytuner.load_job(REPO / "jobs" / "tiny.toml")
+    for bare in (12, 12 * GiB, "12"):
+        with pytest.raises(raytuner.ConfigError, match="give a size and its unit: 12"):
+            raytuner.plan(job, bare)
+
+
+def test_plan_needs_no_optional_package_nor_the_jobs_data():
+    """jobs/flux-12gb.toml trains with 8-bit AdamW (bitsandbytes) on /data/images: `plan` sizes
+    its state without the package (``optim.state_bytes``) and reads no image, while `check` (what
+    a run refuses) still names the package. In a process where bitsandbytes cannot be imported."""
+    job = str(REPO / "jobs" / "flux-12gb.toml")
+    code = (
+        "import sys\n"
+        "sys.modules['bitsandbytes'] = None  # import bitsandbytes: ImportError\n"
+        "from raytuner.cli import main\n"
+        f"codes = [main(['check', {job!r}]), main(['plan', {job!r}, '--json', "
+        "'--gpu-memory', '12GiB'])]\n"
+        "assert 'bitsandbytes' not in [m for m, v in sys.modules.items() if v is not None]\n"
+        "print(codes)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    *out, codes = result.stdout.strip().splitlines()
+    assert codes == "[2, 0]", result.stderr
+    assert "train.optimizer = 'adamw8bit' needs the bitsandbytes package" in result.stderr
+    plan_result = json.loads(out[-1])
+    assert plan_result["fits"] and plan_result["worker"]["optimizer_bytes"] > 0
+    assert not Path(load_job(job).data.images).exists()  # planned without its images
 
 
 @pytest.mark.slow

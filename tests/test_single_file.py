@@ -103,6 +103,10 @@ def test_a_worker_trains_a_step_on_the_single_file_model(sd15_file, tmp_path):
         "learning_rate = 1e-2\n[lora]\nrank = 4\nalpha = 4.0\n"
     )
     job = load_job(job_file)
+    from PIL import Image
+
+    (tmp_path / "images").mkdir()  # `check` lists the image folder: one image in it
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
     assert cli.main(["check", str(job_file)]) == 0
     device = torch.device("cpu")
     source = parts.model_source(job.model, "cpu")

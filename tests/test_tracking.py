@@ -204,4 +204,6 @@ def test_check_refuses_wandb_without_the_package(tmp_path, capsys, monkeypatch):
     assert main(["check", str(job)]) == 2
     err = capsys.readouterr().err
     assert "tracking.wandb = true" in err and "pip install 'raytuner[tracking]'" in err
+    (tmp_path / "images").mkdir()  # `check` lists the image folder: one image in it
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
     assert main(["check", str(job), "--set", "tracking.wandb=false"]) == 0

@@ -1,9 +1,10 @@
 """A whole job: one section per component, loaded from a job TOML.
 
-Every component receives only its own section. Unknown keys and wrong types are rejected
-with the file, the dotted key and what is allowed. ``--set section.key=value`` overrides
-(``section.sub.key=value`` for a sub-table such as ``[objective.flow]``) are parsed as TOML
-values, so they are typed exactly like the file.
+Every component receives only its own section. Unknown sections and keys and wrong types are
+rejected with where they came from (the file, or the ``--set`` override that named them), the
+dotted key, the nearest known name (``did you mean …?``) and what is allowed.
+``--set section.key=value`` overrides (``section.sub.key=value`` for a sub-table such as
+``[objective.flow]``) are parsed as TOML values, so they are typed exactly like the file.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from typing import Any
 
 from raytuner.config import rules
 from raytuner.config.inputs import DataConfig, ModelConfig, PreprocessConfig
-from raytuner.config.loader import ConfigError, build_section, parse_override, set_dotted
+from raytuner.config.loader import (
+    ConfigError,
+    build_section,
+    check_key,
+    did_you_mean,
+    parse_override,
+    set_dotted,
+)
 from raytuner.config.objective import ObjectiveConfig
 from raytuner.config.sections import (
     CheckpointConfig,
@@ -63,12 +71,18 @@ class JobConfig:
 SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)  # section name -> its dataclass
 
 
+def unknown_section(where: str, name: str) -> ConfigError:
+    """The error for a table ``[name]`` that is no section, with the nearest section's name."""
+    hint = did_you_mean(name, list(SECTIONS)).replace("mean ", "mean [").replace("?)", "]?)")
+    return ConfigError(
+        f"{where}: unknown section [{name}]{hint}; allowed sections: " + ", ".join(SECTIONS)
+    )
+
+
 def build_job(raw: dict[str, Any], where: str) -> JobConfig:
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
-        raise ConfigError(
-            f"{where}: unknown section [{unknown[0]}]; allowed sections: " + ", ".join(SECTIONS)
-        )
+        raise unknown_section(where, unknown[0])
     for required in ("model", "data", "train"):
         if required not in raw:
             raise ConfigError(f"{where}: missing section [{required}]")
@@ -93,10 +107,8 @@ def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
     for text in overrides:
         section, key, value = parse_override(text)
         if section not in SECTIONS:
-            raise ConfigError(
-                f"--set {text}: unknown section [{section}]; allowed sections: "
-                + ", ".join(SECTIONS)
-            )
+            raise unknown_section(f"--set {text}", section)
+        check_key(SECTIONS[section], section, key, f"--set {text}")
         set_dotted(raw, section, key, value, text)
     if isinstance(raw["train"], dict) and not raw["train"].get("name"):
         raw["train"]["name"] = path.stem

@@ -1,9 +1,11 @@
-"""TOML tables into frozen dataclasses: unknown keys and wrong types are rejected with the file,
-the dotted key and what is allowed; ``--set`` overrides are parsed as TOML values."""
+"""TOML tables into frozen dataclasses: unknown keys and wrong types are rejected with where they
+came from (the file, or the ``--set`` override), the dotted key, the nearest known name and what
+is allowed; ``--set`` overrides are parsed as TOML values."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tomllib
 import types
 import typing
@@ -24,6 +26,51 @@ def positive(key: str, value: float, *, zero_ok: bool = False) -> None:
     """A value check of a section's ``__post_init__``: ``value`` > 0 (or >= 0)."""
     if value < 0 or (value == 0 and not zero_ok):
         raise ConfigError(f"{key} = {value}: must be {'>= 0' if zero_ok else '> 0'}")
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """`` (did you mean x?)`` for the nearest of ``known`` to a misspelt ``name`` (difflib), or
+    "" when none is near."""
+    near = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def unknown_key(where: str, cls: type, section: str, key: str) -> ConfigError:
+    """The error for ``section.key``, which ``cls`` (the table ``[section]``) does not have:
+    ``where`` it came from (the job file, or ``--set …``), the nearest known key (or the new
+    place of a key that moved) and the table's keys."""
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    moved = getattr(cls, "MOVED", {})
+    if key in moved:
+        return ConfigError(
+            f"{where}: {section}.{key} moved to {moved[key]}; "
+            f"allowed keys in [{section}]: " + ", ".join(allowed)
+        )
+    hint = did_you_mean(key, allowed)
+    if not hint and (old := difflib.get_close_matches(key, list(moved), n=1)):
+        hint = f" (did you mean {moved[old[0]]}?)"
+    return ConfigError(
+        f"{where}: unknown key {section}.{key}{hint}; allowed keys in [{section}]: "
+        + ", ".join(allowed)
+    )
+
+
+def check_key(cls: type, section: str, key: str, where: str) -> None:
+    """Refuse an override's ``section.key`` (``key`` may be ``sub.key``) that names no key of
+    ``cls`` (the table ``[section]``) or of its sub-tables, as the file's own keys are refused
+    (``unknown_key``) but naming ``where`` (the ``--set``), as is a path that goes on below a
+    value. The value's type is checked with the file's."""
+    names = key.split(".")
+    for depth, name in enumerate(names, 1):
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            raise unknown_key(where, cls, section, name)
+        tp = typing.get_type_hints(cls)[name]
+        if depth < len(names) and not dataclasses.is_dataclass(tp):
+            raise ConfigError(
+                f"{where}: {section}.{name} is a value in the job file ({_type_name(tp)}), "
+                "not a table"
+            )
+        cls, section = tp, f"{section}.{name}"
 
 
 def _type_name(tp: Any) -> str:
@@ -73,19 +120,10 @@ def build_section(cls: type, values: Any, where: str, section: str) -> Any:
         raise ConfigError(f"{where}: [{section}] must be a table, got {type(values).__name__}")
     hints = typing.get_type_hints(cls)
     allowed = [f.name for f in dataclasses.fields(cls)]
-    moved = getattr(cls, "MOVED", {})
     kwargs = {}
     for key, value in values.items():
-        if key in moved and key not in allowed:
-            raise ConfigError(
-                f"{where}: {section}.{key} moved to {moved[key]}; "
-                f"allowed keys in [{section}]: " + ", ".join(allowed)
-            )
         if key not in allowed:
-            raise ConfigError(
-                f"{where}: unknown key {section}.{key}; allowed keys in [{section}]: "
-                + ", ".join(allowed)
-            )
+            raise unknown_key(where, cls, section, key)
         if not _matches(value, hints[key]):
             raise ConfigError(
                 f"{where}: {section}.{key} = {value!r} has type {type(value).__name__}; "

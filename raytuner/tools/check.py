@@ -1,7 +1,7 @@
 """The one place a job is refused before anything starts: ``check(job, family)``, called once by
 the API (``raytuner.api``) for every operation, so `raytuner check` and every command refuse the
 same jobs. A job's own sections checked their values and each other when it was loaded
-(``config/``); what is refused here needs the family or this installation:
+(``config/``); what is refused here needs the family, this installation or this machine:
 
 - image sizes off the model's pixel grid;
 - ``[objective.<kind>]`` settings of the kind of objective it does not train with, and
@@ -11,7 +11,28 @@ same jobs. A job's own sections checked their values and each other when it was 
 - a single-file ``model.pretrained`` that is missing or that its family cannot load;
 - a validation prompts file that is missing, or a line the family cannot render (``--n``
   without negative prompts, ``--g`` without a guidance embedding, sizes off its grid);
-- a ``lora.init_from`` file that is not there, or set for a run that trains no LoRA.
+- a ``lora.init_from`` file that is not there, or set for a run that trains no LoRA;
+- a relative ``data.cache`` or ``train.output`` when the command runs in Ray's temporary copy of
+  a job's working dir (``ray job submit --working-dir``, a runtime_env ``working_dir``), where
+  what it writes would stay on one node and be deleted (relative image folders are read from
+  the copy, which holds them: they pass);
+- a local image folder (``data.images``, every ``[[data.sources]]`` path; URIs other than
+  ``file://`` are listed when the preprocess starts) that is missing, or in which the
+  preprocess's own listing (``preprocess.sources.list_source``: names and sizes, no image read)
+  finds no image it would encode. The count is logged (``raytuner check`` prints it on stderr,
+  keeping stdout the job's JSON). It is the last check: the listing is the slow one (4 s of
+  CPU for 100,000 files on the 2-core test machine).
+
+What each operation asks for (its keywords): every check for `raytuner check`, ``preprocess``
+and ``run``, and for ``cache verify --repair``, ``bench train`` and ``bench preprocess
+--images 0``, which encode the job's images. ``reads_images=False`` for the operations that
+read the committed cache and not the images (``train``, ``sample``, ``cache verify`` and
+``cache gc``, ``bench step`` and ``bench feed``): a folder deleted or unmounted after its
+preprocess does not stop them. ``runs=False`` for ``plan`` alone, which builds the model on the
+meta device, runs no optimizer and reads and writes none of the job's data: the optional
+packages, the image folders and the output paths are not looked at (``jobs/flux-12gb.toml``
+plans without bitsandbytes, the shipped jobs without their ``/data`` folders); the rest, about
+the model, still is.
 
 What needs the cache, the run folder or the cluster is refused where they are read, before any
 worker starts: a bucket too small for one global batch and a resume of a run trained on other
@@ -27,15 +48,22 @@ The family says what it is (``pixel_grid``, ``pixel_multiple``, ``objective_kind
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
+from pathlib import PurePath
 
-from raytuner import placement
+import pyarrow.fs as pafs
+
+from raytuner import placement, storage
 from raytuner.config import (
     ConfigError,
+    DataConfig,
     JobConfig,
     ModelConfig,
     ObjectiveConfig,
     PreprocessConfig,
+    SourceConfig,
     TrackingConfig,
     ValidationConfig,
 )
@@ -44,17 +72,132 @@ from raytuner.families import parts
 from raytuner.observe import tracking
 from raytuner.train.optim import missing_package
 
+log = logging.getLogger("raytuner")
 
-def check(job: JobConfig, family) -> None:
-    """Raise ConfigError naming the key, its value and what to change."""
+# Ray unpacks a job's working dir (and any runtime_env working_dir) into
+# <temp dir>/session_*/runtime_resources/working_dir_files/_ray_pkg_<hash>/ and starts the job's
+# entrypoint there (Ray 2.60: ray/_private/runtime_env/working_dir.py); a job's driver also gets
+# RAY_JOB_CONFIG_JSON_ENV_VAR (its runtime_env, from dashboard/modules/job/job_supervisor.py)
+RAY_WORKING_DIRS = ("runtime_resources", "working_dir_files")
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = True) -> None:
+    """Raise ConfigError naming the key, its value and what to change. ``runs=False`` (plan)
+    leaves out the optional packages, the image folders and the outputs; ``reads_images=False``
+    the image folders (see the module's docstring for which operation passes what)."""
     _bucket_sizes(job.preprocess, family)
     _objective_kind(job.objective, family)
     _init_from(job)
-    _packages(job)
+    if runs:
+        _packages(job)
     _model_file(job.model, family)
     _validation_prompts(job.validation, family)
     # a released repo: its architecture from the package, no download
     placement.check(job.memory, family, parts.model_source(job.model, "cpu"))
+    if runs:
+        _outputs_outside_ray_working_dir(job)
+    if runs and reads_images:
+        _image_folders(job.data)  # last: the slow one
+
+
+def ray_working_dir(cwd: str | None = None) -> str | None:
+    """The copy of a working dir Ray unpacked that ``cwd`` (the working directory) lies in, or
+    None: the folder ``…/runtime_resources/working_dir_files/<package>``."""
+    parts = PurePath(cwd or os.getcwd()).parts
+    for i in range(len(parts) - 2):
+        if parts[i : i + 2] == RAY_WORKING_DIRS:
+            return str(PurePath(*parts[: i + 3]))
+    return None
+
+
+def _outputs_outside_ray_working_dir(job: JobConfig) -> None:
+    """Inside Ray's copy of a working dir, a relative ``data.cache`` or ``train.output`` would
+    be written into that copy: on one node, deleted with it, and under another package folder
+    once a file of the working dir changes (no resume, the cache encoded again)."""
+    copy = ray_working_dir()
+    if copy is None:
+        return
+    relative = [
+        (key, path)
+        for key, path in (("data.cache", job.data.cache), ("train.output", job.train.output))
+        if "://" not in path and not os.path.isabs(os.path.expanduser(path))
+    ]
+    if not relative:
+        return
+    how = "a Ray job's working dir" if _ray_job() else "a Ray runtime_env working_dir"
+    keys = " and ".join(f"{key} = {path!r}" for key, path in relative)
+    key, path = relative[0]
+    raise ConfigError(
+        f"{keys} {'is' if len(relative) == 1 else 'are'} relative, and this runs in {how}: "
+        f"{'it' if len(relative) == 1 else 'they'} would be written under {copy}, Ray's "
+        "temporary copy of it on this node, which other nodes do not see and Ray deletes; set "
+        "an absolute path every node reaches (a shared filesystem) or an s3:// or gs:// URI, "
+        f"e.g. --set {key}=s3://bucket/{os.path.basename(os.path.normpath(path))}"
+    )
+
+
+def _ray_job() -> bool:
+    """This process is a Ray job's driver (`ray job submit`): Ray hands it its job config."""
+    try:
+        return isinstance(json.loads(os.environ.get(RAY_JOB_ENV, "")), dict)
+    except ValueError:
+        return False
+
+
+def _local_folders(data: DataConfig) -> list[tuple[str, int, SourceConfig]]:
+    """(key, index among ``data.all_sources()``, source) of each image folder on this machine's
+    filesystem: a path, or a ``file://`` URI."""
+    keys = ["data.images"] if data.images else []
+    keys += [f"data.sources[{i}].path" for i in range(len(data.sources))]
+    return [
+        (key, i, source)
+        for i, (key, source) in enumerate(zip(keys, data.all_sources(), strict=True))
+        if "://" not in source.path or source.path.startswith("file://")
+    ]
+
+
+def _image_folders(data: DataConfig) -> None:
+    """Each local image folder exists and the preprocess's listing finds at least one image in
+    it that it would encode; the counts are logged once every folder passed."""
+    from raytuner.preprocess.sources import IMAGE_EXTENSIONS, list_source
+
+    counts = []
+    for key, i, source in _local_folders(data):
+        fs, root = storage.resolve(source.path)
+        shown = f"{key} = {source.path!r}"
+        where = "" if root == source.path else f" ({root})"
+        kind = fs.get_file_info(root).type
+        if kind == pafs.FileType.NotFound:
+            relative = "://" not in source.path and not os.path.isabs(
+                os.path.expanduser(source.path)
+            )
+            raise ConfigError(
+                f"{shown}: no such folder{where}; set it to the folder of your images"
+                + (" (a relative path is from the working directory)" if relative else "")
+            )
+        if kind != pafs.FileType.Directory:
+            raise ConfigError(f"{shown}: not a folder{where}; set it to the folder of your images")
+        try:
+            rows = list_source(i, source)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{shown}: {e}") from None
+        usable = sum(not r["refused"] for r in rows)
+        if not rows:
+            extensions = ", ".join(sorted(IMAGE_EXTENSIONS))
+            raise ConfigError(
+                f"{shown}: holds no image{where} (searched recursively for {extensions}; "
+                "hidden files skipped)"
+            )
+        if not usable:
+            first = rows[0]
+            raise ConfigError(
+                f"{shown}: none of its {len(rows)} images would be encoded ({first['path']}: "
+                f"{first['refused']})"
+            )
+        counts.append((shown, usable, len(rows) - usable))
+    for shown, usable, skipped in counts:
+        log.info("%s: %d images%s", shown, usable, f" ({skipped} skipped)" if skipped else "")
 
 
 def _packages(job: JobConfig) -> None:

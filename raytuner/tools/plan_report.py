@@ -7,14 +7,43 @@ import re
 from raytuner.config import ConfigError
 from raytuner.tools.plan import GiB
 
+UNITS = {"gib": GiB, "mib": 2**20, "gb": 10**9, "mb": 10**6}  # binary, then decimal
+SPELLING = {"gib": "GiB", "mib": "MiB", "gb": "GB", "mb": "MB"}
+SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
 
-def parse_size(text: str) -> int:
-    """``80GiB``, ``24GB``, ``12G`` (GiB), or a number of bytes."""
-    units = {"gib": GiB, "gb": 10**9, "g": GiB, "mib": 2**20, "mb": 10**6, "": 1}
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]*)\s*", text.lower())
-    if not match or match.group(2) not in units:
-        raise ConfigError(f"--gpu-memory {text!r}: use a size such as 80GiB, 24GB or 12G")
-    return int(float(match.group(1)) * units[match.group(2)])
+
+def parse_size(text) -> int:
+    """``--gpu-memory`` (and ``raytuner.plan``'s ``gpu_memory``) in bytes: a number and an
+    explicit unit, ``GiB``/``MiB`` (binary) or ``GB``/``MB`` (decimal), in any case, e.g.
+    ``80GiB``, ``12.5GiB``, ``24GB`` (22.4 GiB). A bare number (bytes? GiB?), ``G`` or ``M``
+    (binary or decimal?) and any other text are refused, saying what to write."""
+    match = SIZE.fullmatch(text) if isinstance(text, str) else None
+    if match and match.group(2).lower() in UNITS and float(match.group(1)) > 0:
+        return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    n = match.group(1) if match and float(match.group(1)) > 0 else "24"
+    if not isinstance(text, bool) and isinstance(text, int | float) and text > 0:
+        n = f"{text / GiB:.4g}" if text >= 2**20 else f"{text:g}"  # bytes, or a size in GiB
+    zero = ", more than 0," if match and not float(match.group(1)) else ""
+    if match and match.group(2).lower() in ("m", "mi"):  # megabytes meant: say it in M
+        raise ConfigError(
+            f"--gpu-memory {text!r}: give a size{zero} and its unit: {n}MiB (binary, as "
+            f"nvidia-smi counts) or {n}MB (decimal: {float(n) * 1e6 / 2**20:.1f} MiB)"
+        )
+    raise ConfigError(
+        f"--gpu-memory {text!r}: give a size{zero} and its unit: {n}GiB (binary, as "
+        f'nvidia-smi counts: a card sold as "{n} GB" holds about {n}GiB) or {n}GB (decimal: '
+        f"{float(n) * 1e9 / GiB:.1f} GiB); MiB and MB work the same"
+    )
+
+
+def size_text(text: str) -> str:
+    """How plan names the ``--gpu-memory`` it was given: ``24GiB``, or for a decimal unit also
+    its GiB (``12GB = 11.2 GiB``: decimal), so that a GB meant as GiB shows."""
+    number, unit = SIZE.fullmatch(text).groups()
+    shown = f"{number}{SPELLING[unit.lower()]}"
+    if unit.lower() in ("gb", "mb"):
+        shown += f" = {parse_size(text) / GiB:.1f} GiB (GB and MB are decimal)"
+    return shown
 
 
 def print_plan(result: dict) -> None:
@@ -48,7 +77,9 @@ def print_plan(result: dict) -> None:
         label = name.replace("_", " ")
         print(f"  {label}: weights {gib(a['weights_bytes'])}, peak {gib(a['peak_bytes'])}")
     verdict = "fits" if result["fits"] else "does NOT fit"
-    print(f"  the training worker {verdict} in {gib(result['gpu_memory_bytes'])}")
+    given = result.get("gpu_memory")
+    size = size_text(given) if given else gib(result["gpu_memory_bytes"])
+    print(f"  the training worker {verdict} in {size}")
     for s in result["suggestions"]:
         verdict = "fits" if s["fits"] else "still too big"
         print(f"  with {s['set']}: {gib(s['peak_bytes'])} ({verdict})")
