@@ -11,7 +11,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "raytuner"
 
 # lowest first: each layer is a list of the package's top-level folders and modules
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["version", "errors", "storage", "runs", "runtime", "config", "placement"]),
+    (
+        "foundation",
+        ["version", "errors", "quiet", "storage", "runs", "runtime", "config", "placement"],
+    ),
     ("reporting", ["observe"]),
     ("lora", ["lora"]),
     ("models", ["families"]),

@@ -116,6 +116,7 @@ class PreprocessConfig:
     background: list[int] = field(default_factory=lambda: [255, 255, 255])  # under alpha
     store_std: bool = False  # also store the VAE posterior std, so training can resample
     max_restarts: int = 2  # an encoder actor that dies is restarted this often, then it fails
+    resource_wait_s: float = 600.0  # how long the first encoder actors may wait for resources
 
     def __post_init__(self) -> None:
         one_of("preprocess.crop", self.crop, ("center", "random", "none"))
@@ -129,6 +130,7 @@ class PreprocessConfig:
         positive("preprocess.batch_size", self.batch_size)
         positive("preprocess.min_actors", self.min_actors)
         positive("preprocess.max_restarts", self.max_restarts, zero_ok=True)
+        positive("preprocess.resource_wait_s", self.resource_wait_s, zero_ok=True)
         positive("preprocess.gpus_per_actor", self.gpus_per_actor, zero_ok=True)
         positive("preprocess.cpus_per_actor", self.cpus_per_actor)
         if self.max_actors < self.min_actors:

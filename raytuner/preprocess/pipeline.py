@@ -15,6 +15,7 @@ import math
 
 import ray
 
+from raytuner import quiet, runtime
 from raytuner.data.cache import caption_key
 from raytuner.preprocess.decode import ENCODE, DecodeSpec, probe_decode
 from raytuner.preprocess.encode import Encoder
@@ -51,11 +52,11 @@ def run(
         probed = _probed(listing, rows, probe)
         if _nothing_new(probed, caption_keys):
             return probed
+    wait_for_encoders(pre)
     sink = PartSink(version.fs, version.root, run_rel)
     args = (*encoder, pre.dtype, pre.store_std, set(caption_keys), progress, preload)
-    (
-        _probe_stream(listing, rows, probe)
-        .map_batches(
+    with quiet.ray_remote_args_accepted():  # max_restarts: no named parameter in Ray 2.60
+        encoded = _probe_stream(listing, rows, probe).map_batches(
             Encoder,
             fn_constructor_args=args,
             compute=ray.data.ActorPoolStrategy(min_size=pre.min_actors, max_size=pre.max_actors),
@@ -67,9 +68,24 @@ def run(
             max_restarts=pre.max_restarts,
             max_task_retries=pre.max_restarts,
         )
-        .write_datasink(sink, ray_remote_args={"num_cpus": 0.25})
-    )
+    encoded.write_datasink(sink, ray_remote_args={"num_cpus": 0.25})
     return sink.rows
+
+
+def wait_for_encoders(pre) -> None:
+    """The encoder pool's first ``preprocess.min_actors`` actors, each ``{CPU:
+    cpus_per_actor, GPU: gpus_per_actor}``, must fit the cluster before the stream starts
+    (``runtime.wait_for_resources``): what it can never hold (a GPU on a CPU-only cluster)
+    fails at once, what an autoscaler may still add is waited for at most
+    ``preprocess.resource_wait_s``. Ray Data would otherwise wait for the actors without end."""
+    bundle = {"CPU": pre.cpus_per_actor, "GPU": pre.gpus_per_actor}
+    runtime.wait_for_resources(
+        [bundle] * pre.min_actors,
+        pre.resource_wait_s,
+        f"the encoder actors (preprocess.min_actors = {pre.min_actors})",
+        setting="preprocess.resource_wait_s",
+        lower="preprocess.min_actors / cpus_per_actor / gpus_per_actor",
+    )
 
 
 def _probe_stream(listing: list[dict], rows: int, probe: dict) -> ray.data.Dataset:

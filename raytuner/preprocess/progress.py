@@ -52,10 +52,10 @@ class ProgressLine:
         self.thread.start()
         return self.counter
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         self.stop.set()
         self.thread.join()
-        self._report(final=True)
+        self._report(final=True, failed=kind is not None)
         try:  # ``first_at``: when the first item was counted (wall time; None: none was)
             self.first_at = ray.get(self.counter.first_at.remote())
         except ray.exceptions.RayError:
@@ -66,10 +66,14 @@ class ProgressLine:
         while not self.stop.wait(self.every_s):
             self._report(final=False)
 
-    def _report(self, final: bool) -> None:
-        """A progress line; a lost counting actor costs the line, never the pass."""
+    def _report(self, final: bool, failed: bool = False) -> None:
+        """A progress line; a lost counting actor costs the line, never the pass. A pass that
+        failed before anything was counted (no resources for its actors) has no last line:
+        its error says what happened."""
         try:
-            self._line(ray.get(self.counter.value.remote()), final)
+            n = ray.get(self.counter.value.remote())
+            if not (failed and n == 0):
+                self._line(n, final)
         except ray.exceptions.RayError as e:
             log.warning("preprocess: no progress count (%s)", e)
 
