@@ -256,7 +256,8 @@ def latent_of(job: Path, key: str) -> bytes:
 
 def corrupt_latent(version: cache.Version, rel: str) -> tuple[str, bytes]:
     """Zero 32 bytes in the middle of the first latent of a part file: bit rot that Parquet
-    still reads (zeros are finite values), which only the manifest's sha256 can notice.
+    still reads (zeros are finite values), which only the manifest's sha256 and the cell's
+    checksum can notice.
 
     Returns the row's key and its latent bytes before the damage.
     """
@@ -472,12 +473,16 @@ def test_verify_finds_a_corrupt_part_and_repair_reencodes_only_its_rows(repairs,
 
     bad = repaired.bad
     assert bad.code == 1, bad.out + bad.err[-2000:]
-    assert bad.lines("bad ") == [f"bad {entry['path']}: sha256 differs from the manifest"]
+    found = (  # the file, and the cell: its row and column
+        f"bad {entry['path']}: sha256 differs from the manifest; row 0, column latent: its "
+        "checksum differs from the one written with it"
+    )
+    assert bad.lines("bad ") == [found]
     assert f"{version.root}: 1 bad file(s)" in bad.out
 
     fixed = repaired.fixed
     assert fixed.code == 0, fixed.out + fixed.err[-3000:]
-    assert fixed.lines("bad ") == [f"bad {entry['path']}: sha256 differs from the manifest"]
+    assert fixed.lines("bad ") == [found]
     assert fixed.out.rstrip().endswith(f"{version.root}: ok")
     printed = re.search(r"^\s+encoded\s+(\d+)$", fixed.out, re.MULTILINE)
     assert printed and int(printed.group(1)) == entry["rows"]

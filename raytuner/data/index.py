@@ -2,10 +2,10 @@
 
 The index (``index.parquet``) lists the trained rows in a fixed order, (source, path), with
 everything a training worker needs to read a row without opening the data files' footers: the
-bucket, the conditioning, the file and byte offset of its latent and the row of its caption in
-``captions.parquet``, which holds the same for each distinct caption's text tensors. The
-dataset id, a hash of that list, is what a checkpoint records: resuming on other rows is
-refused.
+bucket, the conditioning, the file, byte offset and checksum of its latent and the row of its
+caption in ``captions.parquet``, which holds the same for each distinct caption's text
+tensors. The dataset id, a hash of that list, is what a checkpoint records: resuming on other
+rows is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ import logging
 
 import pyarrow as pa
 
-from raytuner.data.cache import CAPTIONS, FORMAT_VERSION, INDEX, LATENTS, TEXT, Version, caption_key
+from raytuner.data.cache import (
+    CAPTIONS,
+    FORMAT_VERSION,
+    INDEX,
+    LATENTS,
+    TEXT,
+    Version,
+    caption_key,
+    checksum_column,
+)
 
 log = logging.getLogger(__name__)
 SHAPE = pa.list_(pa.int32())
@@ -39,7 +48,9 @@ INDEX_SCHEMA = pa.schema(
         ("latent_file", pa.string()),
         ("latent_at", pa.int64()),
         ("latent_shape", SHAPE),
+        ("latent_xxh3", pa.uint64()),  # the cell's checksum (``cache.checksum``)
         ("latent_std_at", pa.int64()),  # -1: no std stored
+        ("latent_std_xxh3", pa.uint64()),  # 0 when no std is stored
         ("caption_row", pa.int32()),  # its row in captions.parquet
     ]
 )
@@ -54,7 +65,15 @@ LISTED = (
     "repeats",
     "size",
 )
-LOCATION = ("width", "height", "original_size", "crop_top_left", "latent_shape", "latent_at")
+LOCATION = (
+    "width",
+    "height",
+    "original_size",
+    "crop_top_left",
+    "latent_shape",
+    "latent_at",
+    "latent_xxh3",
+)
 
 
 def captions_schema(tensors: list[str]) -> pa.Schema:
@@ -66,6 +85,7 @@ def captions_schema(tensors: list[str]) -> pa.Schema:
     ]
     for name in tensors:
         fields += [(f"{name}_at", pa.int64()), (f"{name}_shape", SHAPE)]
+        fields += [(checksum_column(name), pa.uint64())]
     return pa.schema(fields)
 
 
@@ -147,6 +167,7 @@ def _index_row(row: dict, latent: dict, caption_row: int) -> dict:
             "mtime_ns": row["mtime_ns"],
             "latent_file": latent["file"],
             "latent_std_at": latent.get("latent_std_at", -1),
+            "latent_std_xxh3": latent.get("latent_std_xxh3", 0),
             "caption_row": caption_row,
         }
     )
@@ -156,7 +177,8 @@ def _caption_row(caption: dict, tensors: list[str]) -> dict:
     out = {k: caption[k] for k in ("caption_key", "caption", "truncated")}
     out["text_file"] = caption["file"]
     for name in tensors:
-        out |= {f"{name}_at": caption[f"{name}_at"], f"{name}_shape": caption[f"{name}_shape"]}
+        for column in (f"{name}_at", f"{name}_shape", checksum_column(name)):
+            out[column] = caption[column]
     return out
 
 

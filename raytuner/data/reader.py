@@ -5,6 +5,10 @@ caption's row) and the same per caption. Nothing else: each batch's tensors are 
 it is assembled, with one ranged read per cell (exactly its bytes and its 4-byte length prefix),
 ranges of one file that lie close together merged into one request, and the requests issued in
 parallel. On object storage a batch costs at most one request per row and per caption.
+
+Every cell read is checked before a tensor is made of it: its length prefix, and its xxh3-64
+against the checksum the index holds for it (written with the bytes at encode time). A cell
+that changed since raises ``cache.ChecksumError`` naming the file, the row and the column.
 """
 
 from __future__ import annotations
@@ -17,10 +21,20 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 
 from raytuner import storage
-from raytuner.data.cache import LENGTH_PREFIX, Version, caption_key, itemsize
+from raytuner.data.cache import (
+    LENGTH_PREFIX,
+    Version,
+    caption_key,
+    checksum,
+    checksum_column,
+    damaged,
+    itemsize,
+    row_at,
+)
 from raytuner.data.tensors import DTYPES
 
 HOLE = 8 * 1024  # ranges of one file at most this far apart are read as one request
@@ -36,7 +50,9 @@ ROW_COLUMNS = [
     "latent_file",
     "latent_at",
     "latent_shape",
+    "latent_xxh3",
     "latent_std_at",
+    "latent_std_xxh3",
     "caption_row",
 ]
 # the cells are copied out at once; torch only notes that the bytes it viewed are read-only
@@ -131,14 +147,20 @@ class CachedDataset:
         self._crop = _matrix(rows.column("crop_top_left"))
         self._file, self._files = _codes(rows.column("latent_file"))
         self._at = rows.column("latent_at").to_numpy()
+        self._sum = rows.column("latent_xxh3").to_numpy()
         self._std_at = rows.column("latent_std_at").to_numpy()
+        self._std_sum = rows.column("latent_std_xxh3").to_numpy()
         self._has_std = bool(len(self._std_at)) and self._std_at[0] >= 0
         self._shape = _matrix(rows.column("latent_shape"))
         self._caption = rows.column("caption_row").to_numpy()
         self.tensors: list[str] = manifest["text_tensors"]
         self._text_file, self._text_files = _codes(captions.column("text_file"))
         self._text = {
-            name: (captions.column(f"{name}_at").to_numpy(), _matrix(captions[f"{name}_shape"]))
+            name: (
+                captions.column(f"{name}_at").to_numpy(),
+                _matrix(captions[f"{name}_shape"]),
+                captions.column(checksum_column(name)).to_numpy(),
+            )
             for name in self.tensors
         }
         empty = pc.index(captions.column("caption_key"), caption_key("")).as_py()
@@ -155,25 +177,47 @@ class CachedDataset:
     def __len__(self) -> int:
         return len(self.paths)
 
-    def _cells(self, wanted: list[tuple[str, int, tuple]]) -> list[torch.Tensor]:
-        """Each (file, offset, shape) cell as a tensor, checked against its length prefix."""
-        sizes = [int(np.prod(shape)) * self.size for _, _, shape in wanted]
+    def _cells(self, wanted: list[tuple]) -> list[torch.Tensor]:
+        """Each (file, offset, shape, checksum, column) cell as a tensor, checked against its
+        length prefix and its checksum."""
+        sizes = [int(np.prod(cell[2])) * self.size for cell in wanted]
         ranges = [
-            (f, at - LENGTH_PREFIX, n + LENGTH_PREFIX)
-            for (f, at, _), n in zip(wanted, sizes, strict=True)
+            (cell[0], cell[1] - LENGTH_PREFIX, n + LENGTH_PREFIX)
+            for cell, n in zip(wanted, sizes, strict=True)
         ]
+        read = self.reader.read(ranges)
+        # a row twice in one batch (a padded bucket) is read once: counted once
+        distinct = {(cell[0], cell[1]): n for cell, n in zip(wanted, sizes, strict=True)}
+        self.bytes_used += sum(distinct.values())
         out = []
-        for (rel, at, shape), n, data in zip(wanted, sizes, self.reader.read(ranges), strict=True):
+        for cell, n, data in zip(wanted, sizes, read, strict=True):
+            rel, at, shape, expected, column = cell
             if int.from_bytes(data[:LENGTH_PREFIX], "little") != n:
                 raise ValueError(f"{rel}: no {n}-byte cell at offset {at}: the file changed")
-            cell = torch.frombuffer(
+            if checksum(data[LENGTH_PREFIX:]) != int(expected):  # xxh3 releases the GIL
+                raise self._damaged(rel, int(at), column)
+            values = torch.frombuffer(
                 data, dtype=self.store, offset=LENGTH_PREFIX, count=n // self.size
             )
-            out.append(cell.view(tuple(shape)))
-        # a row twice in one batch (a padded bucket) is read once: counted once
-        distinct = {(f, at): n for (f, at, _), n in zip(wanted, sizes, strict=True)}
-        self.bytes_used += sum(distinct.values())
+            out.append(values.view(tuple(shape)))
         return out
+
+    def _damaged(self, rel: str, at: int, column: str) -> Exception:
+        """The error for the cell of ``column`` at byte ``at`` of ``rel``: its row found from
+        the file's footer (read only now, on the way to failing)."""
+        path = storage.join(self.reader.root, rel)
+        try:
+            row = row_at(pq.read_metadata(path, filesystem=self.reader.fs), column, at)
+        except (OSError, pa.ArrowInvalid):
+            row = None
+        if column.startswith("latent"):  # which image: the index's rows holding this cell
+            at_column = self._std_at if column == "latent_std" else self._at
+            mine = self._file == self._files.index(rel)
+            images = [self.paths[i] for i in np.flatnonzero(mine & (at_column == at))[:1]]
+            detail = f" (image {images[0]})" if images else ""
+        else:
+            detail = ""
+        return damaged(path, row, column, detail)
 
     def batch(self, indices: list[int], dtype=torch.float32, empty_caption=None) -> dict:
         """The rows' tensors; ``empty_caption[j]``: row j takes the empty caption's embedding
@@ -184,14 +228,19 @@ class CachedDataset:
         own = [int(self._caption[i]) for i in indices]
         captions = [self._empty if d else c for c, d in zip(own, drops, strict=True)]
         distinct = sorted(set(captions))
-        latents = [(self._files[self._file[i]], self._at[i], self._shape[i]) for i in indices]
+        files = [self._files[self._file[i]] for i in indices]
+        latents = [
+            (f, self._at[i], self._shape[i], self._sum[i], "latent")
+            for i, f in zip(indices, files, strict=True)
+        ]
         if self._has_std:
             latents += [
-                (f, self._std_at[i], s) for i, (f, _, s) in zip(indices, latents, strict=True)
+                (f, self._std_at[i], self._shape[i], self._std_sum[i], "latent_std")
+                for i, f in zip(indices, files, strict=True)
             ]
         text = [
-            (self._text_files[self._text_file[c]], self._text[name][0][c], self._text[name][1][c])
-            for name in self.tensors
+            (self._text_files[self._text_file[c]], at[c], shapes[c], sums[c], name)
+            for name, (at, shapes, sums) in self._text.items()
             for c in distinct
         ]
         cells = self._cells(latents + text)
@@ -237,5 +286,6 @@ def open_dataset(cache_uri: str, fp: str, manifest: dict | None = None) -> Cache
             f"skipped (see {version.path('report.json')})"
         )
     text = ["caption_key", "text_file"]
-    text += [f"{n}{s}" for n in manifest["text_tensors"] for s in ("_at", "_shape")]
+    for n in manifest["text_tensors"]:
+        text += [f"{n}_at", f"{n}_shape", checksum_column(n)]
     return CachedDataset(version, manifest, rows, version.read(manifest["captions"]["path"], text))

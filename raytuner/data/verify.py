@@ -1,5 +1,6 @@
 """`raytuner cache verify` and `raytuner cache gc`: check a committed version against its
-manifest, and delete what no manifest references."""
+manifest (every file's sha256, every tensor cell's checksum), and delete what no manifest
+references."""
 
 from __future__ import annotations
 
@@ -13,42 +14,71 @@ import pyarrow.fs as pafs
 import torch
 
 from raytuner import storage
-from raytuner.data.cache import MANIFEST, Version, itemsize, read_parquet, shape_column
+from raytuner.data.cache import (
+    MANIFEST,
+    Version,
+    checksum,
+    checksum_column,
+    itemsize,
+    read_parquet,
+    shape_column,
+)
 from raytuner.data.tensors import DTYPES
 
 
 def _tensor_problems(table: pa.Table, names: list[str], dtype: str) -> str:
-    """Wrong sizes, or NaN / Inf in any tensor cell of these columns ("" if none)."""
-    size = itemsize(dtype)
+    """Cells whose bytes differ from their checksum, have the wrong size or hold NaN / Inf, in
+    any of these columns ("" if none): the first such cell's row and column, and how many."""
+    size, found = itemsize(dtype), []
     for name in names:
         cells, shapes = table.column(name).to_pylist(), table.column(shape_column(name)).to_pylist()
-        for i, (cell, shape) in enumerate(zip(cells, shapes, strict=True)):
-            if len(cell) != math.prod(shape) * size:
-                return (
-                    f"row {i}: {name} has {len(cell)} bytes, shape {shape} needs "
-                    f"{math.prod(shape) * size}"
-                )
-            values = torch.frombuffer(bytearray(cell), dtype=DTYPES[dtype])
-            if not torch.isfinite(values).all():
-                return f"row {i}: {name} holds NaN or Inf"
-    return ""
+        sums = (
+            table.column(checksum_column(name)).to_pylist()
+            if checksum_column(name) in table.column_names
+            else [None] * len(cells)
+        )
+        for i, (cell, shape, sum_) in enumerate(zip(cells, shapes, sums, strict=True)):
+            if sum_ is None:
+                problem = "no checksum"
+            elif checksum(cell) != sum_:
+                problem = "its checksum differs from the one written with it"
+            elif len(cell) != math.prod(shape) * size:
+                problem = f"{len(cell)} bytes, shape {shape} needs {math.prod(shape) * size}"
+            elif not torch.isfinite(torch.frombuffer(bytearray(cell), dtype=DTYPES[dtype])).all():
+                problem = "holds NaN or Inf"
+            else:
+                continue
+            found.append(f"row {i}, column {name}: {problem}")
+    if not found:
+        return ""
+    more = f" (and {len(found) - 1} more cell(s))" if len(found) > 1 else ""
+    return found[0] + more
 
 
 def _file_problem(version: Version, entry: dict, tensors: list[str], dtype: str) -> str:
+    """What is wrong with a data or index file ("" if nothing): missing, unreadable, another
+    row count; for a data file, its damaged cells (their checksums, sizes, values) after the
+    sha256 of the whole file."""
     path = version.path(entry["path"])
     if not storage.exists(version.fs, path):
         return "missing"
     data = storage.read_buffer(version.fs, path)
+    problems = []
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        return "sha256 differs from the manifest"
-    table = read_parquet(data)
+        problems.append("sha256 differs from the manifest")
+    try:
+        table = read_parquet(data)
+    except (OSError, pa.ArrowInvalid) as e:
+        return "; ".join([*problems, f"unreadable: {e}"])
     if table.num_rows != entry["rows"]:
-        return f"{table.num_rows} rows, the manifest says {entry['rows']}"
-    return _tensor_problems(table, [n for n in tensors if n in table.column_names], dtype)
+        problems.append(f"{table.num_rows} rows, the manifest says {entry['rows']}")
+    cells = _tensor_problems(table, [n for n in tensors if n in table.column_names], dtype)
+    return "; ".join(problems + [cells] * bool(cells))
 
 
 def verify(version: Version) -> list[dict]:
-    """Every file of the committed version that is missing, altered or holds bad tensors."""
+    """Every file of the committed version that is missing, altered or holds bad tensors; a
+    damaged cell is named by its row and column in the file."""
     manifest = version.manifest()
     if manifest is None:
         raise FileNotFoundError(f"no committed cache at {version.root}")

@@ -4,8 +4,9 @@ no one has encoded yet. Each actor loads each model once, on a thread: from its 
 run has images to encode (``preload``), else on first use, so a run with nothing new loads
 nothing and a run with only new captions loads only the text encoders.
 
-Rows in, the same rows out with the pixels replaced by their latent; the text tensors of each
-newly seen caption are appended as rows of their own (``status == TEXT``). The sink
+Rows in, the same rows out with the pixels replaced by their latent (and its checksum,
+``latent_xxh3``, made with its bytes); the text tensors of each newly seen caption, with
+theirs, are appended as rows of their own (``status == TEXT``). The sink
 (``preprocess/sink.py``) splits them into the cache's latents and text files.
 """
 
@@ -18,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from raytuner.data.cache import caption_key
+from raytuner.data.cache import caption_key, checksum, checksum_column
 from raytuner.data.tensors import to_cells
 from raytuner.families import parts
 from raytuner.preprocess.decode import ENCODE, FAILED, SHAPE, TEXT
@@ -67,6 +68,7 @@ class Encoder:
         cells on its ENCODE rows (empty on the others); one VAE forward per bucket."""
         n, status = batch.num_rows, batch.column("status").to_pylist()
         latents, stds = [b""] * n, [b""] * n
+        sums, std_sums = [checksum(b"")] * n, [checksum(b"")] * n
         shapes: list[list[int]] = [[] for _ in range(n)]
         todo = [i for i in range(n) if status[i] == ENCODE]
         encode = self._start("image").result() if todo else None
@@ -79,17 +81,22 @@ class Encoder:
             )
             x = torch.from_numpy(stack).permute(0, 3, 1, 2).float() / 127.5 - 1.0
             mean, std = encode(x)
-            cells, cell_shapes = to_cells(mean, self.dtype)
-            std_cells = to_cells(std, self.dtype)[0] if self.store_std else [b""] * len(rows)
+            cells, cell_shapes, cell_sums = to_cells(mean, self.dtype)
+            if self.store_std:
+                std_cells, _, std_cell_sums = to_cells(std, self.dtype)
             for j, i in enumerate(rows):
-                latents[i], shapes[i], stds[i] = cells[j], cell_shapes[j].tolist(), std_cells[j]
+                latents[i], shapes[i], sums[i] = cells[j], cell_shapes[j].tolist(), cell_sums[j]
+                if self.store_std:
+                    stds[i], std_sums[i] = std_cells[j], std_cell_sums[j]
         if self.progress is not None and todo:  # counted, not waited for
             self.progress.add.remote(len(todo))
         out = batch.drop_columns(["pixels"])
         out = out.append_column("latent", pa.array(latents, pa.binary()))
         out = out.append_column("latent_shape", pa.array(shapes, SHAPE))
+        out = out.append_column(checksum_column("latent"), pa.array(sums, pa.uint64()))
         if self.store_std:
             out = out.append_column("latent_std", pa.array(stds, pa.binary()))
+            out = out.append_column(checksum_column("latent_std"), pa.array(std_sums, pa.uint64()))
         return out
 
     def encode_captions(self, batch: pa.Table) -> pa.Table | None:
@@ -113,8 +120,9 @@ class Encoder:
             "status": pa.array([TEXT] * len(keys), pa.string()),
         }
         for name, tensor in encode(captions).items():
-            cells, cell_shapes = to_cells(tensor, self.dtype)
+            cells, cell_shapes, cell_sums = to_cells(tensor, self.dtype)
             columns[name] = pa.array(cells, pa.binary())
             columns[f"{name}_shape"] = pa.array(cell_shapes.tolist(), SHAPE)
+            columns[checksum_column(name)] = pa.array(cell_sums, pa.uint64())
         self.seen.update(keys)
         return pa.table(columns)

@@ -20,6 +20,13 @@ PROBE_COLUMNS = STREAM_SCHEMA.names[: STREAM_SCHEMA.names.index("pixels")]
 LATENT_COLUMNS = ["key", "path", "width", "height", "original_size", "crop_top_left"]
 
 
+def _cell_columns(tensors: list[str]) -> list[str]:
+    """The columns of these tensors: each cell, its shape and its checksum (made by the
+    encoder with the cell's bytes)."""
+    columns = (c for t in tensors for c in (t, cache.shape_column(t), cache.checksum_column(t)))
+    return list(dict.fromkeys(columns))  # latent_std shares the latent's shape
+
+
 class PartSink(Datasink):
     """Writes each block's latents and text tensors as cache data files of ``run`` and returns
     its image rows' probe columns; on the driver, ``rows`` then holds all of them."""
@@ -38,13 +45,13 @@ class PartSink(Datasink):
         for block in blocks:
             table = BlockAccessor.for_block(block).to_arrow()
             status = table.column("status")
-            latents = [*LATENT_COLUMNS, "latent", "latent_shape"]
-            latents += ["latent_std"] if "latent_std" in table.column_names else []
+            tensors = cache.tensor_columns(table.schema)
+            image = [t for t in tensors if t.startswith("latent")]
+            latents = [*LATENT_COLUMNS, *_cell_columns(image)]
             self._write(table.filter(pc.equal(status, ENCODE)), cache.LATENTS, latents)
             text = table.filter(pc.equal(status, TEXT))
-            tensors = [n for n in cache.tensor_columns(text.schema) if not n.startswith("latent")]
             names = ["caption_key", "caption", "truncated"]
-            names += [c for t in tensors for c in (t, cache.shape_column(t))]
+            names += _cell_columns([t for t in tensors if t not in image])
             self._write(text, cache.TEXT, names)
             probed.append(table.filter(pc.not_equal(status, TEXT)).select(PROBE_COLUMNS))
         return pa.concat_tables(probed) if probed else STREAM_SCHEMA.empty_table()

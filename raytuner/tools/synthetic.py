@@ -33,6 +33,7 @@ LATENT_SCHEMA = {
     "crop_top_left": SHAPE,
     "latent": pa.binary(),
     "latent_shape": SHAPE,
+    cache.checksum_column("latent"): pa.uint64(),
 }
 
 
@@ -41,6 +42,8 @@ def _column(values, kind: pa.DataType) -> pa.Array:
         return pa.array([[int(x) for x in v] for v in values], kind)
     if pa.types.is_binary(kind):
         return pa.array([bytes(v) for v in values], kind)
+    if pa.types.is_uint64(kind):  # checksums: numpy would make floats of the large ones
+        return pa.array([int(v) for v in values], kind)
     return pa.array(np.asarray(values).tolist(), kind)
 
 
@@ -57,8 +60,10 @@ def _chunks(n: int, size: int) -> Iterator[range]:
         yield range(start, min(n, start + size))
 
 
-def _fill(shape: tuple[int, ...], value: float, dtype: str, count: int) -> list[bytes]:
-    return to_cells(torch.full((count, *shape), value, dtype=DTYPES[dtype]), dtype)[0]
+def _fill(shape: tuple[int, ...], value: float, dtype: str) -> tuple[bytes, int]:
+    """One cell of ``value`` and its checksum."""
+    cells, _, sums = to_cells(torch.full((1, *shape), value, dtype=DTYPES[dtype]), dtype)
+    return cells[0], sums[0]
 
 
 def _write_latents(
@@ -67,7 +72,7 @@ def _write_latents(
     keys = [hashlib.sha256(f"synthetic/{i}".encode()).hexdigest() for i in range(len(buckets))]
     schema = {k: t for k, t in LATENT_SCHEMA.items() if k != "status"}
     if std:
-        schema["latent_std"] = pa.binary()
+        schema |= {"latent_std": pa.binary(), cache.checksum_column("latent_std"): pa.uint64()}
     for n, rows in enumerate(_chunks(len(buckets), per_file)):
         columns: dict[str, list] = {name: [] for name in schema}
         for i in rows:
@@ -80,10 +85,11 @@ def _write_latents(
             columns["height"].append(h)
             columns["original_size"].append([h, w])
             columns["crop_top_left"].append([0, 0])
-            columns["latent"] += _fill(shape, float(i % 251), dtype, 1)
             columns["latent_shape"].append(list(shape))
-            if std:
-                columns["latent_std"] += _fill(shape, std, dtype, 1)
+            for name, value in [("latent", float(i % 251))] + [("latent_std", std)] * bool(std):
+                cell, sum_ = _fill(shape, value, dtype)
+                columns[name].append(cell)
+                columns[cache.checksum_column(name)].append(sum_)
         rel = cache.part_file(RUN, cache.LATENTS, f"part-{n:07d}")
         cache.write_part(version.fs, version.path(rel), to_table(columns, schema))
     return keys
@@ -99,9 +105,12 @@ def _write_text(version, captions: list[str], text: dict, dtype: str, per_file: 
         schema = {"caption_key": pa.string(), "caption": pa.string(), "truncated": pa.bool_()}
         for name, shape in text.items():
             values = [float(c % 251) if captions[c] else -1.0 for c in rows]
-            columns[name] = [_fill(shape, v, dtype, 1)[0] for v in values]
+            cells = [_fill(shape, v, dtype) for v in values]
+            columns[name] = [cell for cell, _ in cells]
             columns[f"{name}_shape"] = [list(shape)] * len(rows)
+            columns[cache.checksum_column(name)] = [sum_ for _, sum_ in cells]
             schema |= {name: pa.binary(), f"{name}_shape": SHAPE}
+            schema[cache.checksum_column(name)] = pa.uint64()
         rel = cache.part_file(RUN, cache.TEXT, f"part-{n:07d}")
         cache.write_part(version.fs, version.path(rel), to_table(columns, schema))
 

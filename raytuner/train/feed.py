@@ -138,7 +138,10 @@ class Feed:
                 raise item
             batch = item.result()
         except BaseException as e:
-            raise RuntimeError(f"reading the batch at epoch {epoch}, batch {index}") from e
+            # the cause in the message: the driver gets the worker's error as text, cut short
+            raise RuntimeError(
+                f"reading the batch at epoch {epoch}, batch {index}: {type(e).__name__}: {e}"
+            ) from e
         finally:
             self.wait_s += time.perf_counter() - tick
         if (batch.epoch, batch.index) != (epoch, index):
