@@ -35,7 +35,10 @@ def root_line(error: BaseException) -> str:
         if raised:
             name, message = raised[-1].groups()
             return f"{name.split('.')[-1]}: {message}"
-    inner = _chain(error)[-1]
+    # the innermost exception that says something (Ray Data re-raises a dead actor's error
+    # ``from`` an empty marker exception)
+    chain = _chain(error)
+    inner = next((e for e in reversed(chain) if str(e).strip()), chain[-1])
     text = str(inner).strip().splitlines()
     return f"{type(inner).__name__}: {text[0] if text else ''}".rstrip(": ")
 

@@ -1,12 +1,16 @@
 """A damaged file anywhere in a checkpoint is a CheckpointError, which resume answers by
-falling back to the previous checkpoint (tests/test_train_exact.py covers that fallback for a
-damaged weights file); before, a truncated optimizer state or a missing export crashed the
-restore instead, and every restart of the worker group crashed the same way."""
+falling back to the previous checkpoint: a worker's ``restore`` (``train/loop.py``) on a run
+folder whose newest checkpoint is damaged takes the one before, with a warning naming the
+damaged folder. Before, a truncated optimizer state or a missing export crashed the restore
+instead, and every restart of the worker group crashed the same way. (End to end, in a
+resubmitted elastic run: tests/test_elastic.py.)"""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,8 +40,11 @@ DAMAGE = {
 }
 
 
-def _checkpoint(directory: Path):
+def trained(steps: int = 1):
+    """A LoRA on the tiny SD1.5 UNet (the same initial weights every call), its AdamW and LR
+    schedule after ``steps`` optimizer steps, and the export of its weights into a folder."""
     family = FAMILIES["sd15"]
+    torch.manual_seed(0)
     weights = Weights(
         family.denoiser(Source("tiny")),
         mode="lora",
@@ -47,11 +54,18 @@ def _checkpoint(directory: Path):
     )
     opt = torch.optim.AdamW(weights.params, lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    for p in weights.params:
-        p.grad = torch.ones_like(p)
-    opt.step()
+    for _ in range(steps):
+        for p in weights.params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        sched.step()
     export = lambda folder: weights.export(folder, family, {})  # noqa: E731
-    state = checkpoints.TrainState(step=1)
+    return weights, opt, sched, export
+
+
+def _checkpoint(directory: Path, steps: int = 1):
+    weights, opt, sched, export = trained(steps)
+    state = checkpoints.TrainState(step=steps)
     checkpoints.save_checkpoint(str(directory), weights, opt, sched, state, {}, export)
     return weights, opt, sched
 
@@ -66,3 +80,56 @@ def test_a_damaged_checkpoint_file_is_a_checkpoint_error(damage, tmp_path):
     with pytest.raises(checkpoints.CheckpointError):
         checkpoints.load_checkpoint(str(tmp_path), weights, opt, sched)
     assert os.path.isdir(tmp_path)
+
+
+def _restoring_worker(run_dir: Path):
+    """A training worker as far as ``Worker.restore`` needs one: its run folder, rank and the
+    fresh (untrained) weights, optimizer and schedule it restores into."""
+    from raytuner.train.loop import Worker
+
+    worker = Worker.__new__(Worker)
+    worker.cfg, worker.rank = SimpleNamespace(run_dir=str(run_dir)), 0
+    worker.weights, worker.opt, worker.sched, _ = trained(steps=0)
+    return worker
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_worker_restores_the_previous_checkpoint_when_the_newest_is_damaged(
+    damage, tmp_path, caplog
+):
+    """Two checkpoints in a run folder as Ray Train names them (steps 1 and 2): the newest is
+    damaged, the worker restores step 1's weights, optimizer and schedule, and says which
+    checkpoint it skipped (an incomplete one, without state.json, is not even tried)."""
+    older, newest = (tmp_path / f"checkpoint_2026-01-01_00-00-0{s}.000000" for s in (1, 2))
+    for step, folder in ((1, older), (2, newest)):
+        folder.mkdir()
+        _checkpoint(folder, steps=step)
+    expected = trained(steps=1)[0].state()
+    assert any(not torch.equal(expected[k], v) for k, v in trained(steps=2)[0].state().items())
+    DAMAGE[damage](newest)
+
+    worker = _restoring_worker(tmp_path)
+    with caplog.at_level(logging.INFO, logger="raytuner.train"):
+        state = worker.restore()
+    assert state.step == 1
+    restored = worker.weights.state()
+    assert restored.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(restored[key], value), key
+    assert worker.sched.last_epoch == 1
+    assert all(s["step"] == 1 for s in worker.opt.state_dict()["state"].values())
+    skipped = [r.getMessage() for r in caplog.records if "skipping unreadable" in r.getMessage()]
+    if damage.startswith("missing state"):
+        assert not skipped  # incomplete: not a candidate
+    else:
+        assert len(skipped) == 1 and str(newest) in skipped[0], skipped
+    assert any("rank 0 resumed at step 1 " in r.getMessage() for r in caplog.records)
+
+
+def test_a_worker_refuses_a_run_folder_whose_every_checkpoint_is_damaged(tmp_path):
+    folder = tmp_path / "checkpoint_2026-01-01_00-00-01.000000"
+    folder.mkdir()
+    _checkpoint(folder)
+    (folder / runs.WEIGHTS).write_bytes(b"")
+    with pytest.raises(RuntimeError, match="no readable checkpoint in .*start a new run"):
+        _restoring_worker(tmp_path).restore()

@@ -127,10 +127,11 @@ def _registered_step(run_dir: str) -> int:
 
 
 def _kill_a_worker(proc: subprocess.Popen, run_dir: str, killed: list) -> None:
-    """SIGKILL one Ray Train worker of ``proc`` once Ray has a checkpoint of step 4 on S3."""
+    """SIGKILL one Ray Train worker of ``proc`` once Ray has a checkpoint of step 4 on S3;
+    ``killed`` gets (its pid, the step of Ray's latest checkpoint then)."""
     deadline = time.monotonic() + 500
     while proc.poll() is None and time.monotonic() < deadline:
-        if _registered_step(run_dir) >= 4:
+        if (registered := _registered_step(run_dir)) >= 4:
             workers = [
                 p
                 for p in psutil.Process(proc.pid).children(recursive=True)
@@ -138,7 +139,7 @@ def _kill_a_worker(proc: subprocess.Popen, run_dir: str, killed: list) -> None:
             ]
             if workers:
                 workers[-1].send_signal(signal.SIGKILL)
-                killed.append(workers[-1].pid)
+                killed.append((workers[-1].pid, registered))
                 return
         time.sleep(0.2)
 
@@ -172,6 +173,11 @@ def test_a_whole_job_on_s3_survives_a_killed_worker(s3, tmp_path, monkeypatch, c
 
     attempts = sample_log.read_attempts(run_dir)
     assert len(attempts) >= 2  # the first start, and the restart(s) after the kill
+    # the restart resumed from an S3 checkpoint (at least the one Ray had when the worker was
+    # killed), not from step 0: its first step is the one after a checkpoint's
+    (_, registered), resumed = killed[0], min(attempts[1]) - 1
+    assert resumed >= registered >= 4 and resumed % 4 == 0, (resumed, registered)
+    assert f"rank 0 resumed at step {resumed} " in err, err[-4000:]
     trained = sample_log.trained(run_dir)
     assert sorted(trained) == list(range(1, STEPS + 1))
     assert all(len(ids) == 4 for ids in trained.values())

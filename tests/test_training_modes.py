@@ -11,6 +11,7 @@ from raytuner.config import LoraConfig, ObjectiveConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.train.step import forward_backward
+from raytuner.train.weights import autocast_dtype
 
 TINY = Source("tiny")
 
@@ -76,13 +77,13 @@ def test_bf16_autocast_keeps_float32_weights_and_a_close_loss(name):
         tensors, seeds = batch, [0, 1]
 
     losses = {}
-    for precision in ("no", "bf16"):
+    for precision in ("no", "bf16"):  # train.mixed_precision: the step's autocast dtype
+        amp = autocast_dtype(precision, device, torch.float32)
+        assert amp == {"no": None, "bf16": torch.bfloat16}[precision]
         torch.manual_seed(0)
         denoiser = family.denoiser(TINY).to(device).train()
         loss_fn = family.loss(TINY, ObjectiveConfig().for_family(family))
-        losses[precision] = forward_backward(
-            denoiser, loss_fn, Slice, device, 0, 0.5, precision
-        ).item()
+        losses[precision] = forward_backward(denoiser, loss_fn, Slice, device, 0, 0.5, amp).item()
         assert all(p.dtype == torch.float32 for p in denoiser.parameters())
         assert all(p.grad is None or torch.isfinite(p.grad).all() for p in denoiser.parameters())
     assert losses["bf16"] == pytest.approx(losses["no"], rel=0.05)

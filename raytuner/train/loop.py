@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -13,6 +14,7 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 from raytuner import runs, storage
 from raytuner.config import (
@@ -215,13 +217,17 @@ class Worker:
             directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")  # Ray deletes it after upload
             try:
                 self.save(directory)
-            except OSError as e:  # a full disk: no half-written folder left behind
+            # a full disk: OSError from open/write, RuntimeError from torch.save, SafetensorError
+            # from safetensors; no half-written folder is left behind
+            except (OSError, RuntimeError, SafetensorError) as e:
                 shutil.rmtree(directory, ignore_errors=True)
+                free = shutil.disk_usage(os.path.dirname(directory)).free
                 need = sum(t.numel() * t.element_size() for t in self.weights.params)
                 raise RuntimeError(
                     f"checkpoint of step {step} could not be written to {directory} ({e}): it "
                     f"needs room for the trained weights ({need:,} bytes) about three times over "
-                    "(weights, optimizer state, export); free space there or set TMPDIR"
+                    f"(weights, optimizer state, export), {free:,} bytes are free there; free "
+                    "space there or set TMPDIR"
                 ) from e
             checkpoint = ray.train.Checkpoint.from_directory(directory)
         ray.train.report(metrics, checkpoint=checkpoint)
