@@ -187,8 +187,9 @@ def _autoscaler() -> tuple[str, tuple[NodeType, ...]]:
     import ray._private.state
     from ray._private import ray_constants
     from ray.autoscaler.v2.utils import is_autoscaler_v2
-    from ray.experimental.internal_kv import _internal_kv_get
 
+    # this process's own GCS client (Ray's module-level one can be reset by other code in it)
+    gcs = ray._private.worker.global_worker.gcs_client
     config = ray._private.state.state.get_cluster_config()
     if config is not None and config.node_group_configs:
         types = tuple(
@@ -196,9 +197,9 @@ def _autoscaler() -> tuple[str, tuple[NodeType, ...]]:
             for g in config.node_group_configs
         )
         return "types", types
-    if is_autoscaler_v2(fetch_from_server=True):
+    if is_autoscaler_v2(fetch_from_server=True, gcs_client=gcs):
         return "v2", ()
-    status = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+    status = gcs.internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS.encode(), None)
     if status:
         mapping = json.loads(status).get("autoscaler_report", {}).get("node_type_mapping") or {}
         if mapping and all(kind == f"node_{node}" for node, kind in mapping.items()):

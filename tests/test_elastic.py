@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from ray.cluster_utils import Cluster
-from run_checks import committed, committed_folder, lora_changes_the_pipeline
+from run_checks import committed, lora_changes_the_pipeline
 
 from raytuner.config import load_job
 from raytuner.data.cache import fingerprint
@@ -95,6 +95,17 @@ def checkpoint_steps(run_dir: str) -> list[tuple[Path, int]]:
     after a restart can have two)."""
     folders = sorted(p for p in Path(run_dir).glob("checkpoint_*") if (p / "state.json").is_file())
     return [(p, json.loads((p / "state.json").read_text())["step"]) for p in folders]
+
+
+def _settled(run_dir: str, quiet_s: float = 5.0, timeout_s: float = 120.0):
+    """``checkpoint_steps`` once no new complete checkpoint has appeared for ``quiet_s``."""
+    seen, since = checkpoint_steps(run_dir), time.monotonic()
+    deadline = since + timeout_s
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.5)
+        if (now := checkpoint_steps(run_dir)) != seen:
+            seen, since = now, time.monotonic()
+    return seen
 
 
 def scheduled(job_file: Path, steps: int) -> dict[int, list[str]]:
@@ -190,6 +201,8 @@ def test_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tmp_pat
         driver.proc.send_signal(signal.SIGKILL)
         driver.proc.wait(timeout=30)
         killed_after = committed(run_dir)
+        # the dead driver's worker goes on until Ray ends it, and may finish more checkpoints
+        settled = _settled(run_dir)
     finally:
         if driver.proc.poll() is None:
             driver.proc.kill()
@@ -199,13 +212,12 @@ def test_preempt_shrink_and_resubmit_end_at_max_steps(job_file, cluster, tmp_pat
     # its workers' resources with Ray's AutoscalingCoordinator for 180 s
     # (AUTOSCALING_REQUESTS_EXPIRE_TIME_S) and a SIGKILLed driver cannot cancel that, so an
     # elastic resubmission would wait up to 3 minutes for the dead run's reservation to expire.
-    # The newest checkpoint is damaged as well: the resubmission skips it (with a warning) and
-    # resumes from the one before, and still trains every later batch once.
-    registered = committed_folder(run_dir)  # what Ray resumes from
-    (registered / "weights.safetensors").write_bytes(b"damaged")
-    older = [step for folder, step in checkpoint_steps(run_dir) if folder.name < registered.name]
-    fallback = older[-1]
-    final = killed_after + 6
+    # The newest checkpoint on disk (which the resubmission resumes from, registered by Ray or
+    # not) is damaged as well: the resubmission skips it (with a warning) and resumes from the
+    # one before, and still trains every later batch once.
+    (newest, newest_step), (_, fallback) = settled[-1], settled[-2]
+    (newest / "weights.safetensors").write_bytes(b"damaged")
+    final = max(killed_after, newest_step) + 6
     settings = (f"train.max_steps={final}", "scaling.workers=1")
     again = Driver(job_file, cluster.address, tmp_path / "driver-2.log", *settings)
     assert again.proc.wait(timeout=300) == 0, again.output()[-4000:]

@@ -171,7 +171,6 @@ def test_every_worker_knows_its_cluster_and_has_the_filters(ray_local):
     it advertises a port of its own, not Ray's default 8265 (another Ray's dashboard may be
     there), and its workers drop the PlacementGroupCleaner's warning about the missing API."""
     from ray._private import ray_constants
-    from ray.experimental.internal_kv import _internal_kv_get
 
     @ray_local.remote(num_cpus=0)
     def probe():
@@ -185,8 +184,8 @@ def test_every_worker_knows_its_cluster_and_has_the_filters(ray_local):
     address, has = ray_local.get(probe.remote())
     assert address == ray_local.get_runtime_context().gcs_address
     assert all(has), has
-    advertised = _internal_kv_get(
-        ray_constants.DASHBOARD_ADDRESS, namespace=ray_constants.KV_NAMESPACE_DASHBOARD
-    )
+    gcs = ray_local._private.worker.global_worker.gcs_client
+    key, space = ray_constants.DASHBOARD_ADDRESS, ray_constants.KV_NAMESPACE_DASHBOARD
+    advertised = gcs.internal_kv_get(key.encode(), space)
     assert advertised and not advertised.endswith(b":8265"), advertised
     assert os.environ.get(runtime.NO_STATE_API) is None  # set in the workers only
