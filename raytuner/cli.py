@@ -98,6 +98,56 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+def _cache_parsers(sub) -> None:
+    group = sub.add_parser("cache", help="cache commands").add_subparsers(
+        dest="action", required=True
+    )
+    verify = group.add_parser("verify", help="check every cache file against the manifest")
+    _job_args(verify)
+    verify.add_argument("--repair", action="store_true", help="re-encode bad rows")
+    gc = group.add_parser("gc", help="delete other cache versions and unreferenced part files")
+    _job_args(gc)
+    gc.add_argument(
+        "--min-age-s",
+        type=float,
+        default=3600.0,
+        help="leave versions and part folders younger than this alone",
+    )
+    gc.add_argument(
+        "--dry-run", action="store_true", help="list what would be deleted, delete nothing"
+    )
+
+
+def _bench_parsers(sub) -> None:
+    group = sub.add_parser("bench", help="bench commands").add_subparsers(
+        dest="action", required=True
+    )
+    helps = {
+        "preprocess": "images/s of the pipeline against a bare loop",
+        "train": "samples/s of one training worker against a bare loop",
+        "feed": "rows/s, read amplification and memory of the training feed at full size, on "
+        "a synthetic cache",
+        "step": "samples/s and peak memory of the bare training step on this machine's GPU "
+        "(or CPU), against raytuner plan",
+    }
+    cmd = {action: group.add_parser(action, help=text) for action, text in helps.items()}
+    for parser in cmd.values():
+        _job_args(parser)
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+    cmd["preprocess"].add_argument("--images", type=int, default=192, help="synthetic image count")
+    cmd["train"].add_argument("--steps", type=int, default=100, help="measured steps")
+    cmd["step"].add_argument("--steps", type=int, default=10, help="measured steps")
+    _feed_args(cmd["feed"])
+    for action in ("preprocess", "train"):
+        cmd[action].add_argument(
+            "--rounds",
+            type=_positive_int,
+            default=3,
+            help="rounds, each side once a round, alternated (default 3): the figures are the "
+            "medians",
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytuner", description=__doc__)
     p.add_argument("--version", action=_Version)
@@ -121,63 +171,8 @@ def _parser() -> argparse.ArgumentParser:
     _job_args(plan)
     plan.add_argument("--gpu-memory", default="80GiB", help="the GPU to fit (default: 80GiB)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
-    for group, actions in [
-        (
-            "cache",
-            {
-                "verify": "check every cache file against the manifest",
-                "gc": "delete other cache versions and unreferenced part files",
-            },
-        ),
-        (
-            "bench",
-            {
-                "preprocess": "images/s of the pipeline against a bare loop",
-                "train": "samples/s of one training worker against a bare loop",
-                "feed": "rows/s, read amplification and memory of the training feed at full "
-                "size, on a synthetic cache",
-                "step": "samples/s and peak memory of the bare training step on this machine's "
-                "GPU (or CPU), against raytuner plan",
-            },
-        ),
-    ]:
-        group_parser = sub.add_parser(group, help=f"{group} commands")
-        group_sub = group_parser.add_subparsers(dest="action", required=True)
-        for action, text in actions.items():
-            cmd = group_sub.add_parser(action, help=text)
-            _job_args(cmd)
-            if action == "verify":
-                cmd.add_argument("--repair", action="store_true", help="re-encode bad rows")
-            if action == "gc":
-                cmd.add_argument(
-                    "--min-age-s",
-                    type=float,
-                    default=3600.0,
-                    help="leave versions and part folders younger than this alone",
-                )
-                cmd.add_argument(
-                    "--dry-run",
-                    action="store_true",
-                    help="list what would be deleted, delete nothing",
-                )
-            if group == "bench":
-                cmd.add_argument("--json", action="store_true", help="print one JSON object")
-            if action == "preprocess":
-                cmd.add_argument("--images", type=int, default=192, help="synthetic image count")
-            if action == "train":
-                cmd.add_argument("--steps", type=int, default=100, help="measured steps")
-            if group == "bench" and action in ("preprocess", "train"):
-                cmd.add_argument(
-                    "--rounds",
-                    type=_positive_int,
-                    default=3,
-                    help="rounds, each side once a round, alternated (default 3): the figures "
-                    "are the medians",
-                )
-            if action == "step":
-                cmd.add_argument("--steps", type=int, default=10, help="measured steps")
-            if action == "feed":
-                _feed_args(cmd)
+    _cache_parsers(sub)
+    _bench_parsers(sub)
     return p
 
 

@@ -77,8 +77,9 @@ class Observer:
     ) -> None:
         self.run = storage.basename(run_dir)
         self.max_steps = max_steps
-        writer = EventFiles(run_dir, every_s=PUSH_EVERY_S, resumed=resumed) if tensorboard else None
-        self.writer = writer
+        self.writer = None
+        if tensorboard:
+            self.writer = EventFiles(run_dir, every_s=PUSH_EVERY_S, resumed=resumed)
         use_wandb = t is not None and t.wandb
         self.wandb = tracking.WandbRun(t, run_dir, job, primary=True) if use_wandb else None
 
