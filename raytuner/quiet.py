@@ -52,6 +52,18 @@ DROPPED: tuple[tuple[str, str], ...] = (
 )
 
 
+# (category, what the message starts with) of Python warnings (``warnings.warn``, not logging):
+# why each says nothing to a raytuner user
+WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    # scaling.strategy = "fsdp": diffusers' Flux blocks return views of their concatenated
+    # output, which FSDP2 flags in case an in-place op follows; none does, in diffusers' forward
+    # or in raytuner's losses (tests/test_fsdp.py: sharded training equals unsharded)
+    (UserWarning, r"FSDP2-wrapped module \(\w+\) returned a view tensor"),
+    # exports and renders read a sharded checkpoint in one process on purpose (no_dist=True)
+    (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming"),
+)
+
+
 class Drop(logging.Filter):
     """Drops the records of its logger whose message starts with ``pattern`` (a regex)."""
 
@@ -76,11 +88,13 @@ WITHOUT_STATE_API: tuple[tuple[str, str], ...] = (
 
 def install(no_state_api: bool = False) -> None:
     """Add the filters of ``DROPPED`` (and of ``WITHOUT_STATE_API`` in the workers of a Ray
-    that has no state API), once per logger and pattern."""
+    that has no state API), once per logger and pattern, and ignore ``WARNINGS``."""
     for name, pattern in DROPPED + (WITHOUT_STATE_API if no_state_api else ()):
         logger = logging.getLogger(name)
         if not any(getattr(f, "pattern", None) == re.compile(pattern) for f in logger.filters):
             logger.addFilter(Drop(pattern))
+    for category, message in WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 @contextmanager

@@ -3,11 +3,18 @@ job's run lives, its checkpoints, the newest complete one and where the exported
 
     <train.output>/<run>/                  run: train.name, or <name>-<YYYYmmdd-HHMMSS> when
                                            checkpoint.resume = false found <name> taken
-      checkpoint_<timestamp>/              written by the workers through ray.train.report
+      checkpoint_<timestamp>_step-<N>/     written by the workers through ray.train.report
       checkpoint_manager_snapshot.json     Ray Train's list of the checkpoints it registered
-        weights.safetensors  ema.safetensors  optimizer.pt
-        run.json  job.json  dataset.json  state.json (last: a folder without it is incomplete)
-        export/lora/ | export/model/<denoiser part>/
+        scaling.strategy = "ddp" (rank 0 writes):
+          weights.safetensors  ema.safetensors  optimizer.pt
+        scaling.strategy = "fsdp" (every worker writes its rows, no pickle):
+          weights/  ema/  optimizer/       shard-<rank>-model-00001-of-00001.safetensors each
+          optimizer.json                   param groups, LR schedule (rank 0)
+        denoiser.json                      full fine-tunes: the denoiser's config
+        run.json  job.json  dataset.json
+        export/lora/                       LoRA runs: both LoRA layouts
+        state.json  (rank 0, once every worker's files are in place: a folder without it is
+                    incomplete)
       lora/pytorch_lora_weights.safetensors  lora/lora_kohya.safetensors   (LoRA runs)
       model/<denoiser part>/               (full fine-tunes)
       validation/step_<N>.png|json   tensorboard/   samples/<attempt>/   wandb/  wandb_run_id
@@ -19,6 +26,7 @@ training workers.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import re
 import time
@@ -36,7 +44,13 @@ STATE = "state.json"
 RUN = "run.json"  # cache fingerprint and the settings a resume must not change
 JOB = "job.json"  # the resolved job config that trained up to this checkpoint (a record)
 DATASET = "dataset.json"  # the committed dataset it trained on: id, rows, index, manifest hash
-EXPORT = "export"  # what the user takes away (lora/ or model/), inside every checkpoint
+EXPORT = "export"  # what the user takes away, inside every LoRA run's checkpoint (lora/)
+# scaling.strategy = "fsdp": DCP folders of safetensors files, each worker's rows in its own file
+WEIGHTS_DIR = "weights"
+EMA_DIR = "ema"
+OPTIMIZER_DIR = "optimizer"
+OPTIMIZER_JSON = "optimizer.json"  # fsdp: the optimizer's param groups and the LR schedule
+DENOISER = "denoiser.json"  # full fine-tunes: the denoiser's config (a model folder's config.json)
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
 
 # in the run folder (and, for the first two, inside a checkpoint's export/)
@@ -68,6 +82,26 @@ def choose_run(output: str, name: str, resume: bool) -> str:
     fresh = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     log.warning("checkpoint.resume = false: starting run %s instead of resuming %s", fresh, path)
     return fresh
+
+
+def checkpoint_name(step: int) -> str:
+    """A new checkpoint's folder name: Ray Train's (``checkpoint_<timestamp>``, what orders
+    them) and the step it holds, as kohya names its saves:
+    ``checkpoint_2026-11-25_10-00-00.123456_step-000100``."""
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")
+    return f"{CHECKPOINT_PREFIX}{stamp}_step-{step:06d}"
+
+
+def trained_files(fs: pafs.FileSystem, checkpoint: str) -> list[str]:
+    """What renders and exports read of a checkpoint (paths inside it), never its optimizer
+    state: a LoRA run's export, or a full fine-tune's weights (their EMA where it has one, as
+    exports use it) and the denoiser's config."""
+    if storage.exists(fs, storage.join(checkpoint, EXPORT)):
+        return [EXPORT]
+    for name in (EMA_DIR, EMA, WEIGHTS_DIR, WEIGHTS):
+        if storage.exists(fs, storage.join(checkpoint, name)):
+            return [name, DENOISER]
+    raise FileNotFoundError(f"{checkpoint} holds no trained weights ({EXPORT}/ or {WEIGHTS})")
 
 
 def checkpoint_folders(run: str) -> tuple[pafs.FileSystem, list[str]]:
@@ -105,12 +139,14 @@ def registered_checkpoints(run: str) -> set[str] | None:
         return None
 
 
-def prune_checkpoints(run: str, keep: int) -> list[str]:
+def prune_checkpoints(run: str, keep: int, running: bool = False) -> list[str]:
     """Delete the run's checkpoint folders that are neither among its newest ``keep`` complete
     ones nor on Ray Train's list: the checkpoints of reports Ray never registered (an
     interrupted driver's last ones, which a resume starts from all the same) and half-written
     folders, once newer ones replace them. Ray deletes the ones it listed. Returns what went.
-    Nothing is deleted while Ray's list cannot be read."""
+    Nothing is deleted while Ray's list cannot be read. ``running``: called while Ray Train
+    runs, which may be deleting a folder it has just taken off its list: only folders newer
+    than the oldest it lists go (the older ones at the next driver start)."""
     registered = registered_checkpoints(run)
     if registered is None:
         return []
@@ -118,6 +154,9 @@ def prune_checkpoints(run: str, keep: int) -> list[str]:
     complete = [f for f in folders if storage.exists(fs, storage.join(f, STATE))]
     kept = set(complete[:keep])
     gone = [f for f in folders if f not in kept and storage.basename(f) not in registered]
+    if running:
+        oldest = min(registered, default=None)
+        gone = [f for f in gone if oldest is not None and storage.basename(f) > oldest]
     for folder in gone:
         with contextlib.suppress(FileNotFoundError):  # gone meanwhile (a restarted group's)
             fs.delete_dir(folder)

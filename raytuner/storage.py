@@ -136,3 +136,23 @@ def local_copy(fs: pafs.FileSystem, path: str, scratch: str) -> str:
     target = os.path.join(scratch, os.path.basename(path.rstrip("/")))
     pafs.copy_files(path, target, source_filesystem=fs)
     return target
+
+
+def copy_named(fs: pafs.FileSystem, folder: str, names: list[str], target: str) -> str:
+    """Copy ``names`` (files or folders) of ``folder`` on ``fs`` into the local ``target``."""
+    for name in names:
+        path = join(folder, name)
+        if fs.get_file_info(path).type == pafs.FileType.Directory:
+            pafs.copy_files(path, os.path.join(target, name), source_filesystem=fs)
+        else:
+            os.makedirs(target, exist_ok=True)
+            copy_stream(fs, path, pafs.LocalFileSystem(), os.path.join(target, name))
+    return target
+
+
+def local_files(fs: pafs.FileSystem, folder: str, names: list[str], scratch: str) -> str:
+    """A local folder holding ``names`` (files or folders) of ``folder`` on ``fs``: the folder
+    itself, or a copy of just those under ``scratch``."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        return folder
+    return copy_named(fs, folder, names, os.path.join(scratch, basename(folder.rstrip("/"))))

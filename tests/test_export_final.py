@@ -115,7 +115,7 @@ def test_the_final_export_streams_the_export_alone(tmp_path):
     handler = Recording()
     checkpoint = ray.train.Checkpoint(str(folder), filesystem=pafs.PyFileSystem(handler))
     out = tmp_path / "out"
-    summary = export_final(checkpoint, str(out), "job")
+    summary = export_final(checkpoint, str(out), "job", "unet")
 
     assert _files(out / "job") == expected  # every file of the export, nothing else
     assert summary["lora"] == str(out / "job" / runs.LORA_DIR / runs.DIFFUSERS_FILE)

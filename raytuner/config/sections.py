@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from raytuner.config.loader import ConfigError, one_of, positive
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
+STRATEGIES = ("ddp", "fsdp")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
@@ -98,6 +99,9 @@ class ScalingConfig:
     """Training world: an int, or [min, max] for elastic training."""
 
     workers: int | list[int] = 1
+    # ddp: every worker holds the whole denoiser (replicated); fsdp: its weights, gradients,
+    # optimizer state and EMA are sharded over the workers (FSDP2), a block gathered as it runs
+    strategy: str = "ddp"
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
@@ -110,6 +114,7 @@ class ScalingConfig:
             raise ConfigError(
                 f"scaling.workers = {self.workers}: use an int >= 1 or [min, max] with min <= max"
             )
+        one_of("scaling.strategy", self.strategy, STRATEGIES)
         positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s, zero_ok=True)
         positive("scaling.resource_wait_s", self.resource_wait_s, zero_ok=True)
         if self.gpus_per_worker > 0 and not self.use_gpu:
@@ -122,6 +127,10 @@ class ScalingConfig:
     @property
     def max_workers(self) -> int:
         return self.workers[-1] if isinstance(self.workers, list) else self.workers
+
+    @property
+    def min_workers(self) -> int:
+        return self.workers[0] if isinstance(self.workers, list) else self.workers
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,6 +56,9 @@ class Family(Protocol):
     # the denoiser's block lists in the order they run (``memory.blocks_to_swap`` streams the
     # last of them); empty: the family does not stream blocks
     swap_blocks: tuple[str, ...]
+    # the denoiser's repeated blocks, each a unit that ``scaling.strategy = "fsdp"`` shards and
+    # gathers on its own (a block list: each block; a single block: itself), in the order they run
+    shard_blocks: tuple[str, ...]
     objective_kind: str  # "ddpm" or "flow": the [objective.<kind>] settings its loss takes
     guidance_embedding: bool  # its denoiser can take objective.flow.guidance (guidance-distilled)
     # the pipeline's guidance_scale when the job and the prompt line set none: the classifier-free

@@ -186,6 +186,7 @@ class Flux:
         "https://github.com/black-forest-labs/flux",
     )
     swap_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
+    shard_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
     objective_kind: str = "flow"
     guidance_embedding: bool = True
     default_guidance_scale: float = 3.5  # FluxPipeline's default: the guidance embedding's value

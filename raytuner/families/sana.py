@@ -81,6 +81,7 @@ class Sana:
     # the diffusers layout only: no tool reads a kohya Sana LoRA (sd-scripts has no Sana)
     lora_files: base.LoraFiles = base.LoraFiles()
     swap_blocks: tuple[str, ...] = ("transformer_blocks",)
+    shard_blocks: tuple[str, ...] = ("transformer_blocks",)
     objective_kind: str = "flow"
     guidance_embedding: bool = False
     default_guidance_scale: float = 4.5  # SanaPipeline's default

@@ -47,6 +47,7 @@ class SD15:
         "unet", "sd_v1", "networks.lora", "stable-diffusion-v1", "diffusers"
     )
     swap_blocks: tuple[str, ...] = ()
+    shard_blocks: tuple[str, ...] = ("down_blocks", "mid_block", "up_blocks")
     objective_kind: str = "ddpm"
     guidance_embedding: bool = False
     default_guidance_scale: float = 7.5  # StableDiffusionPipeline's default

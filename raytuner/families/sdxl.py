@@ -106,6 +106,7 @@ class SDXL:
         "https://github.com/Stability-AI/generative-models",
     )
     swap_blocks: tuple[str, ...] = ()
+    shard_blocks: tuple[str, ...] = ("down_blocks", "mid_block", "up_blocks")
     objective_kind: str = "ddpm"
     guidance_embedding: bool = False
     default_guidance_scale: float = 5.0  # StableDiffusionXLPipeline's default

@@ -1,13 +1,14 @@
 """Trained weights where a user points: a checkpoint folder, its ``export/``, a run's ``lora/`` or
 ``model/`` folder, or a LoRA ``.safetensors`` file (diffusers or kohya keys), on local disk;
-what `raytuner sample` and the validation actor load."""
+what `raytuner sample` and the validation actor load. A full fine-tune's checkpoint holds no
+export: its weights are read from it (``lora/full_model.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from raytuner.runs import DIFFUSERS_FILE, EXPORT, KOHYA_FILE, LORA_DIR, MODEL_DIR
+from raytuner.runs import DENOISER, DIFFUSERS_FILE, EXPORT, KOHYA_FILE, LORA_DIR, MODEL_DIR
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,7 @@ class ExportedWeights:
     """Trained weights on local disk: a LoRA safetensors file or a model folder holding
     ``<denoiser part>/``."""
 
-    kind: str  # "lora" | "model"
+    kind: str  # "lora" | "model" | "checkpoint" (a full fine-tune's checkpoint folder)
     path: str
 
 
@@ -34,6 +35,8 @@ def find_weights(path: str) -> ExportedWeights:
             return ExportedWeights("lora", str(folder / LORA_DIR / DIFFUSERS_FILE))
         if (folder / MODEL_DIR).is_dir():
             return ExportedWeights("model", str(folder / MODEL_DIR))
+    if (p / DENOISER).is_file():  # a full fine-tune's checkpoint
+        return ExportedWeights("checkpoint", str(p))
     for name in (DIFFUSERS_FILE, KOHYA_FILE):
         if (p / name).is_file():
             return ExportedWeights("lora", str(p / name))

@@ -12,7 +12,7 @@ import json
 import struct
 
 import torch
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load as load_tensors
 
 from raytuner import storage
@@ -128,8 +128,10 @@ def _match(found: dict, adapted: set[str], known: set[str], lora) -> dict[str, t
     return state
 
 
-def start_from(denoiser, path: str, lora, family) -> dict[str, str]:
-    """Read ``path`` into the denoiser's peft adapter; return the provenance the export keeps."""
+def start_from(denoiser, path: str, lora, family) -> tuple[dict[str, torch.Tensor], dict]:
+    """``path`` read and checked against the denoiser's peft adapter: its tensors under the
+    adapter's peft names (``get_peft_model_state_dict``), and the provenance the export keeps.
+    The caller puts them into the adapter (sharded or not)."""
     tensors, meta, sha = read(path)
     current = get_peft_model_state_dict(denoiser)
     adapted = set(kohya.modules_of(current))
@@ -144,11 +146,10 @@ def start_from(denoiser, path: str, lora, family) -> dict[str, str]:
                 )
     except (KeyError, ValueError) as e:
         raise ConfigError(f"lora.init_from = {path!r}: {e}") from None
-    set_peft_model_state_dict(denoiser, state)
     source = {
         k: v for k, v in meta.items() if k.startswith(SOURCE_PREFIXES) and k not in SOURCE_SKIP
     }
-    return {
+    return state, {
         "raytuner.init_from": path,
         "raytuner.init_from_sha256": sha,
         "raytuner.init_from_modules": str(len(state) // 2),

@@ -17,6 +17,7 @@ import weakref
 import torch
 from torch import nn
 
+from raytuner.placement import sharding
 from raytuner.placement.stream import BlockStreamer
 
 __all__ = [
@@ -161,8 +162,11 @@ class DenoiserPlacement:
         """The denoiser wrapped for data parallel training by ``prepare`` (Ray Train's
         ``prepare_model``): frozen parameters are on DDP's ignore list (no broadcast of frozen
         weights at start, no bucket for them, streamed ones may be on either side), and the
-        model is not moved again."""
+        model is not moved again. A sharded denoiser (``sharding``) is distributed already."""
         from torch.nn.parallel import DistributedDataParallel
+
+        if any(sharding.is_sharded(p) for p in self.denoiser.parameters()):
+            return self.denoiser
 
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             self.denoiser, self.frozen_names()

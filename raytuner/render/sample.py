@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from raytuner import placement, runs, storage
+from raytuner.lora import full_model
 from raytuner.lora.find import ExportedWeights, find_weights
 from raytuner.render.prompts import Defaults, PromptLine, Render, resolve
 
@@ -56,7 +57,10 @@ def apply_weights(
         part = family.denoiser_part
         cls = type(getattr(pipe, part))
         dtype = dtype or getattr(pipe, part).dtype
-        denoiser = cls.from_pretrained(os.path.join(weights.path, part), torch_dtype=dtype)
+        if weights.kind == "checkpoint":  # read a block at a time from the checkpoint
+            denoiser = full_model.load_denoiser(cls, full_model.Trained(weights.path), dtype, "cpu")
+        else:
+            denoiser = cls.from_pretrained(os.path.join(weights.path, part), torch_dtype=dtype)
         pipe.register_modules(**{part: denoiser})
     placement.place_pipeline(pipe, family, device, blocks_to_swap)
 
@@ -136,9 +140,7 @@ def sample(job, family, checkpoint: str, lines: list[PromptLine], defaults: Defa
         fs, source = storage.resolve(checkpoint)
     device = default_device()
     with tempfile.TemporaryDirectory() as scratch:
-        weights = (
-            None if checkpoint == BASE else find_weights(storage.local_copy(fs, source, scratch))
-        )
+        weights = None if checkpoint == BASE else find_weights(_local(fs, source, scratch))
         m = job.model
         model = parts.model_source(m, device)
         pipe = load_pipeline(family, model, weights, device, job.memory.blocks_to_swap)
@@ -147,6 +149,16 @@ def sample(job, family, checkpoint: str, lines: list[PromptLine], defaults: Defa
     record = {"checkpoint": BASE if checkpoint == BASE else source, "steps": defaults.steps}
     record |= {"size": list(defaults.size), "seeds": list(defaults.seeds)}
     return write_samples(rows, renders, Path(out), record)
+
+
+def _local(fs: pafs.FileSystem, path: str, scratch: str) -> str:
+    """``path`` on local disk: of a checkpoint, what renders read (never its optimizer state);
+    anything else, as it is."""
+    try:
+        names = runs.trained_files(fs, path)
+    except FileNotFoundError:  # not a checkpoint: a LoRA file, a run's lora/ or model/ folder
+        return storage.local_copy(fs, path, scratch)
+    return storage.local_files(fs, path, names, scratch)
 
 
 def default_size(job, family) -> tuple[int, int]:

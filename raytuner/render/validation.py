@@ -21,18 +21,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import pyarrow.fs as pafs
 import ray
 from ray.train import UserCallback
 
-from raytuner import storage
+from raytuner import runs, storage
 from raytuner.config import ConfigError, TrackingConfig
 from raytuner.lora.find import find_weights
 from raytuner.observe import metrics
 from raytuner.observe.observer import ValidationReport
 from raytuner.render import prompts
 from raytuner.render import sample as render
-from raytuner.runs import EXPORT, VALIDATION
+from raytuner.runs import VALIDATION
 
 log = logging.getLogger("raytuner.validation")
 DRAIN_TIMEOUT_S = 900.0  # after training: how long the driver waits for the last renders
@@ -96,16 +95,17 @@ class Validator:
         threading.Thread(target=self._work, name="raytuner-validation", daemon=True).start()
 
     def enqueue(self, step: int, path: str, filesystem) -> int:
-        """Queue a render of the checkpoint at ``path``. Its export is copied at once, on a
-        thread: Ray Train deletes checkpoints beyond ``checkpoint.keep`` while renders wait."""
+        """Queue a render of the checkpoint at ``path``. What it renders with (a LoRA's export,
+        a full fine-tune's weights) is copied at once, on a thread: Ray Train deletes
+        checkpoints beyond ``checkpoint.keep`` while renders wait."""
         copied = self.fetch.submit(self._copy, step, path, filesystem)
         self.jobs.put((step, path, copied))
         return self.jobs.qsize()
 
     def _copy(self, step: int, path: str, filesystem) -> str:
         target = os.path.join(self.scratch, f"step_{step:06d}")
-        pafs.copy_files(storage.join(path, EXPORT), target, source_filesystem=filesystem)
-        return target
+        names = runs.trained_files(filesystem, path)  # never the optimizer state
+        return storage.copy_named(filesystem, path, names, target)
 
     def drain(self) -> list[dict]:
         self.jobs.join()

@@ -8,6 +8,8 @@ same jobs. A job's own sections checked their values and each other when it was 
   ``objective.flow.guidance`` without a guidance embedding;
 - an optimizer or tracker whose package is not installed;
 - a ``[memory]`` section the family's denoiser cannot run (``placement.check``);
+- ``scaling.strategy = "fsdp"`` with what cannot take sharded weights: block swap, float8
+  storage, the 8-bit AdamW and Adafactor (their states are not per-row);
 - a single-file ``model.pretrained`` that is missing or that its family cannot load;
 - a validation prompts file that is missing, or a line the family cannot render (``--n``
   without negative prompts, ``--g`` without a guidance embedding, sizes off its grid);
@@ -88,6 +90,7 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
     the image folders (see the module's docstring for which operation passes what)."""
     _bucket_sizes(job.preprocess, family)
     _objective_kind(job.objective, family)
+    _sharding(job)
     _init_from(job)
     if runs:
         _packages(job)
@@ -99,6 +102,38 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
         _outputs_outside_ray_working_dir(job)
     if runs and reads_images:
         _image_folders(job.data)  # last: the slow one
+
+
+# optimizers that cannot step sharded parameters (DTensors), and why
+UNSHARDABLE = {
+    "adamw8bit": "bitsandbytes' 8-bit kernels take plain tensors, not a worker's rows (DTensor)",
+    "adafactor": "its factored state (a row and a column average per matrix) is not split by "
+    "rows like the weights",
+}
+
+
+def _sharding(job: JobConfig) -> None:
+    """``scaling.strategy = "fsdp"`` shards every weight by rows over the workers and gathers a
+    block as it runs; what keeps weights elsewhere or steps them whole cannot take part."""
+    if job.scaling.strategy != "fsdp":
+        return
+    fix = 'or use scaling.strategy = "ddp"'
+    if job.memory.blocks_to_swap:
+        raise ConfigError(
+            f"memory.blocks_to_swap = {job.memory.blocks_to_swap} with scaling.strategy = "
+            '"fsdp": sharded blocks are gathered from the other workers, not streamed from '
+            f"host memory; set memory.blocks_to_swap = 0 (fsdp needs no block swap) {fix}"
+        )
+    if job.model.dtype == parts.FLOAT8:
+        raise ConfigError(
+            'model.dtype = "float8" with scaling.strategy = "fsdp": float8 storage keeps whole '
+            f'weights beside their scale; use model.dtype = "bfloat16" or "auto" {fix}'
+        )
+    if reason := UNSHARDABLE.get(job.train.optimizer):
+        raise ConfigError(
+            f'train.optimizer = "{job.train.optimizer}" with scaling.strategy = "fsdp": '
+            f'{reason}; use train.optimizer = "adamw" or "prodigy" {fix}'
+        )
 
 
 def ray_working_dir(cwd: str | None = None) -> str | None:

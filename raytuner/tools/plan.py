@@ -24,6 +24,7 @@ from raytuner import placement
 from raytuner.config import JobConfig
 from raytuner.families import parts
 from raytuner.preprocess.buckets import make_buckets
+from raytuner.tools import plan_sharded
 from raytuner.tools.trace import offloaded, traced
 from raytuner.train import optim
 from raytuner.train.weights import Trainable, Weights, trainable_model
@@ -250,34 +251,72 @@ def _swap_suggestions(job: JobConfig, family, shapes, size, gpu_memory: int) -> 
     return out
 
 
+def _sharded_parts(job: JobConfig, family, shapes, size, micro: int, checkpointing: bool):
+    """``plan_sharded.trace`` of the job's step (what sharding does not divide)."""
+    trained = _planned_model(job, family, checkpointing)
+    batch = family.example_batch(shapes, micro, size, META, trained.source.dtype)
+    offload = job.memory.activation_offload and checkpointing
+    return plan_sharded.trace(job, family, trained, batch, offload)
+
+
+def _fsdp_suggestion(job: JobConfig, parts: dict, gpu_memory: int) -> dict:
+    """The fewest sharded workers that fit, as a suggestion."""
+    worker = plan_sharded.fewest_workers(job, parts, gpu_memory, OVERHEAD)
+    if worker is None:
+        n = plan_sharded.MOST_WORKERS
+        peak = plan_sharded.worker_bytes(job, parts, n, OVERHEAD)["peak_bytes"]
+        text = f'scaling.strategy = "fsdp", scaling.workers = {n}'
+        return {"set": text, "peak_bytes": peak, "fits": False}
+    text = f'scaling.strategy = "fsdp", scaling.workers = {worker["workers"]} (or more)'
+    return {"set": text, "peak_bytes": worker["peak_bytes"], "fits": True}
+
+
+def _sharded(job: JobConfig, family, shapes, size, micro: int, compare: bool) -> dict:
+    """An fsdp job's worker at its fewest and most workers (an elastic group may shrink to the
+    fewest: that is the one that must fit), and with gradient checkpointing the other way."""
+    s, checkpointing = job.scaling, job.train.gradient_checkpointing
+    parts = _sharded_parts(job, family, shapes, size, micro, checkpointing)
+    out = {
+        "compute_dtype": parts["compute_dtype"],
+        "by_workers": [
+            plan_sharded.worker_bytes(job, parts, n, OVERHEAD)
+            for n in sorted({s.min_workers, s.max_workers})
+        ],
+    }
+    if compare:
+        other = _sharded_parts(job, family, shapes, size, micro, not checkpointing)
+        key = "without" if checkpointing else "with"
+        fewest = plan_sharded.worker_bytes(job, other, s.min_workers, OVERHEAD)
+        out[f"peak_bytes_{key}_checkpointing"] = fewest["peak_bytes"]
+    return out | {"parts": parts}
+
+
 def plan(job: JobConfig, family, gpu_memory: int, compare: bool = True) -> dict:
     """Everything ``raytuner plan`` prints (sizes in bytes); ``compare``: also the worker's
-    peak with gradient checkpointing switched the other way."""
+    peak with gradient checkpointing switched the other way. A ``scaling.strategy = "fsdp"``
+    job's worker is the sharded one (``sharded``); a job that does not fit is offered the
+    fewest sharded workers that would."""
     size = largest_bucket(job, family)
     encoder, shapes = trace_encoders(job, family, size)
     micro = micro_batch(job)
     checkpointing = job.train.gradient_checkpointing
     worker = trace_step(job, family, shapes, size, micro, checkpointing)
-    if compare:
+    sharded, peak = None, worker["peak_bytes"]
+    if job.scaling.strategy == "fsdp":
+        sharded = _sharded(job, family, shapes, size, micro, compare)
+        peak = sharded["by_workers"][0]["peak_bytes"]
+    elif compare:
         other = trace_step(job, family, shapes, size, micro, not checkpointing)
         key = "without" if checkpointing else "with"
         worker[f"peak_bytes_{key}_checkpointing"] = other["peak_bytes"]
-    fits = worker["peak_bytes"] <= gpu_memory
-    suggestions = []
-    if not fits:
-        for text, changed in _remedies(job):
-            micro_changed, checkpointing_changed = (
-                micro_batch(changed),
-                changed.train.gradient_checkpointing,
-            )
-            peak = trace_step(changed, family, shapes, size, micro_changed, checkpointing_changed)[
-                "peak_bytes"
-            ]
-            suggestions.append({"set": text, "peak_bytes": peak, "fits": peak <= gpu_memory})
-        suggestions += _swap_suggestions(job, family, shapes, size, gpu_memory)
+    fits = peak <= gpu_memory
+    suggestions = [] if fits else _suggestions(job, family, shapes, size, gpu_memory, sharded)
+    if sharded is not None:
+        del sharded["parts"]  # traced for the suggestions; not printed
     return {
         "family": family.name,
         "pretrained": job.model.pretrained,
+        "strategy": job.scaling.strategy,
         "bucket": list(size),
         "micro_batch": micro,
         "gradient_checkpointing": checkpointing,
@@ -286,12 +325,31 @@ def plan(job: JobConfig, family, gpu_memory: int, compare: bool = True) -> dict:
         "trainable_params": worker["trainable_params"],
         "weights_bytes": worker["weights_bytes"],
         "blocks_to_swap": worker["blocks_to_swap"],
-        "peak_bytes": worker["peak_bytes"],
+        "peak_bytes": peak,
         "fits": fits,
         "worker": worker,
+        "sharded": sharded,
         "encoder_actor": encoder | {"fits": encoder["peak_bytes"] <= gpu_memory},
         "validation_actor": (validation := trace_validation(job, family, shapes, size))
         | {"fits": validation["peak_bytes"] <= gpu_memory},
         "cache_shapes": {k: list(v) for k, v in shapes.items()},
         "suggestions": suggestions,
     }
+
+
+def _suggestions(job: JobConfig, family, shapes, size, gpu_memory: int, sharded) -> list[dict]:
+    """Settings that make a worker that does not fit fit: for a replicated job the cheaper
+    remedies first, block swap, then sharding over the fewest workers that fit; for a sharded
+    one, more workers."""
+    micro = micro_batch(job)
+    if sharded is not None:
+        return [_fsdp_suggestion(job, sharded["parts"], gpu_memory)]
+    out = []
+    for text, changed in _remedies(job):
+        micro_changed, checkpointing = micro_batch(changed), changed.train.gradient_checkpointing
+        peak = trace_step(changed, family, shapes, size, micro_changed, checkpointing)["peak_bytes"]
+        out.append({"set": text, "peak_bytes": peak, "fits": peak <= gpu_memory})
+    out += _swap_suggestions(job, family, shapes, size, gpu_memory)
+    checkpointing = job.train.gradient_checkpointing
+    parts = _sharded_parts(job, family, shapes, size, micro, checkpointing)
+    return out + [_fsdp_suggestion(job, parts, gpu_memory)]

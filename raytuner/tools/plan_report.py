@@ -47,31 +47,17 @@ def size_text(text: str) -> str:
 
 
 def print_plan(result: dict) -> None:
-    gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
-    w = result["worker"]
+    gib, w = _gib, result["worker"]
     print(
         f"{result['family']} ({result['pretrained']}): denoiser "
         f"{w['denoiser_params'] / 1e6:,.1f} M parameters, {w['trainable_params'] / 1e6:,.2f} M "
         f"trained; bucket {result['bucket'][0]}x{result['bucket'][1]}, "
         f"{result['micro_batch']} per forward"
     )
-    dtypes = ", ".join(f"{k} {gib(v)}" for k, v in w["weights_by_dtype"].items())
-    if w["blocks_to_swap"]:
-        dtypes += (
-            f" ({w['blocks_to_swap']} of {len(w['block_bytes'])} blocks streamed: "
-            f"{gib(w['resident_weights_bytes'])} resident)"
-        )
-    print(
-        f"  training worker: weights {dtypes}; gradients {gib(w['gradients_bytes'])}, "
-        f"optimizer {gib(w['optimizer_bytes'])}, EMA {gib(w['ema_bytes'])}, DDP buckets "
-        f"{gib(w['ddp_buckets_bytes'])}, activations {gib(w['activations_bytes'])}, "
-        f"CUDA overhead {gib(w['overhead_bytes'])}"
-    )
-    line = f"  training worker peak {gib(result['peak_bytes'])}"
-    for key in ("with", "without"):
-        if f"peak_bytes_{key}_checkpointing" in w:
-            line += f" ({key} gradient checkpointing: {gib(w[f'peak_bytes_{key}_checkpointing'])})"
-    print(line)
+    if result.get("sharded"):
+        _print_sharded(result)
+    else:
+        _print_replicated(result)
     for name in ("encoder_actor", "validation_actor"):
         a = result[name]
         label = name.replace("_", " ")
@@ -83,3 +69,50 @@ def print_plan(result: dict) -> None:
     for s in result["suggestions"]:
         verdict = "fits" if s["fits"] else "still too big"
         print(f"  with {s['set']}: {gib(s['peak_bytes'])} ({verdict})")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _print_replicated(result: dict) -> None:
+    w = result["worker"]
+    dtypes = ", ".join(f"{k} {_gib(v)}" for k, v in w["weights_by_dtype"].items())
+    if w["blocks_to_swap"]:
+        dtypes += (
+            f" ({w['blocks_to_swap']} of {len(w['block_bytes'])} blocks streamed: "
+            f"{_gib(w['resident_weights_bytes'])} resident)"
+        )
+    print(
+        f"  training worker: weights {dtypes}; gradients {_gib(w['gradients_bytes'])}, "
+        f"optimizer {_gib(w['optimizer_bytes'])}, EMA {_gib(w['ema_bytes'])}, DDP buckets "
+        f"{_gib(w['ddp_buckets_bytes'])}, activations {_gib(w['activations_bytes'])}, "
+        f"CUDA overhead {_gib(w['overhead_bytes'])}"
+    )
+    _print_peak(f"  training worker peak {_gib(result['peak_bytes'])}", w)
+
+
+def _print_sharded(result: dict) -> None:
+    """An fsdp worker at the fewest and the most workers of the job."""
+    s = result["sharded"]
+    for w in s["by_workers"]:
+        print(
+            f"  training worker of {w['workers']} (fsdp, sharded): weights "
+            f"{_gib(w['weights_bytes'])}, gradients {_gib(w['gradients_bytes'])}, optimizer "
+            f"{_gib(w['optimizer_bytes'])}, EMA {_gib(w['ema_bytes'])}; whole in "
+            f"{s['compute_dtype']}: root {_gib(w['root_bytes'])}, blocks in flight "
+            f"{_gib(w['gathered_bytes'])}, a block's gradients {_gib(w['unit_gradient_bytes'])}; "
+            f"activations {_gib(w['activations_bytes'])}, CUDA overhead "
+            f"{_gib(w['overhead_bytes'])}: peak {_gib(w['peak_bytes'])}"
+        )
+    fewest = s["by_workers"][0]["workers"]
+    line = f"  training worker peak {_gib(result['peak_bytes'])} at {fewest} workers"
+    _print_peak(line, s)
+
+
+def _print_peak(line: str, figures: dict) -> None:
+    for key in ("with", "without"):
+        if f"peak_bytes_{key}_checkpointing" in figures:
+            peak = figures[f"peak_bytes_{key}_checkpointing"]
+            line += f" ({key} gradient checkpointing: {_gib(peak)})"
+    print(line)

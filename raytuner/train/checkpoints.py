@@ -12,7 +12,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from raytuner.runs import EMA, EXPORT, OPTIMIZER, STATE, WEIGHTS
+from raytuner import storage
+from raytuner.runs import DENOISER, EMA, EXPORT, OPTIMIZER, STATE, WEIGHTS
+from raytuner.train import sharded_checkpoints
 
 
 @dataclass
@@ -31,29 +33,59 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(
-    directory: str, weights, optimizer, lr_schedule, state: TrainState, records, export
+    directory: str,
+    weights,
+    optimizer,
+    lr_schedule,
+    state: TrainState,
+    records,
+    export,
+    *,
+    rank: int = 0,
+    mark: bool = True,
 ) -> None:
-    """Trained tensors (and their EMA), optimizer, the export (``export(folder)``) and the JSON
-    ``records`` (file name -> content: the run's identity, the resolved job); ``state.json``
-    last, so a folder without it is incomplete."""
-    save_file(weights.state(), os.path.join(directory, WEIGHTS))
-    if (ema := weights.ema_state()) is not None:
-        save_file(ema, os.path.join(directory, EMA))
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "lr_schedule": lr_schedule.state_dict()},
-        os.path.join(directory, OPTIMIZER),
-    )
-    export(os.path.join(directory, EXPORT))
+    """This worker's part of a checkpoint, into ``directory``. Unsharded, rank 0 writes it all:
+    the trained tensors (and their EMA), the optimizer and LR schedule; sharded, every worker
+    writes its rows (``sharded_checkpoints``). Rank 0 adds the JSON ``records`` (file name ->
+    content: the run's identity, the resolved job), a full fine-tune's denoiser config and a
+    LoRA's export (``export(folder)``, called on every worker: a sharded LoRA is gathered, and
+    only rank 0 is given a folder). ``mark``: ``state.json`` last, so a folder without it is
+    incomplete; a worker leaves it to ``mark_complete``, once every worker's files are in."""
+    if weights.sharded:
+        sharded_checkpoints.save(directory, weights, optimizer, lr_schedule, rank)
+    elif rank == 0:
+        save_file(weights.state(), os.path.join(directory, WEIGHTS))
+        if (ema := weights.ema_state()) is not None:
+            save_file(ema, os.path.join(directory, EMA))
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "lr_schedule": lr_schedule.state_dict()},
+            os.path.join(directory, OPTIMIZER),
+        )
+    if weights.mode == "lora":
+        export(os.path.join(directory, EXPORT) if rank == 0 else None)
+    if rank != 0:
+        return
+    if weights.mode == "full":
+        records = records | {DENOISER: json.loads(weights.denoiser.to_json_string())}
     for name, record in records.items():
         with open(os.path.join(directory, name), "w") as f:
             json.dump(record, f, indent=2, sort_keys=True)
-    with open(os.path.join(directory, STATE), "w") as f:
-        json.dump(asdict(state), f)
+    if mark:
+        with open(os.path.join(directory, STATE), "w") as f:
+            json.dump(asdict(state), f)
+
+
+def mark_complete(checkpoint: str, state: TrainState) -> None:
+    """``state.json`` into an uploaded checkpoint (a path or URI), once every worker's files are
+    in it: from then on it is complete (``runs.complete_checkpoints``)."""
+    fs, folder = storage.resolve(checkpoint)
+    storage.write_json_atomic(fs, storage.join(folder, STATE), asdict(state))
 
 
 def read_checkpoint(directory: str, weights) -> tuple[dict, dict | None, dict, TrainState]:
-    """(tensors, EMA tensors, optimizer and LR state, train state), all read and checked
-    against ``weights`` before any is applied; raises CheckpointError naming what is wrong."""
+    """(tensors, EMA tensors, optimizer and LR state, train state) of an unsharded checkpoint,
+    all read and checked against ``weights`` before any is applied; raises CheckpointError
+    naming what is wrong."""
     try:
         with open(os.path.join(directory, STATE)) as f:
             state = TrainState(**json.load(f))
@@ -61,7 +93,7 @@ def read_checkpoint(directory: str, weights) -> tuple[dict, dict | None, dict, T
         ema = load_file(os.path.join(directory, EMA)) if weights.ema is not None else None
         extra = torch.load(os.path.join(directory, OPTIMIZER), weights_only=True)
         extra["optimizer"], extra["lr_schedule"]  # noqa: B018 (both must be there)
-        _export_complete(os.path.join(directory, EXPORT))
+        _trained_files_complete(directory, weights)
     # torch.load of a truncated or emptied file: RuntimeError (not a zip) or EOFError
     except (
         OSError,
@@ -82,6 +114,14 @@ def read_checkpoint(directory: str, weights) -> tuple[dict, dict | None, dict, T
     return tensors, ema, extra, state
 
 
+def _trained_files_complete(directory: str, weights) -> None:
+    """What renders and exports read: a LoRA's export, a full fine-tune's denoiser config."""
+    if weights.mode == "lora":
+        _export_complete(os.path.join(directory, EXPORT))
+    elif not os.path.isfile(os.path.join(directory, DENOISER)):
+        raise FileNotFoundError(f"{DENOISER} is missing")
+
+
 def _export_complete(folder: str) -> None:
     """The export inside a checkpoint: present, and no empty file in it."""
     files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
@@ -92,21 +132,37 @@ def _export_complete(folder: str) -> None:
 
 
 def load_checkpoint(directory: str, weights, optimizer, lr_schedule) -> TrainState:
-    tensors, ema, extra, state = read_checkpoint(directory, weights)
-    weights.load(tensors)
-    if ema is not None:
-        weights.load_ema(ema, state.step)
-    optimizer.load_state_dict(extra["optimizer"])
-    lr_schedule.load_state_dict(extra["lr_schedule"])
+    """A checkpoint's state applied to the weights, optimizer and LR schedule (sharded: a
+    collective, each worker reading the rows it owns); raises CheckpointError."""
+    if sharded_checkpoints.is_sharded(directory) != weights.sharded:
+        written = "sharded" if weights.sharded else "unsharded"
+        raise CheckpointError(f"{directory}: not written by an {written} run")
+    if not weights.sharded:
+        tensors, ema, extra, state = read_checkpoint(directory, weights)
+        weights.load(tensors)
+        if ema is not None:
+            weights.load_ema(ema, state.step)
+        optimizer.load_state_dict(extra["optimizer"])
+        lr_schedule.load_state_dict(extra["lr_schedule"])
+        return state
+    try:
+        with open(os.path.join(directory, STATE)) as f:
+            state = TrainState(**json.load(f))
+        _trained_files_complete(directory, weights)
+        sharded_checkpoints.load(directory, weights, optimizer, lr_schedule, state.step)
+    except sharded_checkpoints.ERRORS as e:
+        raise CheckpointError(f"{directory}: {type(e).__name__}: {e}") from e
     return state
 
 
-def run_identity(model, lora, train, fingerprint: str, dataset: str) -> dict:
+def run_identity(model, lora, train, fingerprint: str, dataset: str, strategy: str) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint: the cache version,
     the dataset (its rows, in order: ``index.dataset_id``), the model, what is trained (mode,
-    adapter shape, EMA) and the schedule (the cursor means nothing under another)."""
+    adapter shape, EMA, optimizer), how (``scaling.strategy``: the checkpoint's layout) and the
+    schedule (the cursor means nothing under another)."""
     schedule = {k: getattr(train, k) for k in ("seed", "global_batch_size", "remainder")}
     trained = {"mode": train.mode, "ema": train.ema_decay > 0, "optimizer": train.optimizer}
+    trained["strategy"] = strategy
     return {"fingerprint": fingerprint, "model": asdict(model), "lora": asdict(lora)} | {
         "dataset": {"id": dataset},
         "schedule": schedule,

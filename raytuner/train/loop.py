@@ -29,6 +29,7 @@ from raytuner.config import (
 from raytuner.lora import export
 from raytuner.observe.memory import PeakMemory
 from raytuner.observe.observer import Observer
+from raytuner.placement import sharding
 from raytuner.train import checkpoints, optim
 from raytuner.train.feed import open_feed
 from raytuner.train.sample_log import SampleLog, attempt_id
@@ -55,6 +56,7 @@ class LoopConfig:
     run_dir: str  # <train.output>/<run name>
     job: dict  # the whole resolved job, written into every checkpoint as a record only
     memory: MemoryConfig = MemoryConfig()
+    strategy: str = "ddp"  # scaling.strategy: ddp (replicated) or fsdp (sharded)
     validation_every: int = 0  # validation renders need a checkpoint every N steps
     tracking: TrackingConfig = TrackingConfig()  # rank 0's W&B run (the job as its config)
 
@@ -113,7 +115,9 @@ class Worker:
         self.rank, world = ctx.get_world_rank(), ctx.get_world_size()
         device = ray.train.torch.get_device()
         torch.manual_seed(t.seed)  # the same LoRA init on every rank
-        trained = trainable_model(cfg.model, t, cfg.lora, cfg.family, device, cfg.memory)
+        trained = trainable_model(
+            cfg.model, t, cfg.lora, cfg.family, device, cfg.memory, strategy=cfg.strategy
+        )
         self.weights, placed = trained.weights, trained.placement
         self.opt, self.sched = optim.for_run(t, self.weights.params)
         self.state = self.restore()
@@ -202,47 +206,57 @@ class Worker:
         return metrics | position | self.memory.peaks() | extra
 
     def checkpoint(self, metrics: dict, preempted: bool) -> None:
-        """A checkpoint through ``ray.train.report`` (a barrier: every rank calls it, rank 0
-        attaches the files). Only checkpoints are reported: Ray Train 2.60 takes one report per
-        worker each health check (2 s), and a report blocks until the previous one is taken, so
-        reporting every log window would throttle fast steps. ``preempted``: taken because a
-        preemption was announced (rank 0 warns)."""
+        """A checkpoint through ``ray.train.report`` (a barrier: every rank calls it). Rank 0
+        writes an unsharded run's files; every rank writes its rows of a sharded one, and Ray
+        uploads each rank's folder into the same checkpoint folder. Once every rank is past its
+        upload, rank 0 writes ``state.json``: the checkpoint is complete. Only checkpoints are
+        reported: Ray Train 2.60 takes one report per worker each health check (2 s), and a
+        report blocks until the previous one is taken, so reporting every log window would
+        throttle fast steps. ``preempted``: taken because a preemption was announced (rank 0
+        warns)."""
         started, step = time.perf_counter(), self.state.step
-        checkpoint = None
-        if self.rank == 0:
-            if preempted:
-                log.warning(
-                    "preemption announced: checkpoint at step %d before the node goes", step
-                )
-            directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")  # Ray deletes it after upload
-            try:
-                self.save(directory)
-            # a full disk: OSError from open/write, RuntimeError from torch.save, SafetensorError
-            # from safetensors; no half-written folder is left behind
-            except (OSError, RuntimeError, SafetensorError) as e:
-                shutil.rmtree(directory, ignore_errors=True)
-                free = shutil.disk_usage(os.path.dirname(directory)).free
-                need = sum(t.numel() * t.element_size() for t in self.weights.params)
-                raise RuntimeError(
-                    f"checkpoint of step {step} could not be written to {directory} ({e}): it "
-                    f"needs room for the trained weights ({need:,} bytes) about three times over "
-                    f"(weights, optimizer state, export), {free:,} bytes are free there; free "
-                    "space there or set TMPDIR"
-                ) from e
-            checkpoint = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report(metrics, checkpoint=checkpoint)
+        name, checkpoint = runs.checkpoint_name(step), None
+        if self.rank == 0 and preempted:
+            log.warning("preemption announced: checkpoint at step %d before the node goes", step)
+        if self.rank == 0 or self.weights.sharded:
+            checkpoint = ray.train.Checkpoint.from_directory(self._write(step))
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+        if dist.is_initialized():
+            dist.barrier()  # every rank's files are uploaded
         if self.rank == 0:  # uploaded by now: what Ray never registered and keep passed goes
-            runs.prune_checkpoints(self.cfg.run_dir, self.cfg.checkpoint.keep)
+            checkpoints.mark_complete(storage.join(self.cfg.run_dir, name), self.state)
+            runs.prune_checkpoints(self.cfg.run_dir, self.cfg.checkpoint.keep, running=True)
         if self.observer is not None:
             self.observer.checkpoint(step, time.perf_counter() - started)
 
+    def _write(self, step: int) -> str:
+        """This rank's part of the checkpoint of ``step``, in a new local folder (Ray deletes it
+        after the upload); a full disk leaves no half-written folder behind."""
+        directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")
+        try:
+            self.save(directory)
+        # a full disk: OSError from open/write, RuntimeError from torch.save, SafetensorError
+        # from safetensors; no half-written folder is left behind
+        except (OSError, RuntimeError, SafetensorError) as e:
+            shutil.rmtree(directory, ignore_errors=True)
+            free = shutil.disk_usage(os.path.dirname(directory)).free
+            need = sum(sharding.local(p).nbytes for p in self.weights.params)
+            raise RuntimeError(
+                f"checkpoint of step {step} could not be written to {directory} ({e}): it "
+                f"needs room for the trained weights ({need:,} bytes) about three times over "
+                f"(weights, optimizer state, export), {free:,} bytes are free there; free "
+                "space there or set TMPDIR"
+            ) from e
+        return directory
+
     def save(self, directory: str) -> None:
-        """The training state into ``directory`` (checkpoints.save_checkpoint's files): trained
-        tensors, optimizer and LR schedule, the cursor, the export with the run's metadata and
-        the records (run identity, job, dataset)."""
+        """This rank's part of the training state into ``directory``
+        (checkpoints.save_checkpoint's files): trained tensors, optimizer and LR schedule, a
+        LoRA's export with the run's metadata and the records (run identity, job, dataset);
+        ``state.json`` comes once every rank's files are uploaded."""
         cfg, st = self.cfg, self.state
         identity = checkpoints.run_identity(
-            cfg.model, cfg.lora, cfg.train, cfg.fingerprint, cfg.dataset["id"]
+            cfg.model, cfg.lora, cfg.train, cfg.fingerprint, cfg.dataset["id"], cfg.strategy
         )
         records = {runs.RUN: identity, runs.JOB: cfg.job, runs.DATASET: cfg.dataset}
         run = storage.basename(cfg.run_dir)
@@ -254,10 +268,11 @@ class Worker:
             run=run,
             fingerprint=cfg.fingerprint,
         )
-        save = functools.partial(self.weights.export, family=cfg.family, meta=meta)
+        save = functools.partial(self.weights.export_lora, family=cfg.family, meta=meta)
         checkpoints.save_checkpoint(
-            directory, self.weights, self.opt, self.sched, st, records, save
-        )
+            directory, self.weights, self.opt, self.sched, st, records, save, rank=self.rank,
+            mark=False,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Stop the feed and its data, the memory sampler and rank 0's observer."""

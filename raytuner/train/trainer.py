@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 
 import pyarrow.fs as pafs
@@ -20,6 +21,7 @@ from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.index import describe_change
 from raytuner.data.reader import for_readers
 from raytuner.errors import Interrupted
+from raytuner.lora import full_model
 from raytuner.render import validation
 from raytuner.runs import (
     DATASET,
@@ -64,14 +66,15 @@ def _dataset_change(fs, folder: str, current: dict) -> str:
 
 def check_resumable(job: JobConfig, run_dir: str, fp: str, dataset: dict) -> None:
     """Refuse to resume a run whose newest checkpoint was trained on another cache, dataset,
-    model, adapter shape or schedule."""
-    current = run_identity(job.model, job.lora, job.train, fp, dataset["id"])
+    model, adapter shape, schedule or strategy."""
+    current = run_identity(job.model, job.lora, job.train, fp, dataset["id"], job.scaling.strategy)
     fs, folders = checkpoint_folders(run_dir)
     for folder in folders:
         try:
             saved = storage.read_json(fs, storage.join(folder, RUN))
         except (OSError, ValueError):
             continue  # unreadable: the workers skip it too
+        saved.get("weights", {}).setdefault("strategy", "ddp")  # before scaling.strategy
         changes = identity_changes(saved, current)
         if changes == ["dataset.id"]:
             raise ConfigError(
@@ -79,6 +82,15 @@ def check_resumable(job: JobConfig, run_dir: str, fp: str, dataset: dict) -> Non
                 f"({_dataset_change(fs, folder, dataset)}): its saved place in the schedule "
                 "would pick other rows. Start a new run with --set checkpoint.resume=false or "
                 "another train.name, or restore the images it trained on"
+            )
+        if "weights.strategy" in changes:
+            before = saved["weights"]["strategy"]
+            raise ConfigError(
+                f"run {run_dir} was trained with scaling.strategy = {before!r}, and its "
+                "checkpoints are laid out for it: a run cannot switch strategy. Keep "
+                f"scaling.strategy = {before!r} to resume it, or start a new run with --set "
+                "checkpoint.resume=false or another train.name (from its weights: "
+                "lora.init_from = its lora/ file, or model.pretrained = its model/ folder)"
             )
         if changes:
             raise ConfigError(
@@ -90,15 +102,16 @@ def check_resumable(job: JobConfig, run_dir: str, fp: str, dataset: dict) -> Non
 
 
 def finished_checkpoint(run_dir: str, max_steps: int) -> ray.train.Checkpoint | None:
-    """The run's newest complete checkpoint when it has reached ``max_steps`` (with its
-    export): a finished run submitted again exports from it without starting any worker."""
+    """The run's newest complete checkpoint when it has reached ``max_steps`` (with what its
+    export reads): a finished run submitted again exports from it without starting any worker."""
     fs, folders = checkpoint_folders(run_dir)
     for folder in folders:
         try:
             step = storage.read_json(fs, storage.join(folder, STATE))["step"]
+            runs.trained_files(fs, folder)
         except (OSError, ValueError, KeyError):
             continue  # incomplete or unreadable: the workers would skip it too
-        if step >= max_steps and storage.exists(fs, storage.join(folder, EXPORT)):
+        if step >= max_steps:
             return ray.train.Checkpoint(folder, filesystem=fs)
         return None
     return None
@@ -139,28 +152,43 @@ def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
     )
 
 
-def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str) -> dict:
-    """Copy the checkpoint's export (``lora/`` or ``model/<part>/``) into ``<output>/<name>/``;
-    return the summary: where the files went, and the checkpoint's state."""
+def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str, part: str) -> dict:
+    """What the user takes away, from the checkpoint into ``<output>/<name>/``: a LoRA's
+    ``lora/`` (the checkpoint's export, copied), or a full fine-tune's ``model/<part>/`` (a
+    diffusers folder written a block at a time from its trained weights); return the summary:
+    where the files went, and the checkpoint's state. Never reads the optimizer state."""
     uri = runs.run_dir(output, name)  # what the user reads: s3:// kept
+    source = checkpoint.filesystem
+    state = storage.read_json(source, storage.join(checkpoint.path, STATE))
+    if runs.trained_files(source, checkpoint.path) != [EXPORT]:
+        _export_model(checkpoint, storage.join(uri, MODEL_DIR, part), state)
+        return {"model": storage.join(uri, MODEL_DIR)} | state
     fs, run = storage.resolve(uri)
     # file by file from where the checkpoint is, streamed: never the optimizer state, never a
-    # whole file in memory (a full fine-tune's export is GBs; the driver may be a small head)
-    source, root = checkpoint.filesystem, storage.join(checkpoint.path, EXPORT)
+    # whole file in memory (the driver may be a small head)
+    root = storage.join(checkpoint.path, EXPORT)
     selector = pafs.FileSelector(root, recursive=True)
     files = [i.path for i in source.get_file_info(selector) if i.type == pafs.FileType.File]
     for path in sorted(files):
         storage.copy_stream(source, path, fs, storage.join(run, path[len(root) + 1 :]))
-    exported = {p[len(root) + 1 :].split("/")[0] for p in files}
-    state = storage.read_json(source, storage.join(checkpoint.path, STATE))
-    if LORA_DIR in exported:
-        lora = storage.join(uri, LORA_DIR)
-        paths = {"lora": storage.join(lora, DIFFUSERS_FILE)}
-        if any(p.endswith(f"/{LORA_DIR}/{KOHYA_FILE}") for p in files):  # not every family's
-            paths["kohya"] = storage.join(lora, KOHYA_FILE)
-    else:
-        paths = {"model": storage.join(uri, MODEL_DIR)}
+    lora = storage.join(uri, LORA_DIR)
+    paths = {"lora": storage.join(lora, DIFFUSERS_FILE)}
+    if any(p.endswith(f"/{LORA_DIR}/{KOHYA_FILE}") for p in files):  # not every family's
+        paths["kohya"] = storage.join(lora, KOHYA_FILE)
     return paths | state
+
+
+def _export_model(checkpoint: ray.train.Checkpoint, out: str, state: dict) -> None:
+    """A full fine-tune's diffusers folder at ``out`` from the checkpoint's trained weights
+    (their EMA where kept), read and written a block at a time (``lora/full_model.py``); a
+    checkpoint on object storage is copied first, what the export reads only."""
+    fs, folder = checkpoint.filesystem, checkpoint.path
+    with tempfile.TemporaryDirectory(prefix="raytuner-export-") as scratch:
+        local = storage.local_files(fs, folder, runs.trained_files(fs, folder), scratch)
+        trained = full_model.Trained(local)
+        meta = {"raytuner.checkpoint": storage.basename(folder), "raytuner.step": state["step"]}
+        meta["raytuner.weights"] = os.path.basename(trained.path)  # the EMA where there is one
+        full_model.write_folder(trained, out, meta)
 
 
 def train(job: JobConfig, family) -> dict:
@@ -182,6 +210,7 @@ def train(job: JobConfig, family) -> dict:
     except ValueError as e:
         raise ConfigError(f"{e} (samples per bucket, repeats included: {counts})") from None
     name = runs.choose_run(job.train.output, job.train.name, job.checkpoint.resume)
+    part = family.denoiser_part
     run_dir = runs.run_dir(job.train.output, name)
     dataset = dataset_record(job.data.cache, fp, manifest)
     check_resumable(job, run_dir, fp, dataset)
@@ -190,7 +219,7 @@ def train(job: JobConfig, family) -> dict:
     runs.prune_checkpoints(run_dir, job.checkpoint.keep)
     if (done := finished_checkpoint(run_dir, t.max_steps)) is not None:
         log.info("run %s trained its %d steps before: exporting again", name, t.max_steps)
-        return export_final(done, job.train.output, name) | {"metrics": {}}
+        return export_final(done, job.train.output, name, part) | {"metrics": {}}
     loop = LoopConfig(
         family=family,
         model=job.model,
@@ -206,6 +235,7 @@ def train(job: JobConfig, family) -> dict:
         run_dir=run_dir,
         job=job.to_dict(),
         memory=job.memory,
+        strategy=job.scaling.strategy,
         validation_every=job.validation.every_steps,
         tracking=job.tracking,
     )
@@ -214,7 +244,8 @@ def train(job: JobConfig, family) -> dict:
         result = _fit(job, family, name, loop)
     if result.checkpoint is None:
         raise RuntimeError(f"training run {name} ended without a checkpoint")
-    return export_final(result.checkpoint, job.train.output, name) | {"metrics": result.metrics}
+    summary = export_final(result.checkpoint, job.train.output, name, part)
+    return summary | {"metrics": result.metrics}
 
 
 class _Trainer(TorchTrainer):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -20,6 +21,7 @@ from torch import nn
 from raytuner.config import ConfigError
 from raytuner.lora import export, kohya
 from raytuner.lora import init_from as lora_init
+from raytuner.placement import sharding
 from raytuner.runs import KOHYA_FILE, LORA_DIR, MODEL_DIR
 
 
@@ -44,7 +46,11 @@ def attention_backends(device: torch.device) -> None:
 
 
 class Weights:
-    """The denoiser's trainable weights: their tensors for a checkpoint, their EMA, their export."""
+    """The denoiser's trainable weights: their tensors for a checkpoint, their EMA, their export.
+
+    Sharded (``scaling.strategy = "fsdp"``), every tensor here is a worker's rows of it (a
+    DTensor): ``tensors``/``ema_tensors`` give them to a sharded checkpoint as they are, and
+    ``gathered`` assembles them whole, a tensor at a time, on every worker (the LoRA export)."""
 
     def __init__(
         self,
@@ -56,10 +62,14 @@ class Weights:
         ema_decay: float,
         dtype: torch.dtype = torch.float32,
         family=None,
+        seed: int = 0,
+        place=None,
     ):
         """``dtype``: the trained weights' (``model.trainable_dtype``), whatever the frozen
         ones are in; ``family``: given, a LoRA starts from ``lora.init_from`` (a resumed run
-        then loads its checkpoint over it) and must fit the family's kohya layout."""
+        then loads its checkpoint over it) and must fit the family's kohya layout; ``seed``: the
+        LoRA's initial draw (``train.seed``); ``place``: called with the denoiser once its
+        trained weights exist and before they get values (``trainable_model``'s sharding)."""
         self.denoiser, self.mode = denoiser, mode
         self.provenance = {"ss_training_started_at": str(time.time())}
         denoiser.requires_grad_(mode == "full")
@@ -73,17 +83,39 @@ class Weights:
                     target_modules=list(lora.target_modules or targets),
                 )
             )
+        for p in denoiser.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(dtype)
+        if place is not None:
+            place(denoiser)
         named = [(n, p) for n, p in denoiser.named_parameters() if p.requires_grad]
-        for _, p in named:
-            p.data = p.data.to(dtype)
-        if mode == "lora" and family is not None:
-            self._lora_files(family, lora)
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        if mode == "lora":
+            self._draw_lora(seed, lora.rank)
+            if family is not None:
+                self._lora_files(family, lora)
         self.ema = None
         if ema_decay:
             from diffusers.training_utils import EMAModel
 
             self.ema = EMAModel(self.params, decay=ema_decay)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the trained weights are sharded over the workers (``scaling.strategy``)."""
+        return any(sharding.is_sharded(p) for p in self.params)
+
+    def _draw_lora(self, seed: int, rank: int) -> None:
+        """peft's "gaussian" start (down ~ N(0, 1/rank), up 0), drawn on the CPU from ``seed``
+        in the adapter's order: the same values on any device, sharded or not."""
+        generator = torch.Generator().manual_seed(seed)
+        values = {
+            n: torch.randn(p.shape, generator=generator) / rank
+            if ".lora_A." in n
+            else torch.zeros(p.shape)
+            for n, p in zip(self.names, self.params, strict=True)
+        }
+        sharding.fill(self.denoiser, values)
 
     def _lora_files(self, family, lora) -> None:
         """Refuse targets the family's kohya layout has no name for (before training, not at
@@ -98,18 +130,40 @@ class Weights:
                     "leave it out of lora.target_modules"
                 )
         if lora.init_from:
-            self.provenance |= lora_init.start_from(self.denoiser, lora.init_from, lora, family)
+            state, provenance = lora_init.start_from(self.denoiser, lora.init_from, lora, family)
+            names = self._peft_names()
+            sharding.fill(self.denoiser, {names[k]: v for k, v in state.items()})
+            self.provenance |= provenance
+
+    def _peft_names(self) -> dict[str, str]:
+        """The adapter's peft state names (``get_peft_model_state_dict``'s) -> parameter names."""
+        return {n.replace(".default", ""): n for n in self.names}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint keeps, live (a sharded worker's rows): the adapter under
+        its peft names, or the whole denoiser's state."""
+        if self.mode == "lora":
+            return dict(zip(self._peft_names(), self.params, strict=True))
+        return dict(self.denoiser.state_dict())
+
+    def ema_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The EMA of the trained weights, live, by parameter name."""
+        if self.ema is None:
+            return None
+        return dict(zip(self.names, self.ema.shadow_params, strict=True))
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The tensors a checkpoint keeps: the adapter, or the whole denoiser."""
+        """``tensors`` whole on the CPU (an unsharded run's checkpoint)."""
         if self.mode == "lora":
             return _cpu(get_peft_model_state_dict(self.denoiser))
         return _cpu(self.denoiser.state_dict())
 
+    def gathered(self) -> dict[str, torch.Tensor]:
+        """``tensors`` whole on the CPU, gathered one at a time (a collective when sharded)."""
+        return {k: sharding.gather(v).detach().cpu() for k, v in self.tensors().items()}
+
     def keys(self) -> set[str]:
-        if self.mode == "lora":
-            return set(get_peft_model_state_dict(self.denoiser))
-        return set(self.denoiser.state_dict())
+        return set(self.tensors())
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         if self.mode == "lora":
@@ -120,7 +174,7 @@ class Weights:
     def ema_state(self) -> dict[str, torch.Tensor] | None:
         if self.ema is None:
             return None
-        return _cpu(dict(zip(self.names, self.ema.shadow_params, strict=True)))
+        return _cpu(self.ema_tensors())
 
     def load_ema(self, shadow: dict[str, torch.Tensor], step: int) -> None:
         device = self.params[0].device
@@ -145,22 +199,31 @@ class Weights:
         finally:
             self.ema.restore(self.params)
 
-    def export(self, directory: str, family, meta: dict[str, str]) -> None:
-        """What the user takes away (the EMA weights when enabled): both LoRA layouts, or the
-        denoiser as a diffusers model folder that ``from_pretrained`` loads."""
+    def export_lora(self, directory: str | None, family, meta: dict[str, str]) -> None:
+        """The LoRA the user takes away (the EMA weights when enabled), both layouts, into
+        ``<directory>/lora/``. Sharded, every worker gathers and only the one given a
+        ``directory`` writes."""
         with self.averaged():
-            if self.mode == "lora":
-                adapter = self.denoiser.peft_config["default"].to_dict()
-                out = os.path.join(directory, LORA_DIR)
-                export.write_lora(
-                    out,
-                    self.state(),
-                    family=family,
-                    adapter_config=adapter,
-                    meta=meta | self.provenance,
-                    denoiser=self.denoiser,
-                )
-                return
+            state = self.gathered()
+        if directory is None:
+            return
+        export.write_lora(
+            os.path.join(directory, LORA_DIR),
+            state,
+            family=family,
+            adapter_config=self.denoiser.peft_config["default"].to_dict(),
+            meta=meta | self.provenance,
+            denoiser=self.denoiser,
+        )
+
+    def export(self, directory: str, family, meta: dict[str, str]) -> None:
+        """What the user takes away from an unsharded model (the EMA weights when enabled):
+        both LoRA layouts, or the denoiser as a diffusers model folder that ``from_pretrained``
+        loads."""
+        if self.mode == "lora":
+            self.export_lora(directory, family, meta)
+            return
+        with self.averaged():
             out = os.path.join(directory, MODEL_DIR, family.denoiser_part)
             self.denoiser.save_pretrained(out)
             with open(os.path.join(out, "raytuner.json"), "w") as f:
@@ -179,16 +242,19 @@ class Trainable(NamedTuple):
 
 
 def trainable_model(
-    model, train, lora, family, device: torch.device, memory=None, source=None
+    model, train, lora, family, device: torch.device, memory=None, source=None, strategy="ddp"
 ) -> Trainable:
     """The denoiser a worker trains, placed for ``device`` in train mode (frozen weights in
     ``model.dtype``, trained ones in ``model.trainable_dtype``, ``memory.blocks_to_swap`` of
     its blocks streamed): one setup for the loop, both benches and ``raytuner plan``.
 
+    ``strategy`` (``scaling.strategy``) ``"fsdp"``: built on the meta device, sharded over the
+    process group's workers, each worker's rows then allocated and read (``_sharded``).
     ``source``: the parts' Source when not the job's own on ``device`` (plan: the GPU's
     dtypes, a released repo's shipped architecture). On the meta device (plan) nothing is
-    loaded, read or streamed: the architecture alone, every weight resident, no
-    ``lora.init_from`` (its values change no size); plan counts the streamed blocks itself."""
+    loaded, read, streamed or sharded: the architecture alone, every weight resident, no
+    ``lora.init_from`` (its values change no size); plan counts streamed and sharded bytes
+    itself."""
     from raytuner import placement
     from raytuner.config import MemoryConfig
     from raytuner.families import parts
@@ -199,10 +265,14 @@ def trainable_model(
     if train.mode == "full":
         source = dataclasses.replace(source, dtype=trainable)
     attention_backends(device)
-    float8 = model.dtype == parts.FLOAT8
+    amp = autocast_dtype(train.mixed_precision, device, source.dtype)
+    float8, place = model.dtype == parts.FLOAT8, None
     if device.type == "meta":
         denoiser = family.denoiser(source, "meta", weights=False)
         lora, swapped = dataclasses.replace(lora, init_from=""), 0
+    elif strategy == "fsdp":
+        denoiser, swapped = family.denoiser(source, "meta", weights=False), 0
+        place = functools.partial(_sharded, family=family, source=source, device=device, amp=amp)
     else:
         denoiser = family.denoiser(source, str(placement.load_device(device, memory, float8)))
         swapped = memory.blocks_to_swap
@@ -219,8 +289,32 @@ def trainable_model(
         ema_decay=train.ema_decay,
         dtype=trainable,
         family=family,
+        seed=train.seed,
+        place=place,
     )
     placed = placement.DenoiserPlacement(denoiser, family, device, swapped, memory.swap_ring)
     placed.average(weights.ema)
-    amp = autocast_dtype(train.mixed_precision, device, source.dtype)
     return Trainable(denoiser, weights, source, amp, placed)
+
+
+def _sharded(denoiser: nn.Module, *, family, source, device: torch.device, amp) -> None:
+    """Shard a meta-device denoiser (its adapter in place) over the workers, computing in
+    ``amp`` (None: float32), then give each worker its rows of the frozen and base weights,
+    read one tensor at a time from the model's files (``parts.tensors``); the adapter's get
+    their values from ``Weights``."""
+    from raytuner.families import parts
+
+    part = family.denoiser_part
+    files = parts.tensors(family, source, part, family.part_classes()[part])
+
+    def base():
+        for name, _ in denoiser.named_parameters():
+            if ".lora_" in name:
+                continue
+            key = name.replace(".base_layer", "")
+            if key not in files:
+                raise ValueError(f"{source.pretrained}: its {part} has no tensor {key}")
+            yield name, files[key]
+
+    sharding.shard(denoiser, family, device, amp or torch.float32)
+    sharding.materialize(denoiser, device, base())

@@ -1,0 +1,132 @@
+"""A full fine-tune's denoiser from a checkpoint, a block at a time: the final export (a diffusers
+model folder), ``raytuner sample`` and the validation renders read its weights this way, so
+none of them ever holds more than one block beside what it builds (the export: one block; a
+render: the model it renders with).
+
+A checkpoint keeps the trained weights (or their EMA, which exports use where there is one) as
+one safetensors file (``scaling.strategy = "ddp"``) or as the workers' rows in a Distributed
+Checkpoint folder (``"fsdp"``, read with DCP's own reader: each block's tensors assembled from
+the rows of every worker that wrote them), and the denoiser's config (``denoiser.json``).
+
+The export is diffusers' sharded layout, a file per block:
+``diffusion_pytorch_model-00001-of-00058.safetensors`` …, the index
+``diffusion_pytorch_model.safetensors.index.json`` (written after them) and ``config.json``,
+which ``from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from raytuner import storage
+from raytuner.runs import DENOISER, EMA, EMA_DIR, WEIGHTS, WEIGHTS_DIR
+
+WEIGHTS_NAME = "diffusion_pytorch_model"  # diffusers' file name for a model's weights
+INDEX = f"{WEIGHTS_NAME}.safetensors.index.json"
+CONFIG = "config.json"
+
+
+def block_of(name: str) -> str:
+    """The block a tensor belongs to: ``transformer_blocks.3`` for a block of a list, else the
+    module under the root (``proj_out``, ``mid_block``)."""
+    first, _, rest = name.partition(".")
+    index = rest.split(".", 1)[0]
+    return f"{first}.{index}" if index.isdigit() else first
+
+
+class Trained:
+    """A checkpoint's trained tensors (their EMA where it has one), whole, read by name."""
+
+    def __init__(self, checkpoint: str) -> None:
+        """``checkpoint``: a local checkpoint folder (or a copy of its ``runs.trained_files``)."""
+        found = [n for n in (EMA_DIR, EMA, WEIGHTS_DIR, WEIGHTS) if _exists(checkpoint, n)]
+        if not found:
+            raise FileNotFoundError(f"{checkpoint}: no {WEIGHTS} or {WEIGHTS_DIR}/ in it")
+        self.path = os.path.join(checkpoint, found[0])
+        with open(os.path.join(checkpoint, DENOISER)) as f:
+            self.config = json.load(f)
+        if os.path.isdir(self.path):
+            from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+            saved = HuggingFaceStorageReader(self.path).read_metadata().state_dict_metadata
+            self.shapes = {k: (tuple(m.size), m.properties.dtype) for k, m in saved.items()}
+        else:
+            with safe_open(self.path, framework="pt") as f:
+                self.shapes = {k: (tuple(f.get_slice(k).get_shape()), None) for k in f.keys()}  # noqa: SIM118
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, whole, on the CPU."""
+        if not os.path.isdir(self.path):
+            with safe_open(self.path, framework="pt") as f:
+                return {n: f.get_tensor(n) for n in names}
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        out = {n: torch.empty(self.shapes[n][0], dtype=self.shapes[n][1]) for n in names}
+        dcp.load(
+            out,
+            storage_reader=HuggingFaceStorageReader(self.path),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+            no_dist=True,
+        )
+        return out
+
+    def blocks(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """(block, its tensors) one block at a time, in the model's order."""
+        for block, names in self.grouped().items():
+            yield block, self.read(names)
+
+    def grouped(self) -> dict[str, list[str]]:
+        groups: dict[str, list[str]] = {}
+        for name in self.shapes:
+            groups.setdefault(block_of(name), []).append(name)
+        return groups
+
+
+def _exists(folder: str, name: str) -> bool:
+    return os.path.exists(os.path.join(folder, name))
+
+
+def write_folder(trained: Trained, out: str, meta: dict[str, str]) -> list[str]:
+    """The diffusers model folder ``out`` (a path or URI): a safetensors file per block, each
+    written as soon as its block is read, then the index, ``config.json`` and ``raytuner.json``
+    (``meta``). Returns the files written."""
+    fs, root = storage.resolve(out)
+    groups = trained.grouped()
+    weight_map, total, files = {}, 0, []
+    for i, (_, tensors) in enumerate(trained.blocks(), start=1):
+        name = f"{WEIGHTS_NAME}-{i:05d}-of-{len(groups):05d}.safetensors"
+        data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+        storage.write_atomic(fs, storage.join(root, name), data)
+        weight_map |= dict.fromkeys(tensors, name)
+        total += sum(v.nbytes for v in tensors.values())
+        files.append(name)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    for name, record in ((INDEX, index), (CONFIG, trained.config), ("raytuner.json", meta)):
+        storage.write_json_atomic(fs, storage.join(root, name), record)
+        files.append(name)
+    return files
+
+
+def load_denoiser(cls, trained: Trained, dtype: torch.dtype, device) -> torch.nn.Module:
+    """The denoiser of class ``cls`` with the trained weights in ``dtype`` on ``device``, built
+    empty and filled a block at a time (never a second copy of the model)."""
+    with torch.device("meta"):
+        model = cls.from_config(trained.config)
+    for _, tensors in trained.blocks():
+        state = {
+            k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()
+        }
+        model.load_state_dict(state, strict=False, assign=True)
+    if missing := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
+        raise ValueError(
+            f"{trained.path}: no trained values for {len(missing)} tensors ({missing[0]})"
+        )
+    return model.eval()

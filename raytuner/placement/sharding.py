@@ -1,0 +1,109 @@
+"""``scaling.strategy = "fsdp"``: the denoiser sharded over the training workers with FSDP2
+(``torch.distributed.fsdp.fully_shard``). Each of the family's repeated blocks
+(``shard_blocks``: transformer blocks, the UNets' down/mid/up blocks) is a unit of its own, the
+root holds the rest (embeddings, final layers); every parameter of a unit, frozen or trained, is
+split by rows over the workers (``Shard(0)``), and a unit's whole parameters exist only while it
+runs (all-gathered before its forward and again for its backward, freed after).
+
+Mixed precision: a unit gathers and computes in the compute dtype (``model.dtype``: bfloat16 on
+GPUs), trained parameters keep their float32 master rows and their gradients are reduced
+(reduce-scattered, averaged over the workers) in float32. A LoRA adapter is sharded with its
+block like the frozen base weights it sits on: its few rows cost nothing to gather, and it needs
+no collective of its own.
+
+The model is built on the meta device, sharded, and only then given memory: each worker
+allocates its rows alone and fills them one full tensor at a time (``materialize``), so no worker
+ever holds the whole model, on the GPU or on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = ["fill", "gather", "is_sharded", "local", "materialize", "shard", "units", "world"]
+
+
+def world() -> int:
+    """The number of training workers (1 without a process group)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def units(denoiser: nn.Module, family) -> list[nn.Module]:
+    """The denoiser's sharding units besides its root, in the order they run: every block of
+    each of the family's ``shard_blocks`` lists (a single block counts as one)."""
+    out: list[nn.Module] = []
+    for name in family.shard_blocks:
+        part = getattr(denoiser, name)
+        out += list(part) if isinstance(part, nn.ModuleList) else [part]
+    return out
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def shard(denoiser: nn.Module, family, device: torch.device, compute: torch.dtype) -> None:
+    """Shard ``denoiser`` (on the meta device, or real) over every worker of the process group
+    on ``device``: a unit per block and one at the root, gathered in ``compute`` (float32: no
+    cast), gradients reduced in float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world(),))
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute == torch.float32 else compute, reduce_dtype=torch.float32
+    )
+    for unit in units(denoiser, family):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(denoiser, mesh=mesh, mp_policy=policy)
+
+
+def materialize(
+    module: nn.Module, device: torch.device, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Give a sharded module built on the meta device its memory on ``device``: each worker
+    allocates its own rows, then ``tensors`` (parameter name, full tensor), one at a time, fill
+    them (``fill``). Buffers keep the values they were built with."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            b.copy_(buffers[name])
+    for name, full in tensors:
+        fill(module, {name: full})
+
+
+@torch.no_grad()
+def fill(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Set parameters of ``module`` from full tensors (any device, any dtype): a sharded one
+    keeps its own rows of the tensor, a whole one takes all of it. Meta parameters stay meta
+    (``raytuner plan``)."""
+    for name, full in tensors.items():
+        param = module.get_parameter(name)
+        if param.is_meta:
+            continue
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: a tensor of shape {tuple(full.shape)} for {param.shape}")
+        if is_sharded(param):
+            local = full.to(param.device, param.dtype)
+            param.copy_(
+                distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+            )
+        else:
+            param.copy_(full)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This worker's rows of a sharded tensor; an unsharded tensor as it is."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def gather(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every worker (a collective: every worker calls it, in the same order);
+    an unsharded tensor as it is."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
