@@ -107,6 +107,7 @@ def test_plan_divides_the_state_as_fsdp_does(tmp_path):
         ('model.dtype="float8"', 'model.dtype = "float8"'),
         ('train.optimizer="adamw8bit"', 'train.optimizer = "adamw8bit"'),
         ('train.optimizer="adafactor"', 'train.optimizer = "adafactor"'),
+        ('train.optimizer="prodigy"', 'train.optimizer = "prodigy"'),
     ],
 )
 def test_what_cannot_take_sharded_weights_is_refused(tmp_path, capsys, override, key):
@@ -116,6 +117,6 @@ def test_what_cannot_take_sharded_weights_is_refused(tmp_path, capsys, override,
 
 
 def test_sharded_jobs_with_what_composes_pass(tmp_path, capsys):
-    settings = ['scaling.strategy="fsdp"', 'train.optimizer="prodigy"', "train.ema_decay=0.9"]
+    settings = ['scaling.strategy="fsdp"', 'train.optimizer="adamw"', "train.ema_decay=0.9"]
     settings += ["train.gradient_checkpointing=true", "memory.activation_offload=true"]
     accepted(tmp_path, capsys, *settings, family="flux")

@@ -9,7 +9,7 @@ same jobs. A job's own sections checked their values and each other when it was 
 - an optimizer or tracker whose package is not installed;
 - a ``[memory]`` section the family's denoiser cannot run (``placement.check``);
 - ``scaling.strategy = "fsdp"`` with what cannot take sharded weights: block swap, float8
-  storage, the 8-bit AdamW and Adafactor (their states are not per-row);
+  storage, the 8-bit AdamW, Adafactor and Prodigy (their states are not a weight's rows);
 - a single-file ``model.pretrained`` that is missing or that its family cannot load;
 - a validation prompts file that is missing, or a line the family cannot render (``--n``
   without negative prompts, ``--g`` without a guidance embedding, sizes off its grid);
@@ -109,6 +109,8 @@ UNSHARDABLE = {
     "adamw8bit": "bitsandbytes' 8-bit kernels take plain tensors, not a worker's rows (DTensor)",
     "adafactor": "its factored state (a row and a column average per matrix) is not split by "
     "rows like the weights",
+    "prodigy": "its state keeps each weight flattened, which a weight whose rows do not split "
+    "evenly over the workers cannot be (DTensor)",
 }
 
 
@@ -132,7 +134,7 @@ def _sharding(job: JobConfig) -> None:
     if reason := UNSHARDABLE.get(job.train.optimizer):
         raise ConfigError(
             f'train.optimizer = "{job.train.optimizer}" with scaling.strategy = "fsdp": '
-            f'{reason}; use train.optimizer = "adamw" or "prodigy" {fix}'
+            f'{reason}; use train.optimizer = "adamw" {fix}'
         )
 
 

@@ -1,0 +1,144 @@
+"""A sharded checkpoint (``train/sharded_checkpoints.py``) holds every piece of the training
+state a resume needs, and a run on another number of workers reads it back whole: a LoRA on the
+tiny Flux sharded over 2 gloo workers, with an EMA, AdamW, a cosine LR schedule, gradient
+checkpointing and activation offload, trains two steps and checkpoints; one worker
+loads the checkpoint and holds the same weights, EMA, optimizer state and LR schedule to the
+bit. A damaged shard fails the load on every worker alike (no worker waits for another in a
+collective), as ``CheckpointError``, which the restore skips. No Ray needed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from raytuner import runs
+
+STEPS = 2
+
+
+def _setup(world: int, port: int):
+    """The run's model, optimizer, schedule and step on this worker."""
+    import torch.distributed as dist
+
+    from raytuner.config import LoraConfig, MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
+    from raytuner.families import FAMILIES
+    from raytuner.train import optim
+    from raytuner.train.step import train_step
+    from raytuner.train.weights import trainable_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=world)
+    family, cpu = FAMILIES["flux"], torch.device("cpu")
+    train = TrainConfig(
+        output="unused",
+        max_steps=10,
+        lr_scheduler="cosine",
+        warmup_steps=1,
+        learning_rate=1e-2,
+        ema_decay=0.9,
+        gradient_checkpointing=True,
+        global_batch_size=4,
+    )
+    memory = MemoryConfig(activation_offload=True)
+    model = ModelConfig(family="flux", pretrained="tiny")
+    trained = trainable_model(model, train, LoraConfig(rank=4, alpha=4.0), family, cpu, memory,
+                              strategy="fsdp")  # fmt: skip
+    opt, sched = optim.for_run(train, trained.weights.params)
+    loss_fn = family.loss(trained.source, ObjectiveConfig().for_family(family))
+    step = train_step(trained, trained.denoiser, loss_fn, opt, sched, train, memory, cpu, world)
+    return trained.weights, opt, sched, step
+
+
+def _state(weights, opt, sched) -> dict[str, torch.Tensor]:
+    """Everything a resume restores, gathered whole (a collective)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from raytuner.placement import sharding
+
+    out = {f"weights/{k}": v for k, v in weights.gathered().items()}
+    out |= {f"ema/{k}": sharding.gather(v) for k, v in weights.ema_tensors().items()}
+    for name, entries in get_optimizer_state_dict(weights.denoiser, opt)["state"].items():
+        out |= {f"optimizer/{name}/{k}": sharding.gather(v) for k, v in entries.items()}
+    out["lr"] = torch.tensor(sched.get_last_lr())
+    out["ema_step"] = torch.tensor(weights.ema.optimization_step)
+    return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+
+def _slice(i: int, rank: int, world: int):
+    """This worker's 2 samples of global batch ``i`` of the tiny Flux's cached tensors."""
+    from raytuner.families import FAMILIES
+    from raytuner.families.parts import Source
+    from raytuner.train.feed import RankSlice
+
+    flux, tiny = FAMILIES["flux"], Source("tiny")
+    latent = flux.image_encoder(tiny, "cpu")(torch.zeros(1, 3, 64, 64))[0]
+    text = flux.text_encoder(tiny, "cpu")(["a caption"])
+    shapes = {"latent": tuple(latent.shape[1:])} | {k: tuple(v.shape[1:]) for k, v in text.items()}
+    torch.manual_seed(100 * i + rank)
+    batch = flux.example_batch(shapes, 2, (64, 64), "cpu", torch.float32)
+    seeds = [4 * i + 2 * rank, 4 * i + 2 * rank + 1]
+    return RankSlice(0, i, STEPS, batch, seeds, [])
+
+
+def _train_and_save(rank: int, world: int, folder: str, port: int) -> None:
+    from raytuner.train import checkpoints
+
+    os.environ["RANK"] = str(rank)
+    weights, opt, sched, step = _setup(world, port)
+    for i in range(STEPS):
+        step(_slice(i, rank, world))
+    state = checkpoints.TrainState(step=STEPS)
+    export = lambda d: weights.export_lora(None, None, {})  # noqa: E731 (gathered, not written)
+    checkpoints.save_checkpoint(folder, weights, opt, sched, state, {}, export, rank=rank)
+    reference = _state(weights, opt, sched)
+    if rank == 0:
+        save_file(reference, os.path.join(folder, "..", "reference.safetensors"))
+
+
+def _load(rank: int, world: int, folder: str, port: int) -> None:
+    from raytuner.train import checkpoints
+
+    os.environ["RANK"] = str(rank)
+    weights, opt, sched, step = _setup(world, port)
+    try:
+        loaded = checkpoints.load_checkpoint(folder, weights, opt, sched)
+        result = {"step": loaded.step}
+        got = _state(weights, opt, sched)
+        if rank == 0:
+            save_file(got, os.path.join(folder, "..", f"loaded-{world}.safetensors"))
+        step(_slice(STEPS, rank, world))  # the restored optimizer steps its sharded state
+    except checkpoints.CheckpointError as e:
+        result = {"error": str(e)}
+    Path(folder, "..", f"result-{world}-{rank}.json").write_text(json.dumps(result))
+
+
+def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(tmp_path):
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / runs.EXPORT).mkdir()  # what _trained_files_complete looks for (a LoRA's export)
+    (folder / runs.EXPORT / "lora.safetensors").write_bytes(b"x")
+    mp.spawn(_train_and_save, args=(2, str(folder), 29551), nprocs=2)
+    names = sorted(p.name for p in folder.iterdir())
+    assert {runs.WEIGHTS_DIR, runs.EMA_DIR, runs.OPTIMIZER_DIR, runs.OPTIMIZER_JSON} <= set(names)
+    assert len(list((folder / runs.OPTIMIZER_DIR).glob("*.safetensors"))) == 2
+
+    mp.spawn(_load, args=(1, str(folder), 29552), nprocs=1)
+    assert json.loads((tmp_path / "result-1-0.json").read_text()) == {"step": STEPS}
+    expected = load_file(tmp_path / "reference.safetensors")
+    loaded = load_file(tmp_path / "loaded-1.safetensors")
+    assert expected.keys() == loaded.keys()
+    assert any(k.startswith("optimizer/") and k.endswith("/exp_avg_sq") for k in expected)
+    for key in expected:
+        assert torch.equal(expected[key], loaded[key]), key
+
+    # a damaged shard: every worker gets the same CheckpointError
+    shard = sorted((folder / runs.WEIGHTS_DIR).glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    mp.spawn(_load, args=(2, str(folder), 29553), nprocs=2)
+    results = [json.loads((tmp_path / f"result-2-{r}.json").read_text()) for r in (0, 1)]
+    assert all("error" in r for r in results), results
