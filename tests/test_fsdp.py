@@ -172,6 +172,7 @@ def _kill_after_checkpoint(run_dir: Path, killed: list, errors: list) -> None:
         errors.append(e)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sharded_full_finetune_trains_as_ddp_and_resumes_a_killed_worker(flux_job):
     """The sharded run of a tiny Flux full fine-tune has a worker SIGKILLed after its first

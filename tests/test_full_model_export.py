@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -106,6 +107,7 @@ def _export(checkpoint: Path, out: Path, how: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_export_of_a_sharded_checkpoint_holds_a_block_not_the_model(tmp_path):
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "model" / "transformer"
     checkpoint.mkdir()

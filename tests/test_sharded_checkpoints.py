@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
@@ -100,23 +101,91 @@ def _train_and_save(rank: int, world: int, folder: str, port: int) -> None:
         save_file(reference, os.path.join(folder, "..", "reference.safetensors"))
 
 
+class _Counted:
+    """A local file for ``pa.PythonFile`` that counts the bytes read from it."""
+
+    def __init__(self, path: str, counts: dict) -> None:
+        self.f, self.counts, self.path, self.closed = open(path, "rb"), counts, path, False  # noqa: SIM115
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.counts[self.path] = self.counts.get(self.path, 0) + len(data)
+        return data
+
+    def seek(self, *a):
+        return self.f.seek(*a)
+
+    def tell(self):
+        return self.f.tell()
+
+    def close(self) -> None:
+        self.f.close()
+        self.closed = True
+
+
+def _counting_fs(counts: dict):
+    """The local filesystem, counting the bytes read from each file."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    class Handler(pafs.FileSystemHandler):
+        local = pafs.LocalFileSystem()
+
+        def open_input_file(self, path):
+            return pa.PythonFile(_Counted(path, counts), mode="r")
+
+        open_input_stream = open_input_file
+
+        def get_file_info(self, paths):
+            return self.local.get_file_info(paths)
+
+        def get_file_info_selector(self, selector):
+            return self.local.get_file_info(selector)
+
+        def get_type_name(self):
+            return "counting"
+
+        def normalize_path(self, path):
+            return path
+
+        def _refused(self, *args, **kwargs):
+            raise OSError("read only")
+
+        create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = _refused
+        delete_file = move = copy_file = open_output_stream = open_append_stream = _refused
+
+    return pafs.PyFileSystem(Handler())
+
+
 def _load(rank: int, world: int, folder: str, port: int) -> None:
+    """Load the checkpoint (counting the bytes read), keep what it restored, take a step; at 2
+    workers, then damage a shard and load again."""
+    import torch.distributed as dist
+
     from raytuner.train import checkpoints
 
     os.environ["RANK"] = str(rank)
     weights, opt, sched, step = _setup(world, port)
-    try:
-        loaded = checkpoints.load_checkpoint(folder, weights, opt, sched)
-        result = {"step": loaded.step}
-        got = _state(weights, opt, sched)
+    counts: dict[str, int] = {}
+    loaded = checkpoints.load_checkpoint(folder, weights, opt, sched, _counting_fs(counts))
+    result = {"step": loaded.step, "read": counts}
+    got = _state(weights, opt, sched)
+    if rank == 0:
+        save_file(got, os.path.join(folder, "..", f"loaded-{world}.safetensors"))
+    step(_slice(STEPS, rank, world))  # the restored optimizer steps its sharded state
+    if world > 1:
         if rank == 0:
-            save_file(got, os.path.join(folder, "..", f"loaded-{world}.safetensors"))
-        step(_slice(STEPS, rank, world))  # the restored optimizer steps its sharded state
-    except checkpoints.CheckpointError as e:
-        result = {"error": str(e)}
+            shard = sorted(Path(folder, runs.WEIGHTS_DIR).glob("*.safetensors"))[1]
+            shard.write_bytes(shard.read_bytes()[:100])
+        dist.barrier()
+        try:
+            checkpoints.load_checkpoint(folder, weights, opt, sched)
+        except checkpoints.CheckpointError as e:
+            result["error"] = str(e)
     Path(folder, "..", f"result-{world}-{rank}.json").write_text(json.dumps(result))
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(tmp_path):
     folder = tmp_path / "checkpoint"
     folder.mkdir()
@@ -128,7 +197,7 @@ def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(
     assert len(list((folder / runs.OPTIMIZER_DIR).glob("*.safetensors"))) == 2
 
     mp.spawn(_load, args=(1, str(folder), 29552), nprocs=1)
-    assert json.loads((tmp_path / "result-1-0.json").read_text()) == {"step": STEPS}
+    assert json.loads((tmp_path / "result-1-0.json").read_text())["step"] == STEPS
     expected = load_file(tmp_path / "reference.safetensors")
     loaded = load_file(tmp_path / "loaded-1.safetensors")
     assert expected.keys() == loaded.keys()
@@ -136,9 +205,19 @@ def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(
     for key in expected:
         assert torch.equal(expected[key], loaded[key]), key
 
-    # a damaged shard: every worker gets the same CheckpointError
-    shard = sorted((folder / runs.WEIGHTS_DIR).glob("*.safetensors"))[1]
-    shard.write_bytes(shard.read_bytes()[:100])
-    mp.spawn(_load, args=(2, str(folder), 29553), nprocs=2)
+    # each of 2 workers reads its own rows: about half the data, never every byte; then a
+    # damaged shard gives every worker the same CheckpointError
+    sizes = {}  # folder -> (bytes of the headers every worker reads, bytes of data)
+    for sub in (runs.WEIGHTS_DIR, runs.EMA_DIR, runs.OPTIMIZER_DIR):
+        files = list((folder / sub).glob("*.safetensors"))
+        headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+        sizes[sub] = headers, sum(f.stat().st_size for f in files) - headers
+    mp.spawn(_load, args=(2, str(folder), 29554), nprocs=2)
     results = [json.loads((tmp_path / f"result-2-{r}.json").read_text()) for r in (0, 1)]
     assert all("error" in r for r in results), results
+    for rank, result in enumerate(results):
+        read = result["read"]
+        for sub, (headers, data) in sizes.items():
+            got = sum(n for path, n in read.items() if Path(path).parent.name == sub) - headers
+            print(f"rank {rank} read {got} of the {data} bytes of data in {sub}/")
+            assert got <= 0.6 * data, (rank, sub, got, data)

@@ -5,8 +5,9 @@ render: the model it renders with).
 
 A checkpoint keeps the trained weights (or their EMA, which exports use where there is one) as
 one safetensors file (``scaling.strategy = "ddp"``) or as the workers' rows in a Distributed
-Checkpoint folder (``"fsdp"``, read with DCP's own reader: each block's tensors assembled from
-the rows of every worker that wrote them), and the denoiser's config (``denoiser.json``).
+Checkpoint folder (``"fsdp"``: each block's tensors assembled from the rows of every worker
+that wrote them), and the denoiser's config (``denoiser.json``); both are read where they are
+(``shards.RangeReader``: ranged reads of just the block's bytes, also from object storage).
 
 The export is diffusers' sharded layout, a file per block:
 ``diffusion_pytorch_model-00001-of-00058.safetensors`` …, the index
@@ -16,16 +17,15 @@ which ``from_pretrained`` loads.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
 
+import pyarrow.fs as pafs
 import torch
-from safetensors import safe_open
 from safetensors.torch import save
 
 from raytuner import storage
 from raytuner.runs import DENOISER, EMA, EMA_DIR, WEIGHTS, WEIGHTS_DIR
+from raytuner.shards import RangeReader
 
 WEIGHTS_NAME = "diffusion_pytorch_model"  # diffusers' file name for a model's weights
 INDEX = f"{WEIGHTS_NAME}.safetensors.index.json"
@@ -41,42 +41,24 @@ def block_of(name: str) -> str:
 
 
 class Trained:
-    """A checkpoint's trained tensors (their EMA where it has one), whole, read by name."""
+    """A checkpoint's trained tensors (their EMA where it has one), whole, read by name where
+    the checkpoint is (``shards.RangeReader``: ranged reads, also from object storage)."""
 
-    def __init__(self, checkpoint: str) -> None:
-        """``checkpoint``: a local checkpoint folder (or a copy of its ``runs.trained_files``)."""
-        found = [n for n in (EMA_DIR, EMA, WEIGHTS_DIR, WEIGHTS) if _exists(checkpoint, n)]
+    def __init__(self, checkpoint: str, fs: pafs.FileSystem | None = None) -> None:
+        """``checkpoint``: a checkpoint folder (or a copy of its ``runs.trained_files``) on
+        ``fs`` (default: the local disk)."""
+        fs = fs or pafs.LocalFileSystem()
+        found = [n for n in (EMA_DIR, EMA, WEIGHTS_DIR, WEIGHTS) if _exists(fs, checkpoint, n)]
         if not found:
             raise FileNotFoundError(f"{checkpoint}: no {WEIGHTS} or {WEIGHTS_DIR}/ in it")
-        self.path = os.path.join(checkpoint, found[0])
-        with open(os.path.join(checkpoint, DENOISER)) as f:
-            self.config = json.load(f)
-        if os.path.isdir(self.path):
-            from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-            saved = HuggingFaceStorageReader(self.path).read_metadata().state_dict_metadata
-            self.shapes = {k: (tuple(m.size), m.properties.dtype) for k, m in saved.items()}
-        else:
-            with safe_open(self.path, framework="pt") as f:
-                self.shapes = {k: (tuple(f.get_slice(k).get_shape()), None) for k in f.keys()}  # noqa: SIM118
+        self.path = storage.join(checkpoint, found[0])
+        self.config = storage.read_json(fs, storage.join(checkpoint, DENOISER))
+        self.reader = RangeReader(fs, self.path)
+        self.shapes = self.reader.shapes()
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The named tensors, whole, on the CPU."""
-        if not os.path.isdir(self.path):
-            with safe_open(self.path, framework="pt") as f:
-                return {n: f.get_tensor(n) for n in names}
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-        out = {n: torch.empty(self.shapes[n][0], dtype=self.shapes[n][1]) for n in names}
-        dcp.load(
-            out,
-            storage_reader=HuggingFaceStorageReader(self.path),
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-            no_dist=True,
-        )
-        return out
+        return self.reader.read(names)
 
     def blocks(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         """(block, its tensors) one block at a time, in the model's order."""
@@ -90,8 +72,8 @@ class Trained:
         return groups
 
 
-def _exists(folder: str, name: str) -> bool:
-    return os.path.exists(os.path.join(folder, name))
+def _exists(fs: pafs.FileSystem, folder: str, name: str) -> bool:
+    return storage.exists(fs, storage.join(folder, name))
 
 
 def write_folder(trained: Trained, out: str, meta: dict[str, str]) -> list[str]:

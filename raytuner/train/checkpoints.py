@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass
 from pickle import UnpicklingError
 
+import pyarrow.fs as pafs
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -93,7 +94,7 @@ def read_checkpoint(directory: str, weights) -> tuple[dict, dict | None, dict, T
         ema = load_file(os.path.join(directory, EMA)) if weights.ema is not None else None
         extra = torch.load(os.path.join(directory, OPTIMIZER), weights_only=True)
         extra["optimizer"], extra["lr_schedule"]  # noqa: B018 (both must be there)
-        _trained_files_complete(directory, weights)
+        _trained_files_complete(pafs.LocalFileSystem(), directory, weights)
     # torch.load of a truncated or emptied file: RuntimeError (not a zip) or EOFError
     except (
         OSError,
@@ -114,27 +115,34 @@ def read_checkpoint(directory: str, weights) -> tuple[dict, dict | None, dict, T
     return tensors, ema, extra, state
 
 
-def _trained_files_complete(directory: str, weights) -> None:
+def _trained_files_complete(fs: pafs.FileSystem, directory: str, weights) -> None:
     """What renders and exports read: a LoRA's export, a full fine-tune's denoiser config."""
     if weights.mode == "lora":
-        _export_complete(os.path.join(directory, EXPORT))
-    elif not os.path.isfile(os.path.join(directory, DENOISER)):
+        _export_complete(fs, storage.join(directory, EXPORT))
+    elif not storage.exists(fs, storage.join(directory, DENOISER)):
         raise FileNotFoundError(f"{DENOISER} is missing")
 
 
-def _export_complete(folder: str) -> None:
+def _export_complete(fs: pafs.FileSystem, folder: str) -> None:
     """The export inside a checkpoint: present, and no empty file in it."""
-    files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
+    found = storage.exists(fs, folder)
+    files = fs.get_file_info(pafs.FileSelector(folder, recursive=True)) if found else []
+    files = [f for f in files if f.type == pafs.FileType.File]
     if not files:
         raise FileNotFoundError(f"{EXPORT}/ is missing or empty")
-    if empty := [f for f in files if os.path.getsize(f) == 0]:
+    if empty := [f.path for f in files if f.size == 0]:
         raise ValueError(f"{empty[0]} is empty")
 
 
-def load_checkpoint(directory: str, weights, optimizer, lr_schedule) -> TrainState:
-    """A checkpoint's state applied to the weights, optimizer and LR schedule (sharded: a
-    collective, each worker reading the rows it owns); raises CheckpointError."""
-    if sharded_checkpoints.is_sharded(directory) != weights.sharded:
+def load_checkpoint(
+    directory: str, weights, optimizer, lr_schedule, fs: pafs.FileSystem | None = None
+) -> TrainState:
+    """A checkpoint's state applied to the weights, optimizer and LR schedule; raises
+    CheckpointError. Unsharded: ``directory`` is local (a downloaded copy). Sharded: read where
+    it is on ``fs`` (default: the local disk), a collective, each worker fetching the rows it
+    owns."""
+    fs = fs or pafs.LocalFileSystem()
+    if sharded_checkpoints.is_sharded(fs, directory) != weights.sharded:
         written = "sharded" if weights.sharded else "unsharded"
         raise CheckpointError(f"{directory}: not written by an {written} run")
     if not weights.sharded:
@@ -146,10 +154,9 @@ def load_checkpoint(directory: str, weights, optimizer, lr_schedule) -> TrainSta
         lr_schedule.load_state_dict(extra["lr_schedule"])
         return state
     try:
-        with open(os.path.join(directory, STATE)) as f:
-            state = TrainState(**json.load(f))
-        _trained_files_complete(directory, weights)
-        sharded_checkpoints.load(directory, weights, optimizer, lr_schedule, state.step)
+        state = TrainState(**storage.read_json(fs, storage.join(directory, STATE)))
+        _trained_files_complete(fs, directory, weights)
+        sharded_checkpoints.load(fs, directory, weights, optimizer, lr_schedule, state.step)
     except sharded_checkpoints.ERRORS as e:
         raise CheckpointError(f"{directory}: {type(e).__name__}: {e}") from e
     return state

@@ -150,17 +150,21 @@ class Worker:
         fs, folders = runs.complete_checkpoints(self.cfg.run_dir)
         if not folders:
             return checkpoints.TrainState()
+        w = self.weights
         for path in folders:
-            candidate = ray.train.Checkpoint(path, filesystem=fs)
             try:
-                with candidate.as_directory() as directory:
-                    st = checkpoints.load_checkpoint(directory, self.weights, self.opt, self.sched)
+                if w.sharded:  # read in place: each rank fetches its rows
+                    st = checkpoints.load_checkpoint(path, w, self.opt, self.sched, fs)
+                else:
+                    candidate = ray.train.Checkpoint(path, filesystem=fs)
+                    with candidate.as_directory() as directory:
+                        st = checkpoints.load_checkpoint(directory, w, self.opt, self.sched)
             except checkpoints.CheckpointError as e:
                 log.warning("rank %d: skipping unreadable checkpoint: %s", self.rank, e)
                 continue
             log.info(
                 "rank %d resumed at step %d (epoch %d, batch %d) from %s",
-                *(self.rank, st.step, st.epoch, st.index, candidate.path),
+                *(self.rank, st.step, st.epoch, st.index, path),
             )
             return st
         raise RuntimeError(f"no readable checkpoint in {self.cfg.run_dir}: start a new run instead")

@@ -7,6 +7,11 @@ whichever files hold them (DCP reshards on load). No worker ever holds a whole t
 another's, nor the whole optimizer state. No pickle: safetensors for the tensors, JSON for the
 optimizer's param groups and the LR schedule (rank 0's ``optimizer.json``).
 
+A resume reads the files where they are (local disk, a shared filesystem or object storage)
+through ``shards.RangeReader``: each worker fetches the headers, then only the bytes of the
+rows it owns, never a whole checkpoint (a Flux full fine-tune's is 143 GB; 8 workers of a node
+each downloading it would be a terabyte).
+
 What goes into the checkpoint folder beside these, and the marker that makes it complete, is
 ``checkpoints.py``'s.
 """
@@ -16,42 +21,40 @@ from __future__ import annotations
 import json
 import os
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 
+from raytuner import storage
 from raytuner.runs import EMA_DIR, OPTIMIZER_DIR, OPTIMIZER_JSON, WEIGHTS_DIR
+from raytuner.shards import RangeReader
 
 # what reading a damaged or partial sharded checkpoint raises
 ERRORS = (CheckpointException, OSError, ValueError, KeyError, TypeError, SafetensorError)
 
 
-def is_sharded(directory: str) -> bool:
+def is_sharded(fs: pafs.FileSystem, checkpoint: str) -> bool:
     """Whether a checkpoint folder holds a sharded run's files."""
-    return os.path.isdir(os.path.join(directory, WEIGHTS_DIR))
+    return storage.exists(fs, storage.join(checkpoint, WEIGHTS_DIR))
 
 
 def _save(tensors: dict[str, torch.Tensor], folder: str) -> None:
     dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(folder, save_distributed=True))
 
 
-def _keys(folder: str) -> dict:
-    """The tensors a DCP folder holds (name -> its size and dtype), from the files' headers."""
-    return HuggingFaceStorageReader(folder).read_metadata().state_dict_metadata
-
-
-def _load(tensors: dict[str, torch.Tensor], folder: str) -> None:
+def _load(tensors: dict[str, torch.Tensor], reader: RangeReader) -> None:
     """Read a DCP folder into ``tensors`` in place; every one must be there."""
-    missing = sorted(set(tensors) - set(_keys(folder)))
+    missing = sorted(set(tensors) - set(reader.read_metadata().state_dict_metadata))
     if missing:
-        raise KeyError(f"{os.path.basename(folder)}/ lacks {len(missing)} tensors: {missing[:3]}")
-    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(folder))
+        raise KeyError(f"{storage.basename(reader.folder)}/ lacks {len(missing)}: {missing[:3]}")
+    dcp.load(tensors, storage_reader=reader)
 
 
 def save(directory: str, weights, optimizer, lr_schedule, rank: int) -> None:
@@ -76,28 +79,28 @@ def save(directory: str, weights, optimizer, lr_schedule, rank: int) -> None:
             json.dump(record, f, indent=2, sort_keys=True)
 
 
-def load(directory: str, weights, optimizer, lr_schedule, step: int) -> None:
-    """Every worker's rows of a sharded checkpoint, at this run's number of workers, into the
-    weights, their EMA, the optimizer and the LR schedule (a collective); raises one of
-    ``ERRORS`` on every worker alike (DCP shares a worker's failure with all)."""
-    with open(os.path.join(directory, OPTIMIZER_JSON)) as f:
-        record = json.load(f)
-    _load(weights.tensors(), os.path.join(directory, WEIGHTS_DIR))
+def load(fs: pafs.FileSystem, checkpoint: str, weights, optimizer, lr_schedule, step: int) -> None:
+    """Every worker's rows of a sharded checkpoint (on ``fs``, read in place), at this run's
+    number of workers, into the weights, their EMA, the optimizer and the LR schedule (a
+    collective); raises one of ``ERRORS`` on every worker alike (DCP shares a worker's failure
+    with all)."""
+    record = storage.read_json(fs, storage.join(checkpoint, OPTIMIZER_JSON))
+    _load(weights.tensors(), RangeReader(fs, storage.join(checkpoint, WEIGHTS_DIR)))
     if (ema := weights.ema_tensors()) is not None:
-        _load(ema, os.path.join(directory, EMA_DIR))
+        _load(ema, RangeReader(fs, storage.join(checkpoint, EMA_DIR)))
         weights.ema.optimization_step = step
-    folder = os.path.join(directory, OPTIMIZER_DIR)
+    reader = RangeReader(fs, storage.join(checkpoint, OPTIMIZER_DIR))
     params = dict(zip(weights.names, weights.params, strict=True))
     targets = {}
-    for key, saved in _keys(folder).items():
+    for key, saved in reader.read_metadata().state_dict_metadata.items():
         param, size = params[key.rsplit(".", 1)[0]], tuple(saved.size)
         dtype = saved.properties.dtype
-        # a tensor like its parameter (moments) is sharded like it; others (a step count) whole
-        like = size == tuple(param.shape)
-        targets[key] = (
-            torch.empty_like(param, dtype=dtype) if like else torch.empty(size, dtype=dtype)
-        )
-    _load(targets, folder)
+        # a tensor like its parameter (AdamW's moments) is sharded like it; others (its step
+        # count) whole
+        whole = size != tuple(param.shape)
+        like = torch.empty(size, dtype=dtype) if whole else torch.empty_like(param, dtype=dtype)
+        targets[key] = like
+    _load(targets, reader)
     state: dict[str, dict] = {}
     for key, value in (targets | record["values"]).items():
         name, entry = key.rsplit(".", 1)

@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 
 import pyarrow.fs as pafs
@@ -180,15 +179,15 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str, part:
 
 def _export_model(checkpoint: ray.train.Checkpoint, out: str, state: dict) -> None:
     """A full fine-tune's diffusers folder at ``out`` from the checkpoint's trained weights
-    (their EMA where kept), read and written a block at a time (``lora/full_model.py``); a
-    checkpoint on object storage is copied first, what the export reads only."""
-    fs, folder = checkpoint.filesystem, checkpoint.path
-    with tempfile.TemporaryDirectory(prefix="raytuner-export-") as scratch:
-        local = storage.local_files(fs, folder, runs.trained_files(fs, folder), scratch)
-        trained = full_model.Trained(local)
-        meta = {"raytuner.checkpoint": storage.basename(folder), "raytuner.step": state["step"]}
-        meta["raytuner.weights"] = os.path.basename(trained.path)  # the EMA where there is one
-        full_model.write_folder(trained, out, meta)
+    (their EMA where kept), read where they are and written a block at a time
+    (``lora/full_model.py``)."""
+    trained = full_model.Trained(checkpoint.path, checkpoint.filesystem)
+    meta = {
+        "raytuner.checkpoint": storage.basename(checkpoint.path),
+        "raytuner.step": state["step"],
+    }
+    meta["raytuner.weights"] = storage.basename(trained.path)  # the EMA where there is one
+    full_model.write_folder(trained, out, meta)
 
 
 def train(job: JobConfig, family) -> dict:
