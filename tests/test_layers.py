@@ -13,7 +13,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "raytuner"
 LAYERS: list[tuple[str, list[str]]] = [
     (
         "foundation",
-        ["version", "errors", "quiet", "storage", "runs", "runtime", "config", "placement"],
+        [
+            "version",
+            "errors",
+            "quiet",
+            "storage",
+            "shards",
+            "runs",
+            "runtime",
+            "config",
+            "placement",
+        ],
     ),
     ("reporting", ["observe"]),
     ("lora", ["lora"]),
