@@ -122,3 +122,24 @@ def test_rounds_alternate_the_two_sides_and_report_their_spread():
     assert figures["spread"] == {"pipeline": round(2 / 11, 4), "bare": 0.0}
     with pytest.raises(ValueError, match="at least 1"):
         alternate(0, {"a": lambda r: r})
+
+
+def test_bench_step_shards_over_a_process_group_of_one():
+    """`bench step` with ``scaling.strategy = "fsdp"`` (a process of its own: it starts a
+    process group): the sharded step trains, and plan's sharded worker is what it compares."""
+    import subprocess
+    import sys
+
+    args = ["bench", "step", "jobs/tiny.toml", "--steps", "2", "--json"]
+    args += ["--set", 'scaling.strategy="fsdp"', "--set", 'train.mode="full"']
+    done = subprocess.run(
+        [sys.executable, "-m", "raytuner", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["strategy"] == "fsdp" and figures["samples_per_s"] > 0
+    assert figures["planned_bytes"] > 0

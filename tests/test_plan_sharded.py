@@ -94,7 +94,7 @@ def test_plan_divides_the_state_as_fsdp_does(tmp_path):
     family = FAMILIES["sdxl"]
     size = planner.largest_bucket(job, family)
     _, shapes = planner.trace_encoders(job, family, size)
-    parts = planner._sharded_parts(job, family, shapes, size, 1, False)
+    parts = planner.sharded_parts(job, family, shapes, size, 1, False)
     planned = plan_sharded.worker_bytes(job, parts, 2, 0)
     for key in ("weights_bytes", "gradients_bytes", "optimizer_bytes"):
         assert [m[key] for m in measured] == [planned[key]] * 2, key

@@ -25,12 +25,29 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["fill", "gather", "is_sharded", "local", "materialize", "shard", "units", "world"]
+__all__ = [
+    "fill",
+    "gather",
+    "is_sharded",
+    "local",
+    "materialize",
+    "shard",
+    "single_process_group",
+    "units",
+    "world",
+]
 
 
 def world() -> int:
     """The number of training workers (1 without a process group)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def single_process_group(device: torch.device) -> None:
+    """A process group of one, for sharding outside Ray Train (``raytuner bench step``)."""
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def units(denoiser: nn.Module, family) -> list[nn.Module]:

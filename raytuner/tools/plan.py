@@ -251,7 +251,7 @@ def _swap_suggestions(job: JobConfig, family, shapes, size, gpu_memory: int) -> 
     return out
 
 
-def _sharded_parts(job: JobConfig, family, shapes, size, micro: int, checkpointing: bool):
+def sharded_parts(job: JobConfig, family, shapes, size, micro: int, checkpointing: bool):
     """``plan_sharded.trace`` of the job's step (what sharding does not divide)."""
     trained = _planned_model(job, family, checkpointing)
     batch = family.example_batch(shapes, micro, size, META, trained.source.dtype)
@@ -275,7 +275,7 @@ def _sharded(job: JobConfig, family, shapes, size, micro: int, compare: bool) ->
     """An fsdp job's worker at its fewest and most workers (an elastic group may shrink to the
     fewest: that is the one that must fit), and with gradient checkpointing the other way."""
     s, checkpointing = job.scaling, job.train.gradient_checkpointing
-    parts = _sharded_parts(job, family, shapes, size, micro, checkpointing)
+    parts = sharded_parts(job, family, shapes, size, micro, checkpointing)
     out = {
         "compute_dtype": parts["compute_dtype"],
         "by_workers": [
@@ -284,7 +284,7 @@ def _sharded(job: JobConfig, family, shapes, size, micro: int, compare: bool) ->
         ],
     }
     if compare:
-        other = _sharded_parts(job, family, shapes, size, micro, not checkpointing)
+        other = sharded_parts(job, family, shapes, size, micro, not checkpointing)
         key = "without" if checkpointing else "with"
         fewest = plan_sharded.worker_bytes(job, other, s.min_workers, OVERHEAD)
         out[f"peak_bytes_{key}_checkpointing"] = fewest["peak_bytes"]
@@ -351,5 +351,5 @@ def _suggestions(job: JobConfig, family, shapes, size, gpu_memory: int, sharded)
         out.append({"set": text, "peak_bytes": peak, "fits": peak <= gpu_memory})
     out += _swap_suggestions(job, family, shapes, size, gpu_memory)
     checkpointing = job.train.gradient_checkpointing
-    parts = _sharded_parts(job, family, shapes, size, micro, checkpointing)
+    parts = sharded_parts(job, family, shapes, size, micro, checkpointing)
     return out + [_fsdp_suggestion(job, parts, gpu_memory)]

@@ -1,6 +1,8 @@
 """`raytuner bench step`: one process trains the job's denoiser on random batches of the job's
 largest bucket (no Ray, no cache) and reports samples/s and the measured peak GPU memory beside
-what ``raytuner plan`` traces for the same step. On a CPU it runs the same code (tiny models)."""
+what ``raytuner plan`` traces for the same step. On a CPU it runs the same code (tiny models).
+With ``scaling.strategy = "fsdp"`` the denoiser is sharded over a process group of one (what
+sharding costs on one GPU: the gathers, the float32 reduction), against plan's sharded worker."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import time
 import torch
 
 from raytuner.config import JobConfig
-from raytuner.tools import plan
+from raytuner.placement import sharding
+from raytuner.tools import plan, plan_sharded
 from raytuner.train import optim, step
 from raytuner.train.feed import RankSlice
 from raytuner.train.weights import trainable_model
@@ -26,9 +29,13 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
         shapes = plan.trace_encoders(job, family, size)[1]
     micro = plan.micro_batch(job)
     checkpointing = job.train.gradient_checkpointing
-    planned = plan.trace_step(job, family, shapes, size, micro, checkpointing)
+    planned_step = _planned(job, family, shapes, size, micro)
+    strategy = job.scaling.strategy
+    if strategy == "fsdp":
+        sharding.single_process_group(device)
     started = time.perf_counter()
-    trained = trainable_model(job.model, job.train, job.lora, family, device, job.memory)
+    m, t = job.model, job.train
+    trained = trainable_model(m, t, job.lora, family, device, job.memory, strategy=strategy)
     loss_fn = family.loss(trained.source, job.objective.for_family(family))
     dtype = trained.source.dtype
     load_s = time.perf_counter() - started
@@ -53,8 +60,6 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
-    # what the bare step holds: no DDP buckets, no CUDA context (not counted by the allocator)
-    planned_step = planned["weights_bytes"] + planned["ema_bytes"] + planned["step_peak_bytes"]
     measured = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     result = {
         "family": family.name,
@@ -63,7 +68,8 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "bucket": list(size),
         "micro_batch": micro,
-        "gradient_checkpointing": job.train.gradient_checkpointing,
+        "gradient_checkpointing": checkpointing,
+        "strategy": strategy,
         "steps": steps,
         "load_s": round(load_s, 1),
         "samples_per_s": round(steps * micro / seconds, 3),
@@ -73,3 +79,14 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
     }
     print(json.dumps(result) if as_json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return result
+
+
+def _planned(job: JobConfig, family, shapes, size, micro: int) -> int:
+    """What plan says the bare step holds: no DDP buckets, no CUDA context (the allocator does
+    not count it); sharded, plan's worker of a group of one."""
+    checkpointing = job.train.gradient_checkpointing
+    if job.scaling.strategy == "fsdp":
+        parts = plan.sharded_parts(job, family, shapes, size, micro, checkpointing)
+        return plan_sharded.worker_bytes(job, parts, 1, 0)["peak_bytes"]
+    planned = plan.trace_step(job, family, shapes, size, micro, checkpointing)
+    return planned["weights_bytes"] + planned["ema_bytes"] + planned["step_peak_bytes"]
