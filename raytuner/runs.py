@@ -10,7 +10,8 @@ job's run lives, its checkpoints, the newest complete one and where the exported
         scaling.strategy = "fsdp" (every worker writes its rows, no pickle):
           weights/  ema/  optimizer/       shard-<rank>-model-00001-of-00001.safetensors each
           optimizer.json                   param groups, LR schedule (rank 0)
-        denoiser.json                      full fine-tunes: the denoiser's config
+        denoiser.json  export.json         full fine-tunes: the denoiser's config, the export's
+                                           raytuner.json
         run.json  job.json  dataset.json
         export/lora/                       LoRA runs: both LoRA layouts
         state.json  (rank 0, once every worker's files are in place: a folder without it is
@@ -51,6 +52,7 @@ EMA_DIR = "ema"
 OPTIMIZER_DIR = "optimizer"
 OPTIMIZER_JSON = "optimizer.json"  # fsdp: the optimizer's param groups and the LR schedule
 DENOISER = "denoiser.json"  # full fine-tunes: the denoiser's config (a model folder's config.json)
+EXPORT_META = "export.json"  # full fine-tunes: what the exported model folder says of itself
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
 
 # in the run folder (and, for the first two, inside a checkpoint's export/)

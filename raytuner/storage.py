@@ -140,12 +140,14 @@ def local_copy(fs: pafs.FileSystem, path: str, scratch: str) -> str:
 
 def copy_named(fs: pafs.FileSystem, folder: str, names: list[str], target: str) -> str:
     """Copy ``names`` (files or folders) of ``folder`` on ``fs`` into the local ``target``."""
+    os.makedirs(target, exist_ok=True)
     for name in names:
         path = join(folder, name)
         if fs.get_file_info(path).type == pafs.FileType.Directory:
+            # made first: pyarrow's threads copying the files race to make a missing folder
+            os.makedirs(os.path.join(target, name), exist_ok=True)
             pafs.copy_files(path, os.path.join(target, name), source_filesystem=fs)
         else:
-            os.makedirs(target, exist_ok=True)
             copy_stream(fs, path, pafs.LocalFileSystem(), os.path.join(target, name))
     return target
 

@@ -91,11 +91,11 @@ def sample(job_file: Path, checkpoint: str, out: Path, *more: str) -> dict[str, 
 
 
 def assert_sampling_uses_the_trained_weights(
-    job_file: Path, tmp: Path, weights: str | None, *more: str
+    job_file: Path, tmp: Path, weights: str | None, *more: str, levels: int = 0
 ) -> None:
     """`raytuner sample` with the latest checkpoint: four 64x64 PNGs and their 2x2 grid; the
     images differ from the base model's and (when given) equal those of the exported folder
-    ``weights``."""
+    ``weights``, within ``levels`` of 255 per pixel."""
     latest = sample(job_file, "latest", tmp / "latest", *more)
     base = sample(job_file, "base", tmp / "base", *more)
     assert latest["grid.png"].shape == (128, 128, 3)
@@ -105,7 +105,8 @@ def assert_sampling_uses_the_trained_weights(
     assert np.array_equal(top_left, latest["00-a-red-circle-seed0.png"])
     if weights is not None:
         exported = sample(job_file, weights, tmp / "exported", *more)
-        assert np.array_equal(exported["grid.png"], latest["grid.png"])
+        difference = np.abs(exported["grid.png"].astype(int) - latest["grid.png"].astype(int))
+        assert difference.max() <= levels, difference.max()
 
 
 # SDXL runs the same path in tests/test_demo.py (the demo is an SDXL job)
@@ -212,5 +213,9 @@ def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request,
     setattr(pipe, family.denoiser_part, model.eval())
     image = pipeline_image(pipe)
     assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
+    # the latest checkpoint's weights, read a block at a time into freshly allocated tensors,
+    # against the export that from_pretrained maps from its files: the same values at other
+    # memory alignments, which the CPU's matmul kernels round differently (measured: 2.4e-7 in
+    # the tiny Flux's output)
     run = ["--set", 'train.name="full"']
-    assert_sampling_uses_the_trained_weights(job_file, tmp_path, summary["model"], *run)
+    assert_sampling_uses_the_trained_weights(job_file, tmp_path, summary["model"], *run, levels=2)

@@ -270,10 +270,15 @@ def test_a_sharded_lora_trains_as_ddp(flux_job):
 @pytest.mark.timeout(900)
 def test_a_sharded_sdxl_full_finetune_trains_as_ddp(job_file):
     """The UNet sharded by its down/mid/up blocks, on the skewed job (12 steps, lr 1e-2, a
-    padded bucket, rank 0 accumulating micro-batches)."""
+    padded bucket, rank 0 accumulating micro-batches). The validation actor renders the last
+    sharded checkpoint (its weights read a block at a time)."""
     full = ('train.mode="full"', "train.learning_rate=1e-3", "train.micro_batch_size=1")
     ddp, ddp_dir = run(job_file, "full-ddp", *full, 'scaling.strategy="ddp"')
-    fsdp, fsdp_dir = run(job_file, "full-fsdp", *full, 'scaling.strategy="fsdp"')
+    validation = ("validation.every_steps=12", 'validation.prompts=["a red circle"]')
+    validation += ("validation.steps=2",)
+    fsdp, fsdp_dir = run(job_file, "full-fsdp", *full, 'scaling.strategy="fsdp"', *validation)
+    rendered = json.loads((fsdp_dir / runs.VALIDATION / "step_000012.json").read_text())
+    assert "error" not in rendered and (fsdp_dir / runs.VALIDATION / "step_000012.png").is_file()
     worst = assert_close(model_weights(ddp, "unet"), model_weights(fsdp, "unet"))
     print(f"SDXL fsdp against ddp: largest relative difference {worst:.2e}")
     assert sample_log.trained(str(ddp_dir)) == sample_log.trained(str(fsdp_dir))

@@ -272,6 +272,8 @@ class Worker:
             run=run,
             fingerprint=cfg.fingerprint,
         )
+        if self.weights.mode == "full":  # the final export's raytuner.json (written from it)
+            records[runs.EXPORT_META] = meta
         save = functools.partial(self.weights.export_lora, family=cfg.family, meta=meta)
         checkpoints.save_checkpoint(
             directory, self.weights, self.opt, self.sched, st, records, save, rank=self.rank,

@@ -26,6 +26,7 @@ from raytuner.runs import (
     DATASET,
     DIFFUSERS_FILE,
     EXPORT,
+    EXPORT_META,
     KOHYA_FILE,
     LORA_DIR,
     MODEL_DIR,
@@ -160,7 +161,7 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str, part:
     source = checkpoint.filesystem
     state = storage.read_json(source, storage.join(checkpoint.path, STATE))
     if runs.trained_files(source, checkpoint.path) != [EXPORT]:
-        _export_model(checkpoint, storage.join(uri, MODEL_DIR, part), state)
+        _export_model(checkpoint, storage.join(uri, MODEL_DIR, part))
         return {"model": storage.join(uri, MODEL_DIR)} | state
     fs, run = storage.resolve(uri)
     # file by file from where the checkpoint is, streamed: never the optimizer state, never a
@@ -177,15 +178,14 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str, part:
     return paths | state
 
 
-def _export_model(checkpoint: ray.train.Checkpoint, out: str, state: dict) -> None:
+def _export_model(checkpoint: ray.train.Checkpoint, out: str) -> None:
     """A full fine-tune's diffusers folder at ``out`` from the checkpoint's trained weights
     (their EMA where kept), read where they are and written a block at a time
-    (``lora/full_model.py``)."""
-    trained = full_model.Trained(checkpoint.path, checkpoint.filesystem)
-    meta = {
-        "raytuner.checkpoint": storage.basename(checkpoint.path),
-        "raytuner.step": state["step"],
-    }
+    (``lora/full_model.py``), with what the checkpoint says of its export (``raytuner.json``)."""
+    fs, folder = checkpoint.filesystem, checkpoint.path
+    trained = full_model.Trained(folder, fs)
+    meta = storage.read_json(fs, storage.join(folder, EXPORT_META))
+    meta["raytuner.checkpoint"] = storage.basename(folder)
     meta["raytuner.weights"] = storage.basename(trained.path)  # the EMA where there is one
     full_model.write_folder(trained, out, meta)
 

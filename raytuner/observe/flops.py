@@ -1,0 +1,79 @@
+"""The work a step does and how much of the GPU it used: FLOPs counted, not estimated, and MFU
+against the device's dense bfloat16 peak.
+
+``counted()`` is torch's ``FlopCounterMode`` (matmuls, convolutions, attention, forward and
+backward, and the forward again where gradient checkpointing recomputes it), with formulas added
+for the CPU's fused attention kernels, which torch counts only on GPUs. It counts whatever runs
+inside it, on real tensors or on the meta device (``raytuner plan`` counts its traced step).
+
+MFU = achieved FLOP/s / the device's dense (not 2:4 sparse) bfloat16 peak from ``PEAKS`` (vendor
+data sheets), or the peak given (``scaling.peak_tflops``, ``--peak-tflops``); a device the table
+does not know, and every CPU, has MFU "unknown" rather than a number against a wrong peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+# dense bfloat16 tensor-core TFLOP/s, by a part of the name torch.cuda.get_device_name() gives
+# (the first that matches; longer, more specific names first)
+PEAKS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),  # SXM (HBM3)
+    ("H200", 989.4),
+    ("H20", 148.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.1),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("RTX 4090", 165.2),
+    ("RTX 3090", 71.0),
+    ("RTX 6000 Ada", 364.2),
+)
+
+
+def _cpu_attention(q, k, v, *args, **kwargs) -> int:
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_attention_backward(grad_out, q, k, v, *args, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+def _custom() -> dict:
+    aten = torch.ops.aten
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+    }
+
+
+@contextlib.contextmanager
+def counted() -> Iterator[FlopCounterMode]:
+    """Count the FLOPs of what runs inside (``.get_total_flops()``)."""
+    with FlopCounterMode(display=False, custom_mapping=_custom()) as counter:
+        yield counter
+
+
+def device_peak(device: torch.device, given: float = 0.0) -> float | None:
+    """The device's dense bfloat16 peak in TFLOP/s: ``given`` when set, else the table's entry
+    for the GPU's name; None (MFU unknown) on a CPU or a GPU the table does not list."""
+    if given:
+        return given
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for part, peak in PEAKS if part in name), None)
+
+
+def mfu(tflop_per_s: float, peak: float | None) -> float | None:
+    """The share of the peak the achieved TFLOP/s are; None when the peak is unknown."""
+    return None if not peak else tflop_per_s / peak
