@@ -10,6 +10,7 @@ from raytuner.config.loader import ConfigError, one_of, positive
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
+SAVE_DTYPES = ("float16", "bfloat16", "float32")  # lora.save_dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,9 +71,13 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=list)  # empty: the family's default
     init_from: str = ""  # a LoRA file (diffusers or kohya keys) training starts from
+    # the dtype of the exported LoRA files (training keeps model.trainable_dtype); float16: what
+    # sd-scripts' users save (--save_precision fp16) and every UI loads, Apple's MPS included
+    save_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         positive("lora.rank", self.rank)
+        one_of("lora.save_dtype", self.save_dtype, SAVE_DTYPES)
         positive("lora.alpha", self.alpha)
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"lora.dropout = {self.dropout}: must be in [0, 1)")
