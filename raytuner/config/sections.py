@@ -36,6 +36,7 @@ class TrainConfig:
     sample_log: bool = False  # write the cache rows of every step under <run>/samples/
     mode: str = "lora"  # lora: a peft adapter on the denoiser; full: the whole denoiser
     caption_dropout: float = 0.0  # share of samples trained with the empty caption
+    prior_loss_weight: float = 1.0  # the loss weight of regularization images (kohya's)
     ema_decay: float = 0.0  # > 0: keep an EMA of the trained weights; exports use it
     gradient_checkpointing: bool = False
     mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
@@ -65,6 +66,7 @@ class TrainConfig:
         positive("train.learning_rate", self.learning_rate)
         positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
         positive("train.log_every", self.log_every)
+        positive("train.prior_loss_weight", self.prior_loss_weight, zero_ok=True)
         one_of("train.remainder", self.remainder, ("drop", "pad"))
         one_of("train.mode", self.mode, ("lora", "full"))
         one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
