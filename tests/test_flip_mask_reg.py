@@ -29,6 +29,8 @@ from raytuner.data import cache
 from raytuner.data.reader import CachedDataset, open_dataset
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
+from raytuner.preprocess.decode import decode_row
+from raytuner.preprocess.job import decode_spec
 from raytuner.preprocess.worklist import pair_regularization, report_lines
 from raytuner.train import sample_log
 from raytuner.train.feed import Feed
@@ -104,13 +106,18 @@ def _draw(root: Path) -> None:
         Image.fromarray(noise()).save(root / "reg" / "1_person" / f"r{i}.png")
 
 
+def write_job(root: Path) -> Path:
+    """The dataset drawn under ``root`` and its job file."""
+    _draw(root)
+    (root / "job.toml").write_text(JOB.format(root=root))
+    return root / "job.toml"
+
+
 @pytest.fixture(scope="module")
 def features(ray_local, tmp_path_factory) -> tuple[Path, dict]:
     """The job file and the report of its first preprocess."""
-    root = tmp_path_factory.mktemp("features")
-    _draw(root)
-    (root / "job.toml").write_text(JOB.format(root=root))
-    return root / "job.toml", preprocess(load_job(root / "job.toml"))
+    job_file = write_job(tmp_path_factory.mktemp("features"))
+    return job_file, preprocess(load_job(job_file))
 
 
 def dataset(job_file: Path) -> CachedDataset:
@@ -175,6 +182,36 @@ def test_a_rerun_encodes_nothing_and_an_edited_mask_only_its_image(features, tmp
     data = dataset(tmp_path / "job.toml")
     mask = data.batch([data.paths.index("m0.png")])["mask"][0, 0]
     assert mask[:4].sum() == 0 and (mask[4:] == 1).all()  # the new mask, bottom half
+
+
+def test_a_mask_file_is_cut_like_its_image_or_its_image_skipped_with_the_reason(tmp_path):
+    """A mask at half the image's size is resized to it (its top half trains); one of another
+    aspect ratio, or one that is no image, skips the image, naming the mask file."""
+    job = load_job(write_job(tmp_path))
+    spec = decode_spec(FAMILIES["sdxl"], job.data, job.preprocess)
+    folder = tmp_path / "masked"
+    half = np.zeros((SIDE // 2, SIDE // 2), np.uint8)
+    half[: SIDE // 4] = 255
+    cases = {"half": Image.fromarray(half), "wide": Image.new("L", (SIDE, SIDE // 2), 255)}
+    for name, mask in cases.items():
+        mask.save(folder / f"{name}-masklabel.png")
+    (folder / "broken-masklabel.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")
+    image = (folder / "m0.png").read_bytes()
+
+    def decoded(name: str) -> dict:
+        row = {"source": 1, "path": "m0.png", "key": "ab" * 32}
+        return decode_row(row | {"mask_path": f"{name}-masklabel.png"}, spec, image, "file")
+
+    cut = np.frombuffer(decoded("half")["mask"], np.uint8).reshape(SIDE, SIDE)
+    edge = SIDE // 2  # resized bilinearly: the rows beside the edge blend
+    assert (cut[: edge - 1] == 255).all() and (cut[edge + 1 :] == 0).all()
+    wide, broken = decoded("wide"), decoded("broken")
+    assert wide["status"] == broken["status"] == "skipped"
+    assert wide["reason"] == (
+        "mask file 'wide-masklabel.png': 64x32, the image 64x64: a mask must have the image's "
+        "aspect ratio"
+    )
+    assert broken["reason"].startswith("mask file 'broken-masklabel.png': corrupt")
 
 
 def _encoded(family, image: Image.Image) -> torch.Tensor:
