@@ -65,6 +65,9 @@ learning_rate = 1e-2
 log_every = 1
 sample_log = true
 
+[lora]
+save_dtype = "float32"  # runs' exports are compared to float rounding (the default rounds)
+
 [scaling]
 workers = 2
 cpus_per_worker = 0.5

@@ -91,6 +91,16 @@ def test_values_are_validated(tmp_path):
         load_job(write(tmp_path, MINIMAL + "global_batch_size = 2\n[scaling]\nworkers = 4\n"))
 
 
+def test_epochs_or_max_steps_one_of_them(tmp_path):
+    job = write(tmp_path, MINIMAL)
+    assert load_job(job).train.max_steps == 100  # neither: the default length
+    epochs = load_job(job, ["train.epochs=3"]).train
+    assert (epochs.epochs, epochs.max_steps) == (3, 0)  # its steps are counted at train
+    assert epochs.for_epochs(7).max_steps == 21
+    with pytest.raises(ConfigError, match=r"train.max_steps = 20 and train.epochs = 3: set one"):
+        load_job(job, ["train.epochs=3", "train.max_steps=20"])
+
+
 def test_overrides_are_typed_like_toml(tmp_path):
     job = load_job(
         write(tmp_path, MINIMAL),

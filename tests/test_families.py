@@ -47,6 +47,8 @@ max_steps = 3
 global_batch_size = 4
 learning_rate = 1e-2
 log_every = 3
+[lora]
+save_dtype = "float32"  # exports compared to float rounding (the default float16 rounds)
 [scaling]
 workers = 2
 cpus_per_worker = 0.5

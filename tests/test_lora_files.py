@@ -146,6 +146,39 @@ def test_flux_default_targets_at_flux1_width_convert_exactly_through_diffusers()
         )
 
 
+def _tensor_bytes(path: Path) -> int:
+    """A safetensors file's size without its 8-byte header length and JSON header."""
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    return path.stat().st_size - 8 - header
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_save_dtype_writes_half_the_bytes_and_diffusers_loads_the_files(dtype, tmp_path):
+    """``lora.save_dtype``: both files' tensors in that dtype, half the float32 export's bytes,
+    named in the metadata; the pipeline loads each and renders the float32 export's image
+    (to the dtype's rounding)."""
+    lora = {"rank": 4, "alpha": 4.0}
+    exported("sdxl", tmp_path / "full", LoraConfig(**lora, save_dtype="float32"))
+    exported("sdxl", tmp_path / "half", LoraConfig(**lora, save_dtype=dtype))
+    for file in (runs.DIFFUSERS_FILE, runs.KOHYA_FILE):
+        full, half = tmp_path / "full" / "lora" / file, tmp_path / "half" / "lora" / file
+        assert {t.dtype for t in load_file(str(half)).values()} == {getattr(torch, dtype)}
+        assert {t.dtype for t in load_file(str(full)).values()} == {torch.float32}
+        assert _tensor_bytes(half) * 2 == _tensor_bytes(full)
+        assert meta(half)["raytuner.save_dtype"] == dtype
+        reference = image("sdxl", full.parent, file)
+        assert not np.allclose(reference, image("sdxl"), atol=1e-3)  # the LoRA shows
+        np.testing.assert_allclose(image("sdxl", half.parent, file), reference, atol=2e-2)
+
+
+def test_save_dtype_refuses_a_weight_beyond_float16(tmp_path):
+    weights = exported("sd15", tmp_path / "ok", LoraConfig(rank=2, alpha=2.0))
+    weights.load({k: torch.full_like(v, 7e4) for k, v in weights.state().items()})
+    meta = {"raytuner.save_dtype": "float16", "raytuner.run": "big"}
+    with pytest.raises(ValueError, match=r"lora.save_dtype = 'float16'.*7e\+04.*bfloat16"):
+        weights.export(str(tmp_path / "big"), FAMILIES["sd15"], meta)
+
+
 def test_files_carry_the_metadata_the_uis_classify_by(tmp_path):
     expected = {
         "sd15": ("sd_v1", "stable-diffusion-v1/lora", "diffusers"),
@@ -193,8 +226,9 @@ def test_init_from_either_export_starts_from_its_weights(name, tmp_path):
         weights = trained_from(name, path, LoraConfig(rank=2, alpha=4.0, init_from=str(path)))
         start = weights.state()
         assert start.keys() == known.keys()
-        for key in known:
-            torch.testing.assert_close(start[key], known[key], msg=f"{file}: {key}")
+        for key in known:  # the files hold lora.save_dtype's float16
+            expected = known[key].to(torch.float16).float()
+            torch.testing.assert_close(start[key], expected, msg=f"{file}: {key}")
 
         weights.export(str(tmp_path / "next"), FAMILIES[name], {"raytuner.run": "next"})
         m = meta(tmp_path / "next" / "lora" / runs.DIFFUSERS_FILE)

@@ -78,12 +78,25 @@ def test_blank_lines_and_comments_are_skipped_and_lines_keep_their_numbers():
     assert lines[1] == lines[0].__class__(**(asdict(lines[0]) | {"line": 4}))  # case-blind
 
 
+def test_a_sampler_line_is_read_and_noted_once(caplog):
+    """sd-scripts' --ss (its users' files carry it) is kept on the line, and one log line says
+    the pipeline's own scheduler renders instead."""
+    with caplog.at_level("INFO", logger="raytuner.prompts"):
+        lines = parse_prompts("a cat --ss euler_a --s 20\na dog\na fox --SS ddim")
+    assert [p.sampler for p in lines] == ["euler_a", None, "ddim"]
+    assert lines[0].steps == 20
+    notes = [r.getMessage() for r in caplog.records if r.name == "raytuner.prompts"]
+    assert notes == [
+        "prompts: --ss euler_a (line 1, 3) is not used: the pipeline's own scheduler renders"
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("a\nb --w big", "line 2: --w 'big' is not a number"),
         ("a --x 1", "line 1: unknown option --x"),
-        ("a --ss euler_a", "line 1: --ss (a sampler"),
+        ("a --cn control.png", "line 1: --cn (a ControlNet image"),
         ("--w 512 --h 512", "line 1: no prompt before its options"),
         ("a --n", "line 1: --n needs a value"),
         ("a --s 0", "line 1: --s 0: must be at least 1"),

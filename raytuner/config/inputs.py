@@ -5,6 +5,7 @@ Part of the job configuration (``raytuner.config`` re-exports every class here).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from raytuner.config.loader import ConfigError, one_of, positive
@@ -36,6 +37,10 @@ class ModelConfig:
         one_of("model.trainable_dtype", self.trainable_dtype, ("float32", "bfloat16"))
 
 
+FLIPS = ("none", "random")  # data.flip
+MASKS = ("none", "alpha", "file")  # data.mask
+
+
 @dataclass(frozen=True, kw_only=True)
 class SourceConfig:
     """One image folder of the dataset (``[[data.sources]]``)."""
@@ -47,11 +52,18 @@ class SourceConfig:
     caption_errors: str = "replace"
     metadata: str = ""  # "" = auto: metadata.jsonl, .csv or .parquet in the folder, if any
     repeats_from_folder: bool = False  # kohya folders: "10_ohwx person/" -> 10 repeats
+    # prior preservation: its images pair with the others by kohya's rule and their loss is
+    # weighted by train.prior_loss_weight
+    regularization: bool = False
+    flip: str = ""  # none | random (a mirror image's latent is cached too); "": data.flip
+    mask: str = ""  # none | alpha | file (<stem>-masklabel.png); "": data.mask
 
     def __post_init__(self) -> None:
         positive("data.sources.repeats", self.repeats)
         one_of("data.sources.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
         one_of("data.sources.caption_errors", self.caption_errors, ("replace", "skip"))
+        one_of("data.sources.flip", self.flip, ("", *FLIPS))
+        one_of("data.sources.mask", self.mask, ("", *MASKS))
         if not self.caption_extension.startswith("."):
             raise ConfigError(
                 f"caption_extension = {self.caption_extension!r}: must start with '.'"
@@ -67,6 +79,8 @@ class DataConfig:
     caption_extension: str = ".txt"
     caption_fallback: str = "stem"
     caption_errors: str = "replace"
+    flip: str = "none"  # every source's flip unless it sets its own
+    mask: str = "none"  # every source's mask unless it sets its own
     sources: list[SourceConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -76,11 +90,19 @@ class DataConfig:
             caption_fallback=self.caption_fallback,
             caption_errors=self.caption_errors,
         )
+        one_of("data.flip", self.flip, FLIPS)
+        one_of("data.mask", self.mask, MASKS)
         if not self.images and not self.sources:
             raise ConfigError("set data.images or at least one [[data.sources]]")
+        if not self.images and all(s.regularization for s in self.sources):
+            raise ConfigError(
+                "every [[data.sources]] has regularization = true: regularization images "
+                "are paired with training images (add a source, or data.images, without it)"
+            )
 
     def all_sources(self) -> list[SourceConfig]:
-        """``data.images`` (if set) as the first source, then ``[[data.sources]]``."""
+        """``data.images`` (if set) as the first source, then ``[[data.sources]]``; each with
+        its flip and mask settled (``data.flip`` / ``data.mask`` unless it sets its own)."""
         shorthand = []
         if self.images:
             shorthand = [
@@ -91,7 +113,10 @@ class DataConfig:
                     caption_errors=self.caption_errors,
                 )
             ]
-        return shorthand + list(self.sources)
+        return [
+            dataclasses.replace(s, flip=s.flip or self.flip, mask=s.mask or self.mask)
+            for s in shorthand + list(self.sources)
+        ]
 
 
 @dataclass(frozen=True, kw_only=True)

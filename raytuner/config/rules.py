@@ -1,6 +1,7 @@
 """Rules between a job's sections, checked when the job is loaded (``JobConfig``): what block
-swap, activation offload and float8 need of training; a run name that is one folder name; the
-folders raytuner writes never nested with the image folders it reads."""
+swap, activation offload and float8 need of training; a prior-loss weight only beside
+regularization images; a run name that is one folder name; the folders raytuner writes never
+nested with the image folders it reads."""
 
 from __future__ import annotations
 
@@ -32,6 +33,17 @@ def memory_needs(memory, train, model) -> None:
         raise ConfigError(
             'model.dtype = "float8" stores frozen weights: it needs train.mode = "lora" '
             '(a full fine-tune trains in model.trainable_dtype; use "bfloat16" or "auto")'
+        )
+
+
+def regularization(data, train) -> None:
+    """``train.prior_loss_weight`` weights the regularization images' loss: set away from 1
+    without a regularization source, it would change nothing."""
+    if train.prior_loss_weight != 1.0 and not any(s.regularization for s in data.sources):
+        raise ConfigError(
+            f"train.prior_loss_weight = {train.prior_loss_weight} weights the loss of "
+            "regularization images, and no [[data.sources]] has regularization = true: add "
+            "one (kohya's reg folders: repeats_from_folder = true) or remove the key"
         )
 
 

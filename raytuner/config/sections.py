@@ -4,6 +4,7 @@ checking its own values (the input sections, [model] [data] [preprocess], are in
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from raytuner.config.loader import ConfigError, one_of, positive
@@ -11,6 +12,8 @@ from raytuner.config.loader import ConfigError, one_of, positive
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
 STRATEGIES = ("ddp", "fsdp")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
+SAVE_DTYPES = ("float16", "bfloat16", "float32")  # lora.save_dtype
+DEFAULT_STEPS = 100  # train.max_steps when neither it nor train.epochs is set
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,7 +22,8 @@ class TrainConfig:
 
     output: str
     name: str = ""  # run name; "" means the job file's stem
-    max_steps: int = 100
+    max_steps: int = 0  # optimizer steps; 0: DEFAULT_STEPS, unless epochs is set
+    epochs: int = 0  # instead of max_steps: epochs of the global schedule (steps set at train)
     global_batch_size: int = 4
     learning_rate: float = 1e-4
     weight_decay: float = 1e-2
@@ -33,6 +37,7 @@ class TrainConfig:
     sample_log: bool = False  # write the cache rows of every step under <run>/samples/
     mode: str = "lora"  # lora: a peft adapter on the denoiser; full: the whole denoiser
     caption_dropout: float = 0.0  # share of samples trained with the empty caption
+    prior_loss_weight: float = 1.0  # the loss weight of regularization images (kohya's)
     ema_decay: float = 0.0  # > 0: keep an EMA of the trained weights; exports use it
     gradient_checkpointing: bool = False
     mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
@@ -43,7 +48,15 @@ class TrainConfig:
     lr_power: float = 1.0  # polynomial: the decay's power
 
     def __post_init__(self) -> None:
-        positive("train.max_steps", self.max_steps)
+        positive("train.max_steps", self.max_steps, zero_ok=True)
+        positive("train.epochs", self.epochs, zero_ok=True)
+        if self.max_steps and self.epochs:
+            raise ConfigError(
+                f"train.max_steps = {self.max_steps} and train.epochs = {self.epochs}: set one of "
+                "them (train.epochs trains that many epochs of the global schedule)"
+            )
+        if not self.epochs and not self.max_steps:  # neither set: the default length
+            object.__setattr__(self, "max_steps", DEFAULT_STEPS)
         one_of("train.optimizer", self.optimizer, OPTIMIZERS)
         one_of("train.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         positive("train.lr_cycles", self.lr_cycles)
@@ -54,12 +67,18 @@ class TrainConfig:
         positive("train.learning_rate", self.learning_rate)
         positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
         positive("train.log_every", self.log_every)
+        positive("train.prior_loss_weight", self.prior_loss_weight, zero_ok=True)
         one_of("train.remainder", self.remainder, ("drop", "pad"))
         one_of("train.mode", self.mode, ("lora", "full"))
         one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
         for key in ("ema_decay", "caption_dropout"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)}: must be in [0, 1)")
+
+    def for_epochs(self, steps_per_epoch: int) -> TrainConfig:
+        """With ``train.epochs`` set: the same section with ``max_steps`` = epochs x
+        ``steps_per_epoch`` (the global batches of an epoch, known once the cache is read)."""
+        return dataclasses.replace(self, max_steps=self.epochs * steps_per_epoch, epochs=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,9 +90,13 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=list)  # empty: the family's default
     init_from: str = ""  # a LoRA file (diffusers or kohya keys) training starts from
+    # the dtype of the exported LoRA files (training keeps model.trainable_dtype); float16: what
+    # sd-scripts' users save (--save_precision fp16) and every UI loads, Apple's MPS included
+    save_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         positive("lora.rank", self.rank)
+        one_of("lora.save_dtype", self.save_dtype, SAVE_DTYPES)
         positive("lora.alpha", self.alpha)
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"lora.dropout = {self.dropout}: must be in [0, 1)")

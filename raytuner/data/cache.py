@@ -7,7 +7,11 @@ Layout under ``data.cache``::
     <fingerprint>/manifest.json     what readers trust: every live file with rows and sha256
     <fingerprint>/report.json       the report of the run that committed it
     <fingerprint>/leases/*.json     heartbeats of the jobs using the version (``lease.py``)
-    <fingerprint>/parts/<run>/latents/status=ok/*.parquet  rows keyed by image-content hash
+    <fingerprint>/parts/<run>/latents/status=ok/*.parquet  rows keyed by image-content hash:
+                                                the latents (an image's, key ``<hash>``; its
+                                                mirror image's, ``<hash>:flip``), and in files
+                                                of their own its loss masks at latent
+                                                resolution (``<hash>:mask:<source>``)
     <fingerprint>/parts/<run>/text/*.parquet               one row per distinct caption
     <fingerprint>/parts/<run>/index.parquet     one row per trained image: path, caption, repeats,
                                                 bucket, conditioning and where its latent lies
@@ -44,8 +48,9 @@ import xxhash
 from raytuner import storage
 from raytuner.config import ModelConfig, PreprocessConfig
 
+# 5: flipped latents, loss masks, an image's alpha flag, the index's regularization rows;
 # 4: per-cell xxh3-64 checksums (``<tensor>_xxh3``); 3: one row per row group
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 MANIFEST, REPORT = "manifest.json", "report.json"
 INDEX, CAPTIONS = "index.parquet", "captions.parquet"
 LATENTS, TEXT = "latents", "text"
@@ -84,8 +89,29 @@ ENCODING_KEYS = (
     "store_std",
 )
 # the small per-row columns a located latent row carries besides its cell offsets
-LATENT_FIELDS = ("key", "width", "height", "original_size", "crop_top_left", "latent_shape")
+LATENT_FIELDS = (
+    "key",
+    "width",
+    "height",
+    "original_size",
+    "crop_top_left",
+    "alpha",  # the image has transparency: an alpha mask can be made of it
+    "latent_shape",
+)
 TEXT_FIELDS = ("caption_key", "truncated")
+MASK = "mask"  # a mask row's tensor: [1, h, w] loss weights in [0, 1] at the latent's h x w
+ALPHA = "alpha"  # the mask source of an image's own alpha channel (``mask_key``)
+
+
+def flip_key(key: str) -> str:
+    """The row key of the latent of an image's mirror image (``data.flip``)."""
+    return f"{key}:flip"
+
+
+def mask_key(key: str, source: str) -> str:
+    """The row key of an image's loss mask: made of its alpha channel (``source`` = ALPHA) or
+    of a mask file (``source``: the file's sha256, so an edited mask is made again)."""
+    return f"{key}:{MASK}:{source[:16]}"
 
 
 def caption_key(caption: str) -> str:

@@ -2,10 +2,11 @@
 
 The index (``index.parquet``) lists the trained rows in a fixed order, (source, path), with
 everything a training worker needs to read a row without opening the data files' footers: the
-bucket, the conditioning, the file, byte offset and checksum of its latent and the row of its
-caption in ``captions.parquet``, which holds the same for each distinct caption's text
-tensors. The dataset id, a hash of that list, is what a checkpoint records: resuming on other
-rows is refused.
+bucket, the conditioning, the file, byte offset and checksum of its latent (and of its flipped
+latent and its loss mask, when its source has them), whether it is a regularization image, and
+the row of its caption in ``captions.parquet``, which holds the same for each distinct
+caption's text tensors. The dataset id, a hash of that list, is what a checkpoint records:
+resuming on other rows is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from raytuner.data.cache import (
     Version,
     caption_key,
     checksum_column,
+    flip_key,
 )
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,20 @@ INDEX_SCHEMA = pa.schema(
         ("latent_std_at", pa.int64()),  # -1: no std stored
         ("latent_std_xxh3", pa.uint64()),  # 0 when no std is stored
         ("caption_row", pa.int32()),  # its row in captions.parquet
+        ("alpha", pa.bool_()),  # the image has transparency (an alpha mask can be made)
+        ("regularization", pa.bool_()),  # of a regularization source: train.prior_loss_weight
+        # its mirror image's latent (data.flip); "" / -1 / 0: none
+        ("flip_file", pa.string()),
+        ("flip_at", pa.int64()),
+        ("flip_xxh3", pa.uint64()),
+        ("flip_std_at", pa.int64()),
+        ("flip_std_xxh3", pa.uint64()),
+        ("flip_crop_top_left", SHAPE),  # the crop's corner in the mirror image
+        # its loss mask (data.mask), [1, h, w] at the latent's h x w; "" / -1 / 0: none
+        ("mask_key", pa.string()),
+        ("mask_file", pa.string()),
+        ("mask_at", pa.int64()),
+        ("mask_xxh3", pa.uint64()),
     ]
 )
 LISTED = (
@@ -96,6 +112,43 @@ def _by_file(rows: list[dict], file_column: str) -> dict[str, list[dict]]:
     return out
 
 
+def _latents_by_file(rows: list[dict]) -> dict[str, list[dict]]:
+    """The located rows of the latents files an index names (``_by_file``): each trained
+    image's latent row, and the rows of its flipped latent and its mask (in ``Located``'s
+    form, as ``Version.describe`` reads them from a file)."""
+    out = _by_file(rows, "latent_file")
+    for r in rows:
+        shared = {"path": r["path"], "width": r["width"], "height": r["height"]}
+        if r.get("flip_file"):
+            out.setdefault(r["flip_file"], []).append(
+                shared
+                | {
+                    "key": flip_key(r["key"]),
+                    "original_size": r["original_size"],
+                    "crop_top_left": r["flip_crop_top_left"],
+                    "alpha": False,
+                    "latent_shape": r["latent_shape"],
+                    "latent_at": r["flip_at"],
+                    "latent_xxh3": r["flip_xxh3"],
+                    "latent_std_at": r["flip_std_at"],
+                    "latent_std_xxh3": r["flip_std_xxh3"],
+                    "file": r["flip_file"],
+                }
+            )
+        if r.get("mask_file"):
+            out.setdefault(r["mask_file"], []).append(
+                shared
+                | {
+                    "key": r["mask_key"],
+                    "mask_shape": [1, *r["latent_shape"][1:]],
+                    "mask_at": r["mask_at"],
+                    "mask_xxh3": r["mask_xxh3"],
+                    "file": r["mask_file"],
+                }
+            )
+    return out
+
+
 class Located:
     """Every complete part file of a version and where each cell in it lies: from the last
     committed index for the files its manifest lists, from one read of the file otherwise.
@@ -119,7 +172,7 @@ class Located:
                 return
             self.indexed = rows
             self._known = {
-                LATENTS: _by_file(rows, "latent_file"),
+                LATENTS: _latents_by_file(rows),
                 TEXT: _by_file(captions, "text_file"),
             }
             self._old_entries = {e["path"]: e for e in manifest["latents"] + manifest["text"]}
@@ -149,26 +202,53 @@ class Located:
 
 
 def dataset_id(fingerprint: str, rows: list[dict]) -> str:
-    """The identity of the trained rows in their order: what each row is (image and caption
-    content) and how often it appears. Moving the source folders keeps it; adding, removing,
-    renaming or editing an image, editing a caption or changing repeats does not."""
+    """The identity of the trained rows (index rows) in their order: what each row is (image
+    and caption content), how often it appears, whether it is a regularization image, flipped
+    and masked (by what). Moving the source folders keeps it; adding, removing, renaming or
+    editing an image, editing a caption or a mask, changing repeats or a source's
+    regularization, flip or mask setting does not."""
     digest = hashlib.sha256(fingerprint.encode())
     for r in rows:
         fields = (r["source_index"], r["path"], r["key"], r["caption_key"], r["repeats"])
+        fields += (r["regularization"], bool(r["flip_file"]), r["mask_key"])
         digest.update(("\0".join(map(str, fields)) + "\n").encode())
     return digest.hexdigest()[:16]
 
 
-def _index_row(row: dict, latent: dict, caption_row: int) -> dict:
+def _flip_columns(latent: dict, flip: dict | None) -> dict:
+    """The index's flip columns of an image with ``latent`` and, when flipped, ``flip``."""
+    if flip is None:
+        none = {"flip_file": "", "flip_at": -1, "flip_xxh3": 0, "flip_std_at": -1}
+        return none | {"flip_std_xxh3": 0, "flip_crop_top_left": latent["crop_top_left"]}
+    return {
+        "flip_file": flip["file"],
+        "flip_at": flip["latent_at"],
+        "flip_xxh3": flip["latent_xxh3"],
+        "flip_std_at": flip.get("latent_std_at", -1),
+        "flip_std_xxh3": flip.get("latent_std_xxh3", 0),
+        "flip_crop_top_left": flip["crop_top_left"],
+    }
+
+
+def _index_row(row: dict, latent: dict, caption_row: int, flip=None, mask=None) -> dict:
+    """The index row of ``row`` (a listed image): its ``latent`` row, its caption's row in the
+    captions table, and the rows of its flipped latent and its mask (None: it has none)."""
     return (
         {k: row[k] for k in LISTED}
         | {k: latent[k] for k in LOCATION}
+        | _flip_columns(latent, flip)
         | {
             "mtime_ns": row["mtime_ns"],
             "latent_file": latent["file"],
             "latent_std_at": latent.get("latent_std_at", -1),
             "latent_std_xxh3": latent.get("latent_std_xxh3", 0),
             "caption_row": caption_row,
+            "alpha": bool(latent.get("alpha", False)),
+            "regularization": bool(row.get("regularization", False)),
+            "mask_key": mask["key"] if mask else "",
+            "mask_file": mask["file"] if mask else "",
+            "mask_at": mask["mask_at"] if mask else -1,
+            "mask_xxh3": mask["mask_xxh3"] if mask else 0,
         }
     )
 
@@ -195,16 +275,27 @@ def appearances(rows: list[dict]) -> dict[str, int]:
 def commit(
     version: Version, run: str, rows: list[dict], located: Located, generation=None, **extra
 ) -> dict:
-    """Write the index of ``rows`` (the trained images, each with ``source_index``) and the
-    captions they use (plus the empty one, for caption dropout), then the manifest: last.
-    ``extra``: more manifest keys (family, dtype, report)."""
+    """Write the index of ``rows`` (the trained images, each with ``source_index``, and the
+    keys of its flipped latent and its mask, ``flip_key`` and ``mask_key``, where it has them)
+    and the captions they use (plus the empty one, for caption dropout), then the manifest:
+    last. ``extra``: more manifest keys (family, dtype, report)."""
     rows = sorted(rows, key=lambda r: (r["source_index"], r["path"]))
     needed = sorted({r["caption_key"] for r in rows} | {caption_key("")})
     position = {k: i for i, k in enumerate(needed)}
-    tensors = located.text_tensors
-    index = [_index_row(r, located.latents[r["key"]], position[r["caption_key"]]) for r in rows]
+    tensors, cells = located.text_tensors, located.latents
+    index = [
+        _index_row(
+            r,
+            cells[r["key"]],
+            position[r["caption_key"]],
+            cells[r["flip_key"]] if r.get("flip_key") else None,
+            cells[r["mask_key"]] if r.get("mask_key") else None,
+        )
+        for r in rows
+    ]
     captions = [_caption_row(located.captions[k], tensors) for k in needed]
-    live_latents = sorted({r["latent_file"] for r in index})
+    live_latents = {r["latent_file"] for r in index} | {r["flip_file"] for r in index}
+    live_latents = sorted((live_latents | {r["mask_file"] for r in index}) - {""})
     live_text = sorted({c["text_file"] for c in captions})
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -219,9 +310,17 @@ def commit(
         ),
         "appearances": appearances(index),
         "text_tensors": tensors,
-        "dataset": {"id": dataset_id(version.fp, rows), "rows": len(rows)},
+        "dataset": {"id": dataset_id(version.fp, index), "rows": len(rows)},
     } | extra
     return version.commit(manifest, generation)
+
+
+def _setting(row: dict, what: str):
+    """An index row's repeats, regularization, flip (whether it has a flipped latent) or mask
+    (its key); an index written before a setting existed has its default."""
+    if what == "flip":
+        return bool(row.get("flip_file"))
+    return row.get({"mask": "mask_key"}.get(what, what), "" if what == "mask" else False)
 
 
 def describe_change(old: list[dict], new: list[dict], limit: int = 5) -> str:
@@ -240,8 +339,11 @@ def describe_change(old: list[dict], new: list[dict], limit: int = 5) -> str:
         "caption changed": [
             p for p in a.keys() & b.keys() if a[p]["caption_key"] != b[p]["caption_key"]
         ],
-        "repeats changed": [p for p in a.keys() & b.keys() if a[p]["repeats"] != b[p]["repeats"]],
     }
+    for what in ("repeats", "regularization", "flip", "mask"):
+        groups[f"{what} changed"] = [
+            p for p in a.keys() & b.keys() if _setting(a[p], what) != _setting(b[p], what)
+        ]
     parts = []
     for what, paths in groups.items():
         if paths:

@@ -1,6 +1,7 @@
 """A committed cache version as a training worker reads it.
 
-In memory: the index, a few numbers per row (bucket, conditioning, where the latent lies, the
+In memory: the index, a few numbers per row (bucket, conditioning, where the latent lies, and
+its flipped latent and its mask where it has them, whether it is a regularization image, the
 caption's row) and the same per caption. Nothing else: each batch's tensors are fetched when
 it is assembled, with one ranged read per cell (exactly its bytes and its 4-byte length prefix),
 ranges of one file that lie close together merged into one request, and the requests issued in
@@ -17,6 +18,7 @@ import collections
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +56,16 @@ ROW_COLUMNS = [
     "latent_std_at",
     "latent_std_xxh3",
     "caption_row",
+    "regularization",
+    "flip_file",
+    "flip_at",
+    "flip_xxh3",
+    "flip_std_at",
+    "flip_std_xxh3",
+    "flip_crop_top_left",
+    "mask_file",
+    "mask_at",
+    "mask_xxh3",
 ]
 # the cells are copied out at once; torch only notes that the bytes it viewed are read-only
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -132,6 +144,24 @@ def _codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
     return encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
 
 
+class _Where(NamedTuple):
+    """Where a kind of cell of every indexed row lies: its file (a code into ``files``), its
+    offset (-1: the row has none) and its checksum."""
+
+    code: np.ndarray
+    files: list[str]
+    at: np.ndarray
+    sums: np.ndarray
+
+    def cell(self, i: int, shape, column: str) -> tuple:
+        return (self.files[self.code[i]], self.at[i], shape, self.sums[i], column)
+
+
+def _where(rows: pa.Table, file: str, at: str, sums: str) -> _Where:
+    code, files = _codes(rows.column(file))
+    return _Where(code, files, rows.column(at).to_numpy(), rows.column(sums).to_numpy())
+
+
 class CachedDataset:
     """The committed rows of one cache version, in index order; ``batch`` reads rows."""
 
@@ -165,6 +195,15 @@ class CachedDataset:
         }
         empty = pc.index(captions.column("caption_key"), caption_key("")).as_py()
         self._empty = empty if empty >= 0 else None
+        # regularization images (train.prior_loss_weight), flipped latents (data.flip) and
+        # masks (data.mask): their std's cells lie in the flipped latent's file
+        self.regularization = rows.column("regularization").to_numpy(zero_copy_only=False)
+        self._flip = _where(rows, "flip_file", "flip_at", "flip_xxh3")
+        self._flip_std = _where(rows, "flip_file", "flip_std_at", "flip_std_xxh3")
+        self._flip_crop = _matrix(rows.column("flip_crop_top_left"))
+        self.flippable = self._flip.at >= 0  # the rows with a flipped latent
+        self._mask = _where(rows, "mask_file", "mask_at", "mask_xxh3")
+        self.masked = bool((self._mask.at >= 0).any())  # batches carry a "mask"
         self.bytes_used = 0
 
     @property
@@ -210,54 +249,85 @@ class CachedDataset:
             row = row_at(pq.read_metadata(path, filesystem=self.reader.fs), column, at)
         except (OSError, pa.ArrowInvalid):
             row = None
-        if column.startswith("latent"):  # which image: the index's rows holding this cell
-            at_column = self._std_at if column == "latent_std" else self._at
-            mine = self._file == self._files.index(rel)
-            images = [self.paths[i] for i in np.flatnonzero(mine & (at_column == at))[:1]]
-            detail = f" (image {images[0]})" if images else ""
-        else:
-            detail = ""
-        return damaged(path, row, column, detail)
+        images = []  # which image: the index's rows holding this cell
+        main = _Where(self._file, self._files, self._at, self._sum)
+        std = _Where(self._file, self._files, self._std_at, self._std_sum)
+        kinds = {"latent": (main, self._flip), "latent_std": (std, self._flip_std)}
+        for where in kinds.get(column, (self._mask,) if column == "mask" else ()):
+            if rel in where.files:
+                mine = (where.code == where.files.index(rel)) & (where.at == at)
+                images += [self.paths[i] for i in np.flatnonzero(mine)[:1]]
+        return damaged(path, row, column, f" (image {images[0]})" if images else "")
 
-    def batch(self, indices: list[int], dtype=torch.float32, empty_caption=None) -> dict:
+    def _latent_cell(self, i: int, flip: bool, std: bool) -> tuple:
+        """Row ``i``'s latent cell (its std's with ``std``), of its mirror image with ``flip``."""
+        if flip:
+            where = self._flip_std if std else self._flip
+        else:
+            at, sums = (self._std_at, self._std_sum) if std else (self._at, self._sum)
+            where = _Where(self._file, self._files, at, sums)
+        return where.cell(i, self._shape[i], "latent_std" if std else "latent")
+
+    def _masks(self, cells: list, indices: list[int], flips: list[bool], dtype) -> torch.Tensor:
+        """The rows' masks [B, 1, h, w]: their cells (mirrored for flipped rows), ones for a
+        row without a mask (its every pixel trains)."""
+        out = torch.ones((len(indices), 1, *self._shape[indices[0]][1:]), dtype=dtype)
+        cells = iter(cells)
+        for j, i in enumerate(indices):
+            if self._mask.at[i] >= 0:
+                mask = next(cells).to(dtype)
+                out[j] = torch.flip(mask, dims=[-1]) if flips[j] else mask
+        return out
+
+    def batch(self, indices: list[int], dtype=torch.float32, empty_caption=None, flipped=None):
         """The rows' tensors; ``empty_caption[j]``: row j takes the empty caption's embedding
-        (caption dropout) instead of its own."""
+        (caption dropout) instead of its own; ``flipped[j]``: row j takes its mirror image's
+        latent, its mask mirrored and the crop's corner as seen in the mirror image."""
         drops = empty_caption or [False] * len(indices)
+        flips = flipped or [False] * len(indices)
         if any(drops) and self._empty is None:
             raise ValueError("the cache holds no empty-caption embedding for caption dropout")
+        rows = list(zip(indices, flips, strict=True))
+        if unflippable := [self.paths[i] for i, f in rows if f and not self.flippable[i]]:
+            raise ValueError(f"{unflippable[0]} has no flipped latent in the cache")
         own = [int(self._caption[i]) for i in indices]
         captions = [self._empty if d else c for c, d in zip(own, drops, strict=True)]
         distinct = sorted(set(captions))
-        files = [self._files[self._file[i]] for i in indices]
-        latents = [
-            (f, self._at[i], self._shape[i], self._sum[i], "latent")
-            for i, f in zip(indices, files, strict=True)
+        latents = [self._latent_cell(i, f, std=False) for i, f in rows]
+        latents += [self._latent_cell(i, f, std=True) for i, f in rows if self._has_std]
+        masks = [
+            self._mask.cell(i, (1, *self._shape[i][1:]), "mask")
+            for i in indices
+            if self._mask.at[i] >= 0
         ]
-        if self._has_std:
-            latents += [
-                (f, self._std_at[i], self._shape[i], self._std_sum[i], "latent_std")
-                for i, f in zip(indices, files, strict=True)
-            ]
         text = [
             (self._text_files[self._text_file[c]], at[c], shapes[c], sums[c], name)
             for name, (at, shapes, sums) in self._text.items()
             for c in distinct
         ]
-        cells = self._cells(latents + text)
-        n, m = len(indices), len(distinct)
+        cells = self._cells(latents + masks + text)
+        n, k = len(indices), len(latents)
         out = {"latent": _stacked(cells[:n], dtype)}
         if self._has_std:
             out["latent_std"] = _stacked(cells[n : 2 * n], dtype)
-        text_cells = cells[len(latents) :]
+        if self.masked:
+            out["mask"] = self._masks(cells[k : k + len(masks)], indices, flips, dtype)
+        text_cells, m = cells[k + len(masks) :], len(distinct)
         row_of = {c: j for j, c in enumerate(distinct)}
-        for k, name in enumerate(self.tensors):
-            mine = text_cells[k * m : (k + 1) * m]
+        for t, name in enumerate(self.tensors):
+            mine = text_cells[t * m : (t + 1) * m]
             out[name] = _stacked([mine[row_of[c]] for c in captions], dtype)
-        out["original_size"] = torch.from_numpy(self._original[indices].astype(np.int64))
-        out["crop_top_left"] = torch.from_numpy(self._crop[indices].astype(np.int64))
+        return out | self._conditioning(indices, flips)
+
+    def _conditioning(self, indices: list[int], flips: list[bool]) -> dict:
+        """SDXL's micro-conditioning of the rows, [B, 2] int64 each ((h, w) order)."""
+        crops = np.where(np.asarray(flips)[:, None], self._flip_crop[indices], self._crop[indices])
         sizes = np.stack([self._height[indices], self._width[indices]], axis=1)
-        out["target_size"] = torch.from_numpy(sizes.astype(np.int64))
-        return out
+        return {
+            "original_size": torch.from_numpy(self._original[indices].astype(np.int64)),
+            "crop_top_left": torch.from_numpy(crops.astype(np.int64)),
+            "target_size": torch.from_numpy(sizes.astype(np.int64)),
+        }
 
     def close(self) -> None:
         self.reader.close()

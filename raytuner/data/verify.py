@@ -16,6 +16,7 @@ import torch
 from raytuner import storage
 from raytuner.data.cache import (
     MANIFEST,
+    MASK,
     Version,
     checksum,
     checksum_column,
@@ -84,7 +85,7 @@ def verify(version: Version) -> list[dict]:
         raise FileNotFoundError(f"no committed cache at {version.root}")
     dtype, bad = manifest["dtype"], []
     groups = [
-        (manifest["latents"], ["latent", "latent_std"]),
+        (manifest["latents"], ["latent", "latent_std", MASK]),
         (manifest["text"], manifest["text_tensors"]),
         ([manifest["index"], manifest["captions"]], []),
     ]

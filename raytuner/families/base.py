@@ -21,7 +21,8 @@ from raytuner.families.parts import Source
 
 # A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
 # per-image conditioning "original_size", "crop_top_left", "target_size" ([B,2] int64, (h, w)
-# order: the image before its crop, the crop's corner, the bucket), as the training feed reads it.
+# order: the image before its crop, the crop's corner, the bucket), as the training feed reads it;
+# with masks in the cache (data.mask) also "mask" [B,1,H,W], each latent pixel's loss weight.
 Batch = dict[str, torch.Tensor]
 # pixels [B,3,H,W] in [-1,1] -> (latent mean, latent std), both in the denoiser's latent scale
 ImageEncoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -218,8 +219,13 @@ def ddpm_target(scheduler, latents, noise, timesteps) -> torch.Tensor:
     raise ValueError(f"prediction_type {kind!r} in the scheduler config is not supported")
 
 
-def mse_per_sample(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def mse_per_sample(prediction: torch.Tensor, target: torch.Tensor, mask=None) -> torch.Tensor:
+    """The squared error's mean over each sample's latent pixels, each weighted by ``mask``
+    ([B, 1, H, W] in [0, 1], or None: all 1), as kohya's masked loss: a pixel of weight 0 adds
+    nothing (nor any gradient), and a half-masked image weighs half."""
     err = (prediction.float() - target.float()) ** 2
+    if mask is not None:
+        err = err * mask.float()
     return err.reshape(err.shape[0], -1).mean(dim=1)
 
 
@@ -266,18 +272,20 @@ def objective_of_kind(family, objective):
 
 
 def ddpm_loss(
-    scheduler, objective: DdpmObjective, latents: torch.Tensor, generators, predict
+    scheduler, objective: DdpmObjective, latents: torch.Tensor, generators, predict, mask=None
 ) -> torch.Tensor:
-    """Per-sample MSE of ``predict(noisy latents, timesteps)`` against the scheduler's target,
-    with each sample's noise (plus ``objective.noise_offset``) and timestep drawn from its own
-    generator, min-SNR weighted when ``objective.weighting = "min_snr"``."""
+    """Per-sample MSE of ``predict(noisy latents, timesteps)`` against the scheduler's target
+    (each latent pixel weighted by ``mask``, the batch's "mask" if it has one), with each
+    sample's noise (plus ``objective.noise_offset``) and timestep drawn from its own generator,
+    min-SNR weighted when ``objective.weighting = "min_snr"``."""
     noise = per_sample_noise(latents, generators)
     if objective.noise_offset:
         offsets = [torch.randn(latents.shape[1], generator=g) for g in generators]
         noise = noise + objective.noise_offset * torch.stack(offsets).to(noise)[:, :, None, None]
     steps = per_sample_timesteps(scheduler.config.num_train_timesteps, generators, latents.device)
     noisy = scheduler.add_noise(latents, noise, steps)
-    loss = mse_per_sample(predict(noisy, steps), ddpm_target(scheduler, latents, noise, steps))
+    target = ddpm_target(scheduler, latents, noise, steps)
+    loss = mse_per_sample(predict(noisy, steps), target, mask)
     if objective.weighting == "min_snr":
         from diffusers.training_utils import compute_snr
 
@@ -335,16 +343,21 @@ def flow_sigmas(objective: FlowObjective, generators, image_tokens: int, device)
 
 
 def flow_loss(
-    objective: FlowObjective, latents: torch.Tensor, generators, predict, image_tokens: int
+    objective: FlowObjective,
+    latents: torch.Tensor,
+    generators,
+    predict,
+    image_tokens: int,
+    mask=None,
 ):
-    """Rectified-flow loss per sample: x_t = (1 - s) x_0 + s noise, target noise - x_0,
-    weighted by the objective's scheme; ``predict(noisy, sigmas)``."""
+    """Rectified-flow loss per sample: x_t = (1 - s) x_0 + s noise, target noise - x_0, each
+    latent pixel weighted by ``mask`` (the batch's "mask" if it has one), the sample by the
+    objective's scheme; ``predict(noisy, sigmas)``."""
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
     noise = per_sample_noise(latents, generators)
     sigmas = flow_sigmas(objective, generators, image_tokens, latents.device)
     s = sigmas.to(latents.dtype)[:, None, None, None]
     noisy = (1 - s) * latents + s * noise
-    err = (predict(noisy, sigmas).float() - (noise - latents).float()) ** 2
-    weight = compute_loss_weighting_for_sd3(objective.weighting, sigmas).float()
-    return err.reshape(err.shape[0], -1).mean(dim=1) * weight
+    err = mse_per_sample(predict(noisy, sigmas), noise - latents, mask)
+    return err * compute_loss_weighting_for_sd3(objective.weighting, sigmas).float()

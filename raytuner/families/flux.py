@@ -271,7 +271,9 @@ class Flux:
                 return FluxPipeline._unpack_latents(out, h * VAE_FACTOR, w * VAE_FACTOR, VAE_FACTOR)
 
             tokens = (h // 2) * (w // 2)
-            return base.flow_loss(objective, latents, generators, predict, tokens)
+            return base.flow_loss(
+                objective, latents, generators, predict, tokens, batch.get("mask")
+            )
 
         return flux_loss
 

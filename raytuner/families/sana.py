@@ -152,7 +152,9 @@ class Sana:
                 ).sample
 
             tokens = latents.shape[2] * latents.shape[3]
-            return base.flow_loss(objective, latents, generators, predict, tokens)
+            return base.flow_loss(
+                objective, latents, generators, predict, tokens, batch.get("mask")
+            )
 
         return sana_loss
 

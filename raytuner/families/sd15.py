@@ -101,7 +101,8 @@ class SD15:
             def predict(noisy, steps):
                 return denoiser(noisy, steps, encoder_hidden_states=batch["prompt_embeds"]).sample
 
-            return base.ddpm_loss(scheduler, objective, batch["latent"], generators, predict)
+            latents, mask = batch["latent"], batch.get("mask")
+            return base.ddpm_loss(scheduler, objective, latents, generators, predict, mask)
 
         return sd15_loss
 

@@ -171,7 +171,8 @@ class SDXL:
                     noisy, steps, encoder_hidden_states=hidden, added_cond_kwargs=cond
                 ).sample
 
-            return base.ddpm_loss(scheduler, objective, batch["latent"], generators, predict)
+            latents, mask = batch["latent"], batch.get("mask")
+            return base.ddpm_loss(scheduler, objective, latents, generators, predict, mask)
 
         return sdxl_loss
 

@@ -8,7 +8,8 @@ tools read (``family.lora_files``):
 
 Both carry raytuner's keys, the ``ss_*`` keys sd-scripts writes (A1111 / Forge classify a LoRA
 by ``ss_base_model_version``) and the SAI model-spec ``modelspec.*`` keys as sd-scripts writes
-them.
+them. Their tensors are in the dtype the metadata names (``raytuner.save_dtype``, from
+``lora.save_dtype``), as sd-scripts' ``--save_precision``; training keeps its own.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from raytuner.runs import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.version import __version__
 
 MODELSPEC_VERSION = "1.0.1"  # the SAI model spec sd-scripts writes
+SAVE_DTYPE = "raytuner.save_dtype"  # the metadata key naming the files' tensor dtype
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str) -> dict[str, str]:
@@ -39,6 +42,7 @@ def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str)
         "raytuner.steps": str(step),
         "raytuner.run": run,
         "raytuner.cache_fingerprint": fingerprint,
+        SAVE_DTYPE: lora.save_dtype,
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(lora.rank),
         "ss_network_alpha": str(lora.alpha),
@@ -96,20 +100,37 @@ def _add_metadata(path: str, meta: dict[str, str]) -> None:
     os.replace(path + ".tmp", path)
 
 
+def saved(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors in the save dtype ``dtype`` (``lora.save_dtype``); a value beyond its range
+    (float16: 65504) is refused rather than written as infinity."""
+    out = {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}
+    for key, value in out.items():
+        if torch.isfinite(tensors[key]).all() and not torch.isfinite(value).all():
+            peak = tensors[key].abs().max().item()
+            raise ValueError(
+                f"lora.save_dtype = {dtype!r}: {key} holds {peak:.4g}, beyond {dtype}'s range; "
+                'set lora.save_dtype = "bfloat16" or "float32"'
+            )
+    return out
+
+
 def write_lora(
     directory: str, lora_state: dict, *, family, adapter_config: dict, meta: dict, denoiser
 ) -> None:
-    """The family's layouts into ``directory``, each with ``meta`` and the family's keys;
-    ``adapter_config``: the peft LoraConfig as a dict, so loaders apply the trained alpha /
+    """The family's layouts into ``directory``, each with ``meta`` and the family's keys, their
+    tensors in the dtype ``meta`` names (``SAVE_DTYPE``; float32 when it names none);
+    ``adapter_config``: the peft LoRA config as a dict, so loaders apply the trained alpha /
     rank scale; ``denoiser``: the model the LoRA is on (its module sizes and config)."""
     meta = meta | family_metadata(family, meta)
+    dtype = meta.setdefault(SAVE_DTYPE, "float32")
+    lora_state = saved(lora_state, dtype)
     family.save_lora(directory, lora_state, adapter_config)
     _add_metadata(os.path.join(directory, DIFFUSERS_FILE), meta)
     names = kohya_names(family, denoiser)
     if names is None:
         return
     alpha = adapter_config["lora_alpha"]
-    tensors = kohya.to_kohya(lora_state, names, alpha, out_dims(denoiser))
+    tensors = saved(kohya.to_kohya(lora_state, names, alpha, out_dims(denoiser)), dtype)
     path = os.path.join(directory, KOHYA_FILE)
     save_file(tensors, path + ".tmp", metadata=meta)
     os.replace(path + ".tmp", path)

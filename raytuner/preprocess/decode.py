@@ -1,5 +1,7 @@
 """The stream's first step (Ray Data tasks, no torch): probe each listed file (content hash,
-caption) and decode and bucket the new ones. A bad file becomes a row with its reason."""
+caption, mask file) and decode and bucket the ones with something new to encode: the image's
+latent, its mirror image's (``data.flip``) or its loss mask (``data.mask``). A bad file (or a
+bad mask file) becomes a row with its reason."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import pyarrow as pa
 from PIL import Image
 
 from raytuner import storage
-from raytuner.data.cache import caption_key
+from raytuner.data.cache import ALPHA, caption_key, flip_key, mask_key
 from raytuner.preprocess.buckets import Size, fit_to_bucket, nearest_bucket
-from raytuner.preprocess.images import ImagePolicy, SkipImage, load_image
+from raytuner.preprocess.images import ImagePolicy, SkipImage, load_mask, load_with_alpha
 from raytuner.preprocess.sources import probe_and_read
 
 # The row kinds of the stream (its ``status`` column).
@@ -20,6 +22,8 @@ ENCODE = "encode"  # decoded pixels: VAE-encode them
 FAILED = "failed"  # the decode refused the file (``failure`` says why)
 PROBED = "probed"  # nothing to encode: skipped at probe, already cached, or a duplicate above
 TEXT = "text"  # a caption's text tensors, appended by the encoder
+LATENT = "latent"  # an encoded latent (an image's or its mirror image's), appended by the encoder
+MASK = "mask"  # an encoded loss mask, appended by the encoder
 SHAPE = pa.list_(pa.int32())
 # One row of the stream as ``probe_decode`` emits it.
 STREAM_SCHEMA = pa.schema(
@@ -35,14 +39,23 @@ STREAM_SCHEMA = pa.schema(
         ("reason", pa.string()),  # why the probe skipped the file ("" if it did not)
         ("status", pa.string()),  # ENCODE, FAILED or PROBED
         ("failure", pa.string()),  # why the decode refused it (FAILED rows)
+        ("flip_key", pa.string()),  # the key of its flipped latent ("": its source flips none)
+        ("mask_key", pa.string()),  # the key of its loss mask ("": none)
+        ("alpha", pa.bool_()),  # its crop has transparency (an alpha mask can be made)
         ("pixels", pa.binary()),
         ("width", pa.int32()),
         ("height", pa.int32()),
         ("original_size", SHAPE),
         ("crop_top_left", SHAPE),
+        ("flip_crop_top_left", SHAPE),  # the crop's corner in the mirror image
+        ("mask", pa.binary()),  # the mask's pixels at the bucket's size (uint8), to encode
+        # what the encoder makes of an ENCODE row: its latent, its flipped latent, its mask
+        ("want_latent", pa.bool_()),
+        ("want_flip", pa.bool_()),
+        ("want_mask", pa.bool_()),
     ]
 )
-DECODED = ("width", "height", "original_size", "crop_top_left")
+DECODED = ("width", "height", "original_size", "crop_top_left", "flip_crop_top_left", "alpha")
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,15 @@ class DecodeSpec:
     image: ImagePolicy
 
 
+@dataclass(frozen=True)
+class Known:
+    """What the cache holds before the run: its latent-file row keys (images, flipped
+    latents, masks) and the images among them with transparency."""
+
+    keys: frozenset[str]
+    alpha: frozenset[str]
+
+
 def _row(row: dict, status: str = "ok", reason: str = "") -> dict:
     return {
         "key": row["key"],
@@ -66,68 +88,134 @@ def _row(row: dict, status: str = "ok", reason: str = "") -> dict:
         "status": status,
         "reason": reason,
         "pixels": b"",
+        "mask": b"",
+        "alpha": False,
         "width": 0,
         "height": 0,
         "original_size": [0, 0],
         "crop_top_left": [0, 0],
+        "flip_crop_top_left": [0, 0],
     }
 
 
-def _load(row: dict, spec: DecodeSpec, data: bytes | None) -> Image.Image:
-    if data is None:
-        fs, root = storage.resolve(spec.roots[row["source"]])
-        try:
-            data = storage.read_bytes(fs, storage.join(root, row["path"]))
-        except OSError as e:
-            raise SkipImage(f"unreadable: {e}") from None
-    image = load_image(data, spec.image)
+def _read(row: dict, spec: DecodeSpec, path: str, what: str) -> bytes:
+    fs, root = storage.resolve(spec.roots[row["source"]])
+    try:
+        return storage.read_bytes(fs, storage.join(root, path))
+    except OSError as e:
+        raise SkipImage(f"{what}unreadable: {e}") from None
+
+
+def _load(row: dict, spec: DecodeSpec, data: bytes | None):
+    """The upright RGB image and its alpha channel (None: it has none)."""
+    data = _read(row, spec, row["path"], "") if data is None else data
+    image, alpha = load_with_alpha(data, spec.image)
     aspect = image.width / image.height
     if spec.aspect_policy == "skip" and not spec.min_aspect <= aspect <= spec.max_aspect:
         raise SkipImage(
             f"aspect ratio {aspect:.2f} outside [{spec.min_aspect}, {spec.max_aspect}] "
             "(preprocess.aspect_policy = skip)"
         )
-    return image
+    return image, alpha
 
 
-def decode_row(row: dict, spec: DecodeSpec, data: bytes | None = None) -> dict:
-    """One new image -> a row with bucket-sized RGB pixels, or a skipped row with a reason.
-    ``data``: the file's bytes when the caller has read them already."""
+def _mask_file(row: dict, spec: DecodeSpec, size: tuple[int, int]) -> Image.Image:
+    """The image's mask file (mode L), at the image's ``size`` (width, height): one of another
+    aspect ratio is refused, one of another size resized."""
+    where = f"mask file {row['mask_path']!r}: "
     try:
-        rgb = _load(row, spec, data)
+        mask = load_mask(_read(row, spec, row["mask_path"], where), spec.image)
+    except SkipImage as e:
+        raise SkipImage(str(e) if str(e).startswith(where) else where + str(e)) from None
+    if abs(mask.width * size[1] - mask.height * size[0]) > 0.01 * size[0] * size[1]:
+        raise SkipImage(
+            f"{where}{mask.width}x{mask.height}, the image {size[0]}x{size[1]}: a mask must "
+            "have the image's aspect ratio"
+        )
+    return mask if mask.size == size else mask.resize(size, Image.Resampling.BILINEAR)
+
+
+def _cropped(image: Image.Image, resized: tuple[int, int], box: tuple, method) -> np.ndarray:
+    return np.asarray(image.resize(resized, method).crop(box))
+
+
+def decode_row(row: dict, spec: DecodeSpec, data: bytes | None = None, mask: str = "") -> dict:
+    """One new image -> a row with bucket-sized RGB pixels (and with ``mask`` "alpha" or
+    "file", the mask's pixels cropped alike), or a skipped row with a reason. ``data``: the
+    file's bytes when the caller has read them already."""
+    try:
+        rgb, alpha = _load(row, spec, data)
+        source = _mask_file(row, spec, rgb.size) if mask == "file" else alpha
     except SkipImage as e:
         return _row(row, "skipped", str(e))
     bucket = nearest_bucket(rgb.width, rgb.height, spec.buckets)
     crop_seed = int(row["key"][:8], 16) ^ spec.seed
     (rw, rh), (top, left) = fit_to_bucket(rgb.width, rgb.height, bucket, spec.crop, crop_seed)
-    resized = rgb.resize((rw, rh), Image.Resampling.LANCZOS)
-    pixels = np.asarray(resized.crop((left, top, left + bucket[0], top + bucket[1])))
+    box = (left, top, left + bucket[0], top + bucket[1])
+    pixels = _cropped(rgb, (rw, rh), box, Image.Resampling.LANCZOS)
+    box_filter = Image.Resampling.BOX  # an average: a mask keeps its [0, 1] range
+    alpha = None if alpha is None else _cropped(alpha, (rw, rh), box, box_filter)
+    cells = None if mask == "" or source is None else _cropped(source, (rw, rh), box, box_filter)
     return {
         **_row(row),
         "pixels": pixels.tobytes(),
+        "mask": b"" if cells is None else cells.tobytes(),
+        "alpha": alpha is not None and bool((alpha < 255).any()),
         "width": bucket[0],
         "height": bucket[1],
         "original_size": [rgb.height, rgb.width],
         "crop_top_left": [top, left],
+        "flip_crop_top_left": [top, rw - left - bucket[0]],
     }
 
 
-def _stream_row(row: dict, sources, spec: DecodeSpec, known: frozenset, taken: set) -> dict:
-    """Probe one listed file and, when its content is new, decode it from the same read."""
-    trusted = bool(row["known_key"]) and row["known_key"] in known
+def _wanted(probed: dict, source, known: Known) -> tuple[str, str]:
+    """The keys of the flipped latent and of the mask the image's source asks for ("": none;
+    an alpha mask of an image not cached yet is known once it is decoded)."""
+    key = probed["key"]
+    flip = flip_key(key) if source.flip == "random" else ""
+    if source.mask == "file" and probed["mask_sha"]:
+        return flip, mask_key(key, probed["mask_sha"])
+    if source.mask == "alpha" and key in known.alpha:
+        return flip, mask_key(key, ALPHA)
+    return flip, ""
+
+
+def _stream_row(row: dict, sources, spec: DecodeSpec, known: Known, taken: set) -> dict:
+    """Probe one listed file and, when something of it is not cached (its latent, its flipped
+    latent, its mask), decode it (from the same read when its content is new)."""
+    trusted = bool(row["known_key"]) and row["known_key"] in known.keys
     probed, data = probe_and_read(row, sources, keep=not trusted)
-    out = probed | {"caption_key": caption_key(probed["caption"]), "failure": "", "pixels": b""}
-    out |= {"status": PROBED, "width": 0, "height": 0, "original_size": [], "crop_top_left": []}
-    if probed["reason"] or probed["key"] in known or probed["key"] in taken:
-        return out
-    decoded = decode_row(probed, spec, data)
+    out = probed | _row(probed) | {"status": PROBED, "reason": probed["reason"], "failure": ""}
+    out |= {"caption_key": caption_key(probed["caption"]), "flip_key": "", "mask_key": ""}
+    out |= {"original_size": [], "crop_top_left": [], "flip_crop_top_left": []}
+    want = {"want_latent": False, "want_flip": False, "want_mask": False}
+    key, source = probed["key"], sources[row["source"]]
+    if probed["reason"] or key in taken:
+        return out | want
+    flip, mask = _wanted(probed, source, known)
+    out |= {"flip_key": flip, "mask_key": mask, "alpha": key in known.alpha}
+    cached = key in known.keys
+    want["want_flip"] = bool(flip) and flip not in known.keys
+    want["want_mask"] = bool(mask) and mask not in known.keys
+    if cached and not any(want.values()):
+        return out | want
+    # the mask to cut beside the pixels: its mask file's, or (known once decoded) its alpha's
+    kind = {"file": "file" if mask else "", "alpha": "alpha"}.get(source.mask, "")
+    decoded = decode_row(probed, spec, data, kind)
     if decoded["status"] != "ok":
-        return out | {"status": FAILED, "failure": decoded["reason"]}
-    taken.add(probed["key"])
-    return out | {"status": ENCODE, "pixels": decoded["pixels"]} | {k: decoded[k] for k in DECODED}
+        return out | want | {"status": FAILED, "failure": decoded["reason"]}
+    taken.add(key)
+    if not cached and source.mask == "alpha" and decoded["alpha"]:
+        out["mask_key"], want["want_mask"] = mask_key(key, ALPHA), True
+    # a mask is made at its latent's size: the latent is encoded again beside a new mask
+    want["want_latent"] = not cached or want["want_mask"]
+    cells = decoded["mask"] if want["want_mask"] else b""
+    encode = {"status": ENCODE, "pixels": decoded["pixels"], "mask": cells}
+    return out | want | encode | {k: decoded[k] for k in DECODED}
 
 
-def probe_decode(batch: pa.Table, sources, spec: DecodeSpec, known: frozenset) -> pa.Table:
+def probe_decode(batch: pa.Table, sources, spec: DecodeSpec, known: Known) -> pa.Table:
     """The stream's first step (Ray Data tasks): a batch of listed files -> stream rows."""
     taken: set[str] = set()  # a file whose content another row of this batch already decodes
     rows = [_stream_row(r, sources, spec, known, taken) for r in batch.to_pylist()]

@@ -4,10 +4,12 @@ no one has encoded yet. Each actor loads each model once, on a thread: from its 
 run has images to encode (``preload``), else on first use, so a run with nothing new loads
 nothing and a run with only new captions loads only the text encoders.
 
-Rows in, the same rows out with the pixels replaced by their latent (and its checksum,
-``latent_xxh3``, made with its bytes); the text tensors of each newly seen caption, with
-theirs, are appended as rows of their own (``status == TEXT``). The sink
-(``preprocess/sink.py``) splits them into the cache's latents and text files.
+Rows in, the same rows out without their pixels; what was encoded is appended as rows of its
+own, each cell with its checksum (``<tensor>_xxh3``, made with its bytes): a ``LATENT`` row per
+latent (an image's, keyed by its content hash, and its mirror image's, ``cache.flip_key``), a
+``MASK`` row per loss mask (the mask's pixels averaged over each latent pixel: [1, h, w] at the
+latent's h x w, ``cache.mask_key``), and a ``TEXT`` row for each newly seen caption. The sink
+(``preprocess/sink.py``) writes each kind into the cache's files.
 """
 
 from __future__ import annotations
@@ -19,10 +21,26 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from raytuner.data.cache import caption_key, checksum, checksum_column
+from raytuner.data.cache import caption_key, checksum_column
 from raytuner.data.tensors import to_cells
 from raytuner.families import parts
-from raytuner.preprocess.decode import ENCODE, FAILED, SHAPE, TEXT
+from raytuner.preprocess.decode import ENCODE, FAILED, LATENT, MASK, SHAPE, TEXT
+
+# the rows the encoder appends: the columns they share with the stream's rows, then their cells
+ROW_FIELDS = [
+    ("key", pa.string()),
+    ("status", pa.string()),
+    ("path", pa.string()),
+    ("width", pa.int32()),
+    ("height", pa.int32()),
+    ("original_size", SHAPE),
+    ("crop_top_left", SHAPE),
+]
+
+
+def _cell_fields(name: str, shape: bool = True) -> list[tuple[str, pa.DataType]]:
+    fields = [(name, pa.binary())] + [(f"{name}_shape", SHAPE)] * shape
+    return fields + [(checksum_column(name), pa.uint64())]
 
 
 def _device() -> str:
@@ -57,47 +75,77 @@ class Encoder:
         return self._loading[part]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        images = self.encode_images(batch)
+        made = self.encode_images(batch)
         text = self.encode_captions(batch)
-        if text is None:
-            return images
-        return pa.concat_tables([images, text], promote_options="default")
+        tables = [batch.drop_columns(["pixels", "mask"]), *made, *([text] if text else [])]
+        return pa.concat_tables(tables, promote_options="default")
 
-    def encode_images(self, batch: pa.Table) -> pa.Table:
-        """The batch without its pixels, with ``latent`` / ``latent_shape`` (and ``latent_std``)
-        cells on its ENCODE rows (empty on the others); one VAE forward per bucket."""
-        n, status = batch.num_rows, batch.column("status").to_pylist()
-        latents, stds = [b""] * n, [b""] * n
-        sums, std_sums = [checksum(b"")] * n, [checksum(b"")] * n
-        shapes: list[list[int]] = [[] for _ in range(n)]
-        todo = [i for i in range(n) if status[i] == ENCODE]
-        encode = self._start("image").result() if todo else None
-        width, height = batch.column("width").to_pylist(), batch.column("height").to_pylist()
-        pixels = batch.column("pixels")
-        for w, h in sorted({(width[i], height[i]) for i in todo}):  # a batch may mix buckets
-            rows = [i for i in todo if (width[i], height[i]) == (w, h)]
-            stack = np.stack(
-                [np.frombuffer(pixels[i].as_py(), np.uint8).reshape(h, w, 3) for i in rows]
+    def encode_images(self, batch: pa.Table) -> list[pa.Table]:
+        """The LATENT and MASK rows of the batch's ENCODE rows (none without any): one VAE
+        forward per bucket for its latents, one for its mirror images' (``want_flip``)."""
+        rows = batch.filter(pc.equal(batch.column("status"), ENCODE)).to_pylist()
+        if not rows:
+            return []
+        encode = self._start("image").result()
+        latents, masks = [], []
+        for w, h in sorted({(r["width"], r["height"]) for r in rows}):  # a batch mixes buckets
+            group = [r for r in rows if (r["width"], r["height"]) == (w, h)]
+            x = torch.from_numpy(
+                np.stack([np.frombuffer(r["pixels"], np.uint8).reshape(h, w, 3) for r in group])
             )
-            x = torch.from_numpy(stack).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-            mean, std = encode(x)
-            cells, cell_shapes, cell_sums = to_cells(mean, self.dtype)
-            if self.store_std:
-                std_cells, _, std_cell_sums = to_cells(std, self.dtype)
-            for j, i in enumerate(rows):
-                latents[i], shapes[i], sums[i] = cells[j], cell_shapes[j].tolist(), cell_sums[j]
-                if self.store_std:
-                    stds[i], std_sums[i] = std_cells[j], std_cell_sums[j]
-        if self.progress is not None and todo:  # counted, not waited for
-            self.progress.add.remote(len(todo))
-        out = batch.drop_columns(["pixels"])
-        out = out.append_column("latent", pa.array(latents, pa.binary()))
-        out = out.append_column("latent_shape", pa.array(shapes, SHAPE))
-        out = out.append_column(checksum_column("latent"), pa.array(sums, pa.uint64()))
+            x = x.permute(0, 3, 1, 2).float() / 127.5 - 1.0
+            mine = [i for i, r in enumerate(group) if r["want_latent"]]
+            flips = [i for i, r in enumerate(group) if r["want_flip"]]
+            if mine:
+                mean, std = encode(x[mine])
+                latents += self._latent_rows([group[i] for i in mine], mean, std, flip=False)
+                masks += self._mask_rows([group[i] for i in mine], mean.shape[-2:])
+            if flips:  # the mirror image: the crop's corner as seen in it
+                mean, std = encode(torch.flip(x[flips], dims=[3]))
+                latents += self._latent_rows([group[i] for i in flips], mean, std, flip=True)
+        if self.progress is not None:  # counted, not waited for
+            self.progress.add.remote(len(rows))
+        fields = [*ROW_FIELDS, ("alpha", pa.bool_()), *_cell_fields("latent")]
+        fields += _cell_fields("latent_std", shape=False) * self.store_std
+        out = [pa.Table.from_pylist(latents, schema=pa.schema(fields))]
+        masked = pa.schema([*ROW_FIELDS, *_cell_fields(MASK)])
+        return out + ([pa.Table.from_pylist(masks, schema=masked)] if masks else [])
+
+    def _latent_rows(self, rows: list[dict], mean, std, flip: bool) -> list[dict]:
+        """A LATENT row per stream row: its latent (``mean``) and, with ``store_std``, its std."""
+        cells = {"latent": to_cells(mean, self.dtype)}
         if self.store_std:
-            out = out.append_column("latent_std", pa.array(stds, pa.binary()))
-            out = out.append_column(checksum_column("latent_std"), pa.array(std_sums, pa.uint64()))
+            cells["latent_std"] = to_cells(std, self.dtype)
+        out = []
+        for j, r in enumerate(rows):
+            row = {name: r[name] for name, _ in ROW_FIELDS} | {"status": LATENT}
+            row["key"] = r["flip_key"] if flip else r["key"]
+            row["crop_top_left"] = r["flip_crop_top_left" if flip else "crop_top_left"]
+            row["alpha"] = r["alpha"] and not flip
+            row["latent_shape"] = cells["latent"][1][j].tolist()
+            for name, (data, _, sums) in cells.items():
+                row |= {name: data[j], checksum_column(name): sums[j]}
+            out.append(row)
         return out
+
+    def _mask_rows(self, rows: list[dict], size) -> list[dict]:
+        """A MASK row per stream row that wants one: its mask's pixels (bucket-sized, 0-255)
+        averaged over each latent pixel (``size``: the latent's h x w), as loss weights."""
+        mine = [r for r in rows if r["want_mask"]]
+        if not mine:
+            return []
+        h, w = mine[0]["height"], mine[0]["width"]
+        pixels = np.stack([np.frombuffer(r["mask"], np.uint8).reshape(1, h, w) for r in mine])
+        weights = torch.nn.functional.interpolate(
+            torch.from_numpy(pixels).float() / 255.0, size=tuple(size), mode="area"
+        )
+        data, shapes, sums = to_cells(weights, self.dtype)
+        return [
+            {name: r[name] for name, _ in ROW_FIELDS}
+            | {"status": MASK, "key": r["mask_key"]}
+            | {MASK: data[j], f"{MASK}_shape": shapes[j].tolist(), checksum_column(MASK): sums[j]}
+            for j, r in enumerate(mine)
+        ]
 
     def encode_captions(self, batch: pa.Table) -> pa.Table | None:
         """TEXT rows for the captions of this batch's usable rows (and the empty caption, for

@@ -59,21 +59,59 @@ _INT_MODES = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N"})
 
 def load_image(data: bytes, policy: ImagePolicy) -> Image.Image:
     """RGB image, EXIF orientation applied, first frame of animations. Raises SkipImage."""
+    return load_with_alpha(data, policy)[0]
+
+
+def load_with_alpha(data: bytes, policy: ImagePolicy) -> tuple[Image.Image, Image.Image | None]:
+    """``load_image``, and the image's alpha channel (mode L, upright) when it has one (an
+    alpha mode or a transparency colour); None otherwise."""
     if not data:
         raise SkipImage("empty file")
     # PIL warns (DecompressionBombWarning, corrupt EXIF, ...); the checks here decide instead.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with _open(data) as image:
-            _check_pixels(image.size, policy.max_pixels)
-            _decode(image)
-            upright = _apply_orientation(image)
+            upright = _upright(image, policy.max_pixels)
             width, height = upright.size
             if min(width, height) < policy.min_size:
                 raise SkipImage(
                     f"too small: {width}x{height}, the short side is under {policy.min_size}"
                 )
-            return _to_rgb(upright, policy.background)
+            return _to_rgb(upright, policy.background), _alpha(upright)
+
+
+def load_mask(data: bytes, policy: ImagePolicy) -> Image.Image:
+    """A mask file as greyscale (mode L, upright: white trains, black is ignored), read with
+    the image's limits. Raises SkipImage."""
+    if not data:
+        raise SkipImage("empty file")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with _open(data) as image:
+            upright = _upright(image, policy.max_pixels)
+            try:
+                if upright.mode in _INT_MODES or upright.mode == "F":
+                    return _scale_to_8bit(upright)
+                return upright.convert("L")
+            except (*_DECODE_ERRORS, ImportError) as e:
+                raise SkipImage(f"unsupported colour mode {upright.mode}: {e}") from e
+
+
+def _upright(image: ImageFile.ImageFile, max_pixels: int) -> Image.Image:
+    """The decoded first frame, within the pixel limit, EXIF orientation applied."""
+    _check_pixels(image.size, max_pixels)
+    _decode(image)
+    return _apply_orientation(image)
+
+
+def _alpha(image: Image.Image) -> Image.Image | None:
+    """The alpha channel of an image that has one, as mode L; None otherwise."""
+    if image.mode not in _ALPHA_MODES and "transparency" not in image.info:
+        return None
+    try:
+        return image.convert("RGBA").getchannel("A")
+    except (*_DECODE_ERRORS, ImportError):  # malformed transparency info: no alpha
+        return None
 
 
 def _open(data: bytes) -> ImageFile.ImageFile:

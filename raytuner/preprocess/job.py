@@ -20,12 +20,12 @@ from raytuner.data.cache import caption_key
 from raytuner.observe import metrics
 from raytuner.preprocess import pipeline
 from raytuner.preprocess.buckets import make_buckets
-from raytuner.preprocess.decode import DecodeSpec
+from raytuner.preprocess.decode import DecodeSpec, Known
 from raytuner.preprocess.encode import FAILED
 from raytuner.preprocess.images import ImagePolicy
 from raytuner.preprocess.progress import ProgressLine
 from raytuner.preprocess.sources import folder_report, image_repeats, list_source
-from raytuner.preprocess.worklist import plan, report
+from raytuner.preprocess.worklist import pair_regularization, plan, report
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,9 @@ def preprocess(
 def _stream(job: _Pass, listing, located) -> tuple[list, float]:
     """The stream over every listed file: its rows (see ``pipeline.run``) and the wall time of
     the first encoded image (None: nothing was encoded)."""
-    known = (set(located.latents), set(located.captions))
-    todo = sum(1 for r in listing if r["known_key"] not in known[0])  # at most this many new
+    alpha = frozenset(k for k, r in located.latents.items() if r.get("alpha"))
+    known = (Known(frozenset(located.latents), alpha), set(located.captions))
+    todo = sum(1 for r in listing if r["known_key"] not in known[0].keys)  # about this many new
     line = ProgressLine("images encoded", todo, job.tag, "raytuner_images_encoded")
     with line as progress:
         spec, sources = decode_spec(job.family, job.data, job.pre), job.data.all_sources()
@@ -119,6 +120,32 @@ def _stream(job: _Pass, listing, located) -> tuple[list, float]:
         args = (known, spec, encoder, job.pre, job.version, job.run, progress)
         rows = pipeline.run(listing, sources, *args)
     return rows, line.first_at
+
+
+def _indexed(rows: list[dict], located: index.Located, sources) -> list[dict]:
+    """The trained rows: the cached or encoded images with their bucket, repeats (their
+    source's or kohya folder's) and whether they are regularization images. A caption,
+    flipped latent or mask the stream should have made and the cache lacks fails the run."""
+    indexed = []
+    for r in rows:
+        if (latent := located.latents.get(r["key"])) is not None:
+            bucket = f"{latent['width']}x{latent['height']}"
+            source = sources[r["source_index"]]
+            repeats = image_repeats(source, r["path"])
+            reg = source.regularization
+            indexed.append(r | {"bucket": bucket, "repeats": repeats, "regularization": reg})
+    cells = [k for r in indexed for k in (r["flip_key"], r["mask_key"]) if k]
+    captions = {r["caption_key"] for r in indexed} | {caption_key("")}
+    for what, missing in (
+        ("caption", sorted(captions - set(located.captions))),
+        ("flipped latent or mask", [k for k in cells if k not in located.latents]),
+    ):
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} {what}(s) were not encoded (their file is damaged or gone, "
+                f"e.g. {missing[0]}): run the preprocess again, it encodes only what is missing"
+            )
+    return indexed
 
 
 def _preprocess(job: _Pass) -> dict:
@@ -138,22 +165,14 @@ def _preprocess(job: _Pass) -> dict:
     p = plan([{**r, "source_index": r["source"]} for r in rows], available, roots)
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
     located.refresh()
-    indexed = []
-    for r in p.cached + p.new:
-        if (latent := located.latents.get(r["key"])) is not None:
-            bucket = f"{latent['width']}x{latent['height']}"
-            repeats = image_repeats(sources[r["source_index"]], r["path"])
-            indexed.append({**r, "bucket": bucket, "repeats": repeats})
+    indexed = _indexed(p.cached + p.new, located, sources)
     need = {r["caption_key"] for r in indexed} | {caption_key("")}
-    if missing := sorted(need - set(located.captions)):
-        raise RuntimeError(
-            f"{len(missing)} caption(s) were not encoded (their text file is damaged or gone, "
-            f"e.g. {missing[0]}): run the preprocess again, it encodes only what is missing"
-        )
     truncated = sum(located.captions[k]["truncated"] for k in need)
+    folders = folder_report(indexed, sources)  # repeats_from_folder sources: their folders' N
+    indexed = pair_regularization(indexed)
     rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
     rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
-    rep["folders"] = folder_report(indexed, sources)  # repeats_from_folder sources only
+    rep["folders"] = folders
     extra = {"family": job.family.name, "dtype": pre.dtype, "report": rep}
     index.commit(version, job.run, indexed, located, generation, **extra)
     metrics.gauge("raytuner_cache_hits", len(p.cached), job.tag)

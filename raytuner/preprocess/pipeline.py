@@ -16,7 +16,7 @@ import math
 import ray
 
 from raytuner import quiet, runtime
-from raytuner.data.cache import caption_key
+from raytuner.data.cache import caption_key, flip_key
 from raytuner.preprocess.decode import ENCODE, DecodeSpec, probe_decode
 from raytuner.preprocess.encode import Encoder
 from raytuner.preprocess.sink import PROBE_COLUMNS, PartSink
@@ -39,15 +39,15 @@ def run(
     listing: list[dict], sources, known, spec: DecodeSpec, encoder, pre, version, run_rel, progress
 ):
     """Stream every listed file of ``sources`` through probe, decode and encode into the data
-    files of the run folder ``run_rel``; ``known``: (latent keys, caption keys) the version
+    files of the run folder ``run_rel``; ``known``: (``decode.Known``, caption keys) the version
     holds already; ``encoder``: (family, ModelConfig) the encoder actors load; ``progress``: the
     counting actor of the encoded images.
     Returns one row per listed file: its probe columns, ``status`` and ``failure``."""
-    latent_keys, caption_keys = known
+    latents, caption_keys = known
     side = max(max(w, h) for w, h in spec.buckets)
     rows = rows_per_block(len(listing), pre.batch_size, side, pre.max_actors)
-    preload = any(r["known_key"] not in latent_keys for r in listing)  # images to encode, likely
-    probe = {"sources": sources, "spec": spec, "known": frozenset(latent_keys)}
+    preload = any(_likely_new(r, sources, latents.keys) for r in listing)  # images to encode
+    probe = {"sources": sources, "spec": spec, "known": latents}
     if not preload:  # every image unchanged: probe alone, no encoder starts unless a caption is new
         probed = _probed(listing, rows, probe)
         if _nothing_new(probed, caption_keys):
@@ -70,6 +70,14 @@ def run(
         )
     encoded.write_datasink(sink, ray_remote_args={"num_cpus": 0.25})
     return sink.rows
+
+
+def _likely_new(row: dict, sources, keys: frozenset) -> bool:
+    """Whether a listed file has something to encode, as far as its listing tells: a changed
+    file, or a flipped latent its source asks for and the cache lacks (a new mask file shows
+    only once the probe hashed it)."""
+    key, flips = row["known_key"], sources[row["source"]].flip == "random"
+    return key not in keys or (flips and flip_key(key) not in keys)
 
 
 def wait_for_encoders(pre) -> None:

@@ -1,6 +1,7 @@
-"""The preprocess stream's sink: Ray Data write tasks that store each block's latents and text
-tensors as the cache's data files (``cache.write_part``: atomic, in the cache's layout) and hand
-the driver the probe columns of every listed file. No torch here: write tasks start fast."""
+"""The preprocess stream's sink: Ray Data write tasks that store each block's latents, masks
+and text tensors as the cache's data files (``cache.write_part``: atomic, in the cache's
+layout) and hand the driver the probe columns of every listed file. No torch here: write tasks
+start fast."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from raytuner.data import cache
-from raytuner.preprocess.decode import ENCODE, STREAM_SCHEMA, TEXT
+from raytuner.preprocess.decode import LATENT, MASK, STREAM_SCHEMA, TEXT
 
 # What the driver gets back of each listed file.
 PROBE_COLUMNS = STREAM_SCHEMA.names[: STREAM_SCHEMA.names.index("pixels")]
-LATENT_COLUMNS = ["key", "path", "width", "height", "original_size", "crop_top_left"]
+ROW_COLUMNS = ["key", "path", "width", "height", "original_size", "crop_top_left"]
 
 
 def _cell_columns(tensors: list[str]) -> list[str]:
@@ -47,13 +48,17 @@ class PartSink(Datasink):
             status = table.column("status")
             tensors = cache.tensor_columns(table.schema)
             image = [t for t in tensors if t.startswith("latent")]
-            latents = [*LATENT_COLUMNS, *_cell_columns(image)]
-            self._write(table.filter(pc.equal(status, ENCODE)), cache.LATENTS, latents)
+            # masks in files of their own (they have no latent): rows of the same folder
+            masks = [*ROW_COLUMNS, *_cell_columns([cache.MASK])]
+            self._write(table.filter(pc.equal(status, MASK)), cache.LATENTS, masks)
+            latents = [*ROW_COLUMNS, "alpha", *_cell_columns(image)]
+            self._write(table.filter(pc.equal(status, LATENT)), cache.LATENTS, latents)
             text = table.filter(pc.equal(status, TEXT))
             names = ["caption_key", "caption", "truncated"]
-            names += _cell_columns([t for t in tensors if t not in image])
+            names += _cell_columns([t for t in tensors if t not in image and t != cache.MASK])
             self._write(text, cache.TEXT, names)
-            probed.append(table.filter(pc.not_equal(status, TEXT)).select(PROBE_COLUMNS))
+            appended = pc.is_in(status, pa.array([TEXT, LATENT, MASK]))
+            probed.append(table.filter(pc.invert(appended)).select(PROBE_COLUMNS))
         return pa.concat_tables(probed) if probed else STREAM_SCHEMA.empty_table()
 
     def on_write_complete(self, write_result) -> None:

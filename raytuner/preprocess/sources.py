@@ -21,6 +21,9 @@ HASH_CHUNK = 8 * 1024 * 1024  # images are hashed in pieces of this, never read 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
 JUNK_NAMES = {"__MACOSX", "Thumbs.db", "desktop.ini", "@eaDir", "$RECYCLE.BIN"}
+# a loss mask beside its image (OneTrainer's naming): "<stem>-masklabel.png" is the mask of
+# "<stem>.<ext>", never an image itself; white trains, black is ignored (data.mask = "file")
+MASK_SUFFIX = "-masklabel.png"
 # a kohya sd-scripts dataset folder: "<repeats>_<class tokens>" ("10_ohwx person"); sd-scripts
 # splits the name at its first "_" and reads the rest as the class tokens
 KOHYA_FOLDER = re.compile(r"([0-9]+)_(.*)", re.DOTALL)
@@ -157,15 +160,19 @@ def list_source(index: int, source: SourceConfig) -> list[dict]:
     if metadata_path and _escapes(fs, root, metadata_path):
         raise ValueError(f"{metadata_path}: a symlink outside the dataset folder; not read")
     captions = read_metadata(fs, metadata_path) if metadata_path else {}
+    masks = _mask_files(files)
     rows = []
     for rel in sorted(files):
         stem, ext = posixpath.splitext(rel)
-        if ext.lower() not in IMAGE_EXTENSIONS or _is_junk(rel):
+        if ext.lower() not in IMAGE_EXTENSIONS or _is_junk(rel) or rel in masks:
             continue
-        txt = stem + source.caption_extension
+        txt, mask = stem + source.caption_extension, stem + MASK_SUFFIX
+        mask = mask if mask in masks and source.mask == "file" else ""
         size, mtime_ns = files[rel]
         refused = ""
-        if source.repeats_from_folder and image_repeats(source, rel) == 0:
+        if mask and _escapes(fs, root, storage.join(root, mask)):
+            refused = "mask file is a symlink outside the dataset folder"
+        elif source.repeats_from_folder and image_repeats(source, rel) == 0:
             refused = f"folder {kohya_folder(rel).path!r} says 0 repeats (sd-scripts leaves it out)"
         elif _escapes(fs, root, storage.join(root, rel)):
             refused = "symlink outside the dataset folder"
@@ -181,10 +188,22 @@ def list_source(index: int, source: SourceConfig) -> list[dict]:
                 "mtime_ns": mtime_ns,
                 "caption_path": txt if txt in files else "",
                 "metadata_caption": captions.get(rel),
+                "mask_path": mask,
                 "refused": refused,
             }
         )
     return rows
+
+
+def _mask_files(files) -> set[str]:
+    """The mask files among a folder's files: ``<stem>-masklabel.png`` beside an image of that
+    stem (whatever the source's ``mask``: they are no training images)."""
+    stems = {
+        posixpath.splitext(rel)[0]
+        for rel in files
+        if posixpath.splitext(rel)[1].lower() in IMAGE_EXTENSIONS
+    }
+    return {r for r in files if r.endswith(MASK_SUFFIX) and r[: -len(MASK_SUFFIX)] in stems}
 
 
 def _caption(fs, root: str, row: dict, source: SourceConfig) -> tuple[str | None, str, str]:
@@ -248,6 +267,8 @@ def probe_and_read(row: dict, sources: list[SourceConfig], keep: bool) -> tuple[
         "caption": "",
         "caption_from": "",
         "reason": row["refused"],
+        "mask_path": row.get("mask_path", ""),
+        "mask_sha": "",  # the sha256 of its mask file (data.mask = "file"), read every run
     }
     if out["reason"]:
         return out, None
@@ -259,6 +280,8 @@ def probe_and_read(row: dict, sources: list[SourceConfig], keep: bool) -> tuple[
             digest, size, data = _hash(fs, storage.join(root, row["path"]), keep)
             out["key"] = digest if size else ""
             out["reason"] = "" if size else "empty file"
+        if out["mask_path"]:
+            out["mask_sha"] = _hash(fs, storage.join(root, out["mask_path"]), False)[0]
         caption, where, why = _caption(fs, root, row, source)
     except OSError as e:
         return {**out, "reason": f"unreadable: {e}"}, None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from raytuner.data.cache import ALPHA, mask_key
+
 
 @dataclass
 class Plan:
@@ -26,7 +28,9 @@ class Plan:
 
 
 def plan(probed: list[dict], available: set[str], sources: list[str]) -> Plan:
-    """Split probed rows (see ``sources.probe_row``) against the keys already encoded.
+    """Split probed rows (see ``sources.probe_row``) against the keys already encoded: a row
+    is cached when its latent and the flipped latent and mask it asks for (``flip_key``,
+    ``mask_key``) all are.
 
     Byte-identical files share a key: the first in (source, path) order is trained, the others
     are reported as duplicates of it.
@@ -42,7 +46,53 @@ def plan(probed: list[dict], available: set[str], sources: list[str]) -> Plan:
             )
         else:
             first_of[row["key"]] = row["path"]
-            (out.cached if row["key"] in available else out.new).append(row)
+            wanted = (row["key"], row.get("flip_key"), row.get("mask_key"))
+            cached = all(k in available for k in wanted if k)
+            (out.cached if cached else out.new).append(row)
+    return out
+
+
+def pair_regularization(rows: list[dict]) -> list[dict]:
+    """kohya sd-scripts' pairing of regularization images with the training images (its
+    ``DreamBoothDataset``): an epoch holds as many regularization samples as training samples.
+    In (source, path) order each regularization image is taken with its own repeats until
+    their sum reaches the training samples, and the images after that are left out (0
+    repeats); while the sum falls short, every image gets one repeat more in turn until it is
+    reached. ``rows``: the trained rows (``repeats``, ``regularization``); returned with the
+    regularization rows' repeats paired."""
+    train = sum(r["repeats"] for r in rows if not r["regularization"])
+    order = [i for i, r in enumerate(rows) if r["regularization"]]
+    order.sort(key=lambda i: (rows[i]["source_index"], rows[i]["path"]))
+    repeats, n, first = dict.fromkeys(order, 0), 0, True
+    while order and n < train:
+        for i in order:
+            more = rows[i]["repeats"] if first else 1
+            repeats[i], n = repeats[i] + more, n + more
+            if n >= train:
+                break
+        first = False
+    return [r | {"repeats": repeats[i]} if i in repeats else r for i, r in enumerate(rows)]
+
+
+def _kinds(indexed: list[dict]) -> dict:
+    """What the report says of flips, masks and regularization images (only what is there)."""
+    out = {}
+    if flipped := sum(1 for r in indexed if r.get("flip_key")):
+        out["flipped"] = flipped
+    masked = [r for r in indexed if r.get("mask_key")]
+    if masked:
+        alpha = sum(1 for r in masked if r["mask_key"] == mask_key(r["key"], ALPHA))
+        out["masked"] = {"alpha": alpha, "file": len(masked) - alpha}
+    reg = [r for r in indexed if r.get("regularization")]
+    if reg:
+        train = [r for r in indexed if not r.get("regularization")]
+        out["regularization"] = {
+            "images": len(reg),
+            "unused": sum(1 for r in reg if not r["repeats"]),
+            "samples": sum(r["repeats"] for r in reg),
+            "training_images": len(train),
+            "training_samples": sum(r["repeats"] for r in train),
+        }
     return out
 
 
@@ -64,7 +114,7 @@ def report(total: int, p: Plan, indexed: list[dict], truncated: int, seconds: fl
         "buckets": dict(sorted(Counter(r["bucket"] for r in indexed).items())),
         "seconds": round(seconds, 3),
         "images_per_s": round(encoded / max(seconds, 1e-9), 3),
-    }
+    } | _kinds(indexed)
 
 
 def report_lines(report: dict) -> list[str]:
@@ -86,6 +136,7 @@ def report_lines(report: dict) -> list[str]:
         f"{report['images_per_s']:.1f} images/s encoded"
     )
     out.append("  buckets: " + ", ".join(f"{b}: {n}" for b, n in report["buckets"].items()))
+    out.extend(_kind_lines(report))
     for f in report.get("folders", []):  # sources with repeats_from_folder
         named = f", {f['name_captions']} captioned by its name" if f["name_captions"] else ""
         folder = f["folder"] or "(no N_ prefix)"
@@ -94,4 +145,20 @@ def report_lines(report: dict) -> list[str]:
         out.append(f"  skipped {s['path']}: {s['reason']}")
     if len(skipped) > 20:
         out.append(f"  ... and {len(skipped) - 20} more (see the report)")
+    return out
+
+
+def _kind_lines(report: dict) -> list[str]:
+    """The report's lines on flips, masks and regularization images (where it has them)."""
+    out = []
+    if "flipped" in report:
+        out.append(f"  flipped: {report['flipped']} images (each with its mirror image's latent)")
+    if m := report.get("masked"):
+        out.append(f"  masked: {m['alpha']} by their alpha channel, {m['file']} by mask files")
+    if g := report.get("regularization"):
+        out.append(
+            f"  regularization: {g['images']} images ({g['unused']} left out), {g['samples']} "
+            f"samples an epoch for the {g['training_samples']} of {g['training_images']} "
+            "training images (kohya's pairing)"
+        )
     return out

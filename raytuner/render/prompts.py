@@ -5,11 +5,14 @@ A line is ``<prompt> --w 512 --h 768 --s 20 --d 42 --l 7.5 --n <negative prompt>
 at each ``" --"`` as sd-scripts' ``line_to_prompt_dict`` does, option letters in any case, the
 last of a repeated option wins. Blank lines and lines starting with ``#`` are skipped. Unlike
 sd-scripts, which ignores what it cannot read, a value that is not a number, an unknown option
-or one the model cannot use is refused with its line number. Pure: no torch, no pipeline.
+or one the model cannot use is refused with its line number. A sampler (``--ss``), which
+sd-scripts' users' files carry, is accepted and noted in one log line: the pipeline's own
+scheduler renders. Pure: no torch, no pipeline.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass
 
@@ -25,15 +28,16 @@ OPTIONS = {
     "g": ("guidance", "guidance-embedding scale (guidance-distilled models: Flux dev)"),
     "n": ("negative_prompt", "negative prompt"),
 }
+SAMPLER = "ss"  # sd-scripts' sampler option: kept on the line, not rendered with
 # options sd-scripts reads that raytuner does not render with
 UNSUPPORTED = {
-    "ss": "a sampler: raytuner renders with the pipeline's own scheduler",
     "cn": "a ControlNet image",
     "ctr": "a CFG truncation ratio",
     "rcfg": "a CFG renormalisation",
     "fs": "a flow shift: the pipeline's scheduler sets it",
 }
 MAX_STEPS = 1000  # sd-scripts clamps --s to 1..1000
+log = logging.getLogger("raytuner.prompts")
 
 
 class PromptsError(ValueError):
@@ -53,6 +57,7 @@ class PromptLine:
     scale: float | None = None  # --l
     guidance: float | None = None  # --g
     negative_prompt: str | None = None  # --n
+    sampler: str | None = None  # --ss: sd-scripts' sampler; the pipeline's scheduler renders
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +132,9 @@ def parse_line(text: str, number: int = 0) -> PromptLine | None:
     for part in parts:
         letter, _, value = part.strip().partition(" ")
         letter = letter.lower()
+        if letter == SAMPLER:
+            values["sampler"] = value.strip()
+            continue
         if letter in UNSUPPORTED:
             raise PromptsError(f"{where}: --{letter} ({UNSUPPORTED[letter]}) is not supported")
         if letter not in OPTIONS:
@@ -142,6 +150,12 @@ def parse_prompts(text: str) -> list[PromptLine]:
     found = [p for p in lines if p is not None]
     if not found:
         raise PromptsError("no prompts in it (every line is blank or a # comment)")
+    if samplers := [p for p in found if p.sampler is not None]:
+        where = ", ".join(str(p.line) for p in samplers[:5]) + (", …" if len(samplers) > 5 else "")
+        log.info(
+            "prompts: --ss %s (line %s) is not used: the pipeline's own scheduler renders",
+            samplers[0].sampler, where,
+        )  # fmt: skip
     return found
 
 

@@ -20,7 +20,13 @@ import torch
 
 from raytuner.config import TrainConfig
 from raytuner.data.reader import CachedDataset, open_dataset
-from raytuner.train.schedule import caption_dropped, epoch_batches, rank_slice, sample_seed
+from raytuner.train.schedule import (
+    caption_dropped,
+    epoch_batches,
+    flipped,
+    rank_slice,
+    sample_seed,
+)
 
 
 def latent_draw(mean: torch.Tensor, std: torch.Tensor, seeds: list[int]) -> torch.Tensor:
@@ -46,6 +52,7 @@ class RankSlice:
     tensors: dict[str, torch.Tensor]
     seeds: list[int]  # per-sample noise seeds, the same whatever rank trains the sample
     ids: list[str]  # the cache rows (source path) of this rank's slice, in order
+    flipped: tuple[bool, ...] = ()  # which samples train on their mirror image (data.flip)
 
     def after(self) -> tuple[int, int]:
         """The cursor after this batch: the next global batch, or the next epoch's first."""
@@ -69,9 +76,10 @@ class Feed:
         prefetch: int,
         pin: bool,
         caption_dropout: float = 0.0,
+        prior_loss_weight: float = 1.0,
     ) -> None:
         self.data, self.seed, self.gbs, self.remainder = data, seed, global_batch_size, remainder
-        self.caption_dropout = caption_dropout
+        self.caption_dropout, self.prior_loss_weight = caption_dropout, prior_loss_weight
         self.rank, self.world, self.pin = rank, world, pin
         # a source's repeats are repeated appearances of its rows in the schedule
         self.rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
@@ -93,12 +101,20 @@ class Feed:
         mine = global_batch[start:stop]
         seeds = [sample_seed(self.seed, epoch, index, p) for p in range(start, stop)]
         dropped = [caption_dropped(s, self.caption_dropout) for s in seeds]
-        tensors = self.data.batch([self.rows[j] for j in mine], empty_caption=dropped)
+        rows = [self.rows[j] for j in mine]
+        pairs = zip(rows, seeds, strict=True)
+        flips = [bool(self.data.flippable[i]) and flipped(s) for i, s in pairs]
+        tensors = self.data.batch(rows, empty_caption=dropped, flipped=flips)
         if "latent_std" in tensors:  # preprocess.store_std: train on a draw, not the mean
             tensors["latent"] = latent_draw(tensors["latent"], tensors.pop("latent_std"), seeds)
+        if self.data.regularization.any():  # each sample's loss weight (step.forward_backward)
+            reg = self.data.regularization[rows]
+            weights = [self.prior_loss_weight if r else 1.0 for r in reg]
+            tensors["loss_weight"] = torch.tensor(weights, dtype=torch.float32)
         if self.pin:
             tensors = {k: v.pin_memory() for k, v in tensors.items()}
-        return RankSlice(epoch, index, len(batches), tensors, seeds, [self.paths[j] for j in mine])
+        ids = [self.paths[j] for j in mine]
+        return RankSlice(epoch, index, len(batches), tensors, seeds, ids, tuple(flips))
 
     def _put(self, item) -> None:
         while not self._stop.is_set():
@@ -178,4 +194,5 @@ def open_feed(
         prefetch=train.prefetch,
         pin=pin,
         caption_dropout=train.caption_dropout,
+        prior_loss_weight=train.prior_loss_weight,
     )

@@ -54,6 +54,13 @@ def caption_dropped(seed: int, probability: float) -> bool:
     return probability > 0 and np.random.default_rng([seed, 1]).random() < probability
 
 
+def flipped(seed: int) -> bool:
+    """Whether the sample of ``seed`` (its ``sample_seed``) trains on its mirror image, where
+    its row has one (``data.flip = "random"``): a fair draw of its own, the same on whichever
+    rank trains the sample and after a resume, another each epoch."""
+    return bool(np.random.default_rng([seed, 2]).random() < 0.5)
+
+
 def sample_seed(seed: int, epoch: int, batch_index: int, position: int) -> int:
     """The noise seed of one sample of the schedule, the same whatever rank trains it."""
     digest = hashlib.sha256(f"{seed}/{epoch}/{batch_index}/{position}".encode()).digest()

@@ -52,6 +52,8 @@ def forward_backward(
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 micro = {k: v[a : a + size] for k, v in tensors.items()}
                 per_sample = loss_fn(model, micro, generators)
+                if "loss_weight" in micro:  # regularization images: train.prior_loss_weight
+                    per_sample = per_sample * micro["loss_weight"]
             # DDP averages gradients over ranks: scaled, the update is the global batch's mean
             (per_sample.sum() * scale).backward()
         total += per_sample.detach().sum()

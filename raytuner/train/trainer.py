@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -205,9 +206,13 @@ def train(job: JobConfig, family) -> dict:
     rows = [bucket for bucket, n in counts.items() for _ in range(n)]
     t = job.train
     try:
-        epoch_batches(rows, t.seed, 0, t.global_batch_size, t.remainder)
+        batches = epoch_batches(rows, t.seed, 0, t.global_batch_size, t.remainder)
     except ValueError as e:
         raise ConfigError(f"{e} (samples per bucket, repeats included: {counts})") from None
+    if t.epochs:  # every epoch has as many global batches as the first
+        job = dataclasses.replace(job, train=t.for_epochs(len(batches)))
+        t = job.train
+        log.info("train.epochs: %d steps, %d an epoch", t.max_steps, len(batches))
     name = runs.choose_run(job.train.output, job.train.name, job.checkpoint.resume)
     part = family.denoiser_part
     run_dir = runs.run_dir(job.train.output, name)

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from raytuner import runtime
 from raytuner.config import DataConfig, JobConfig
 from raytuner.data import cache
-from raytuner.preprocess.decode import ENCODE, probe_decode
+from raytuner.preprocess.decode import ENCODE, Known, probe_decode
 from raytuner.preprocess.encode import Encoder
 from raytuner.preprocess.job import decode_spec, preprocess
 from raytuner.preprocess.sources import list_source
@@ -51,12 +51,13 @@ def _bare(job: JobConfig, family, data: DataConfig) -> tuple[int, float]:
     spec = decode_spec(family, data, pre)
     # the Encoder builds its models on first use: one image first, off the clock, builds both
     # (as the bare loop always did before timing); then it forgets the captions it encoded
-    encoder(probe_decode(pa.Table.from_pylist(listing[:1]), sources, spec, frozenset()))
+    nothing = Known(frozenset(), frozenset())  # the cache holds nothing yet
+    encoder(probe_decode(pa.Table.from_pylist(listing[:1]), sources, spec, nothing))
     encoder.seen = set()
     start, done = time.perf_counter(), 0
     for i in range(0, len(listing), pre.batch_size):
         batch = pa.Table.from_pylist(listing[i : i + pre.batch_size])
-        encoded = encoder(probe_decode(batch, sources, spec, frozenset()))
+        encoded = encoder(probe_decode(batch, sources, spec, nothing))
         done += encoded.column("status").to_pylist().count(ENCODE)
     return done, time.perf_counter() - start
 
@@ -68,6 +69,8 @@ def _latent_bytes(version: cache.Version, manifest: dict) -> tuple[int, int]:
     for entry in manifest["latents"]:
         meta = pq.read_metadata(version.path(entry["path"]), filesystem=version.fs)
         names = [meta.schema.column(j).name for j in range(meta.num_columns)]
+        if "latent" not in names:
+            continue  # a file of masks (data.mask)
         col = names.index("latent")
         stored += sum(
             meta.row_group(g).column(col).total_compressed_size for g in range(meta.num_row_groups)
