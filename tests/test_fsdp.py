@@ -60,6 +60,9 @@ log_every = 1
 sample_log = true
 mode = "full"
 
+[lora]
+save_dtype = "float32"  # exports compared to float rounding
+
 [scaling]
 workers = 2
 cpus_per_worker = 0.5
