@@ -300,12 +300,12 @@ def trainable_model(
 def _sharded(denoiser: nn.Module, *, family, source, device: torch.device, amp) -> None:
     """Shard a meta-device denoiser (its adapter in place) over the workers, computing in
     ``amp`` (None: float32), then give each worker its rows of the frozen and base weights,
-    read one tensor at a time from the model's files (``parts.tensors``); the adapter's get
+    read one tensor at a time from the model's files (``part_tensors.tensors``); the adapter's get
     their values from ``Weights``."""
-    from raytuner.families import parts
+    from raytuner.families import part_tensors
 
     part = family.denoiser_part
-    files = parts.tensors(family, source, part, family.part_classes()[part])
+    files = part_tensors.tensors(family, source, part, family.part_classes()[part])
 
     def base():
         for name, _ in denoiser.named_parameters():
