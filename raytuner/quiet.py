@@ -59,6 +59,9 @@ WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     # output, which FSDP2 flags in case an in-place op follows; none does, in diffusers' forward
     # or in raytuner's losses (tests/test_fsdp.py: sharded training equals unsharded)
     (UserWarning, r"FSDP2-wrapped module \(\w+\) returned a view tensor"),
+    # train.compile: diffusers' gradient checkpointing asks is_torch_version (an lru_cache'd
+    # pure function of the installed version) inside the compiled blocks
+    (UserWarning, r"Dynamo detected a call to a `functools\.lru_cache`-wrapped function"),
     # exports and renders read a sharded checkpoint in one process on purpose (no_dist=True)
     (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming"),
 )

@@ -40,6 +40,8 @@ class TrainConfig:
     prior_loss_weight: float = 1.0  # the loss weight of regularization images (kohya's)
     ema_decay: float = 0.0  # > 0: keep an EMA of the trained weights; exports use it
     gradient_checkpointing: bool = False
+    # torch.compile each of the denoiser's repeated blocks (the family's compile_blocks) once
+    compile: bool = False
     mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
     tensorboard: bool = True  # event files under <run>/tensorboard (local outputs)
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes) | adafactor | prodigy
@@ -129,6 +131,9 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     elastic_resize_interval_s: float = 60.0  # how often a running elastic group may resize
+    # the GPU's dense bfloat16 peak in TFLOP/s for MFU; 0: from the device's name (a table),
+    # unknown where it is not listed
+    peak_tflops: float = 0.0
     resource_wait_s: float = 600.0  # how long training waits for its workers' resources
 
     def __post_init__(self) -> None:
@@ -140,6 +145,7 @@ class ScalingConfig:
         one_of("scaling.strategy", self.strategy, STRATEGIES)
         positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s, zero_ok=True)
         positive("scaling.resource_wait_s", self.resource_wait_s, zero_ok=True)
+        positive("scaling.peak_tflops", self.peak_tflops, zero_ok=True)
         if self.gpus_per_worker > 0 and not self.use_gpu:
             raise ConfigError(
                 f"scaling.gpus_per_worker = {self.gpus_per_worker} with scaling.use_gpu = false: "

@@ -60,6 +60,11 @@ class Family(Protocol):
     # the denoiser's repeated blocks, each a unit that ``scaling.strategy = "fsdp"`` shards and
     # gathers on its own (a block list: each block; a single block: itself), in the order they run
     shard_blocks: tuple[str, ...]
+    # class names of the repeated blocks ``train.compile`` compiles, each on its own (regional
+    # compilation: diffusers' ``_repeated_blocks`` where the model has them)
+    compile_blocks: tuple[str, ...]
+    # its denoiser's convolutions run in channels-last memory format on GPUs (the UNets)
+    channels_last: bool
     objective_kind: str  # "ddpm" or "flow": the [objective.<kind>] settings its loss takes
     guidance_embedding: bool  # its denoiser can take objective.flow.guidance (guidance-distilled)
     # the pipeline's guidance_scale when the job and the prompt line set none: the classifier-free

@@ -187,6 +187,8 @@ class Flux:
     )
     swap_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
     shard_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
+    compile_blocks: tuple[str, ...] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+    channels_last: bool = False
     objective_kind: str = "flow"
     guidance_embedding: bool = True
     default_guidance_scale: float = 3.5  # FluxPipeline's default: the guidance embedding's value

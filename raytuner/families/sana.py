@@ -82,6 +82,8 @@ class Sana:
     lora_files: base.LoraFiles = base.LoraFiles()
     swap_blocks: tuple[str, ...] = ("transformer_blocks",)
     shard_blocks: tuple[str, ...] = ("transformer_blocks",)
+    compile_blocks: tuple[str, ...] = ("SanaTransformerBlock",)
+    channels_last: bool = False
     objective_kind: str = "flow"
     guidance_embedding: bool = False
     default_guidance_scale: float = 4.5  # SanaPipeline's default

@@ -48,6 +48,8 @@ class SD15:
     )
     swap_blocks: tuple[str, ...] = ()
     shard_blocks: tuple[str, ...] = ("down_blocks", "mid_block", "up_blocks")
+    compile_blocks: tuple[str, ...] = ("BasicTransformerBlock",)
+    channels_last: bool = True
     objective_kind: str = "ddpm"
     guidance_embedding: bool = False
     default_guidance_scale: float = 7.5  # StableDiffusionPipeline's default

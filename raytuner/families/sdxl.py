@@ -107,6 +107,8 @@ class SDXL:
     )
     swap_blocks: tuple[str, ...] = ()
     shard_blocks: tuple[str, ...] = ("down_blocks", "mid_block", "up_blocks")
+    compile_blocks: tuple[str, ...] = ("BasicTransformerBlock",)
+    channels_last: bool = True
     objective_kind: str = "ddpm"
     guidance_embedding: bool = False
     default_guidance_scale: float = 5.0  # StableDiffusionXLPipeline's default

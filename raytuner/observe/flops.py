@@ -58,8 +58,13 @@ def _custom() -> dict:
 
 @contextlib.contextmanager
 def counted() -> Iterator[FlopCounterMode]:
-    """Count the FLOPs of what runs inside (``.get_total_flops()``)."""
-    with FlopCounterMode(display=False, custom_mapping=_custom()) as counter:
+    """Count the FLOPs of what runs inside (``.get_total_flops()``). Compiled regions
+    (``train.compile``) run eagerly while counted: dynamo, meeting them under a dispatch mode
+    it cannot trace, would otherwise skip them for good."""
+    with (
+        torch.compiler.set_stance("force_eager"),
+        FlopCounterMode(display=False, custom_mapping=_custom()) as counter,
+    ):
         yield counter
 
 

@@ -20,6 +20,8 @@ TRAIN_GAUGES = {  # window metric -> its dashboard gauge (declared in raytuner.o
     "samples_per_s": "raytuner_train_samples_per_s",
     "step_time_s": "raytuner_train_step_time_s",
     "data_wait_fraction": "raytuner_train_data_wait_fraction",
+    "tflops_per_s": "raytuner_train_tflops_per_s",
+    "mfu": "raytuner_train_mfu",  # absent where the device's peak is unknown
 }
 
 
@@ -83,17 +85,20 @@ class Observer:
         use_wandb = t is not None and t.wandb
         self.wandb = tracking.WandbRun(t, run_dir, job, primary=True) if use_wandb else None
 
-    def window(self, step: int, m: dict[str, float], lr: float) -> None:
+    def window(self, step: int, m: dict[str, float | None], lr: float) -> None:
         eta = datetime.timedelta(seconds=round((self.max_steps - step) * m["step_time_s"]))
+        mfu = "unknown" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
         log.info(
-            "step %d/%d loss %.4f lr %.2e %.1f samples/s data wait %.1f%% ETA %s",
-            *(step, self.max_steps, m["loss"], lr, m["samples_per_s"]),
+            "step %d/%d loss %.4f lr %.2e %.1f samples/s %.3g TFLOP/s (MFU %s) data wait "
+            "%.1f%% ETA %s",
+            *(step, self.max_steps, m["loss"], lr, m["samples_per_s"], m["tflops_per_s"], mfu),
             *(100 * m["data_wait_fraction"], eta),
         )
-        for key, name in TRAIN_GAUGES.items():
-            metrics.gauge(name, m[key], self.run)
+        known = {key: m[key] for key in TRAIN_GAUGES if m[key] is not None}
+        for key, value in known.items():
+            metrics.gauge(TRAIN_GAUGES[key], value, self.run)
         metrics.gauge("raytuner_train_step", step, self.run)
-        scalars = {key: m[key] for key in TRAIN_GAUGES} | {"lr": lr}
+        scalars = known | {"lr": lr}
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(f"train/{key}", value, step)

@@ -29,6 +29,7 @@ __all__ = [
     "check",
     "inputs",
     "load_device",
+    "memory_format",
     "move",
     "place_pipeline",
     "unplace_pipeline",
@@ -59,6 +60,15 @@ def load_device(device: torch.device, memory, float8: bool = False) -> torch.dev
     or be stored in float8 (a 24 GB bfloat16 transformer never has to fit the GPU whole), else
     the compute device."""
     return torch.device("cpu") if memory.blocks_to_swap or float8 else device
+
+
+def memory_format(denoiser: nn.Module, family, device) -> None:
+    """The UNets' convolutions in channels-last format on GPUs (the family's
+    ``channels_last``): cuDNN's NHWC kernels under bfloat16, no layout change around each
+    convolution. An unsharded model only (a sharded one keeps its rows as they are)."""
+    sharded = any(sharding.is_sharded(p) for p in denoiser.parameters())
+    if family.channels_last and torch.device(device).type == "cuda" and not sharded:
+        denoiser.to(memory_format=torch.channels_last)
 
 
 def blocks(denoiser: nn.Module, family) -> list[nn.Module]:

@@ -10,6 +10,7 @@ same jobs. A job's own sections checked their values and each other when it was 
 - a ``[memory]`` section the family's denoiser cannot run (``placement.check``);
 - ``scaling.strategy = "fsdp"`` with what cannot take sharded weights: block swap, float8
   storage, the 8-bit AdamW, Adafactor and Prodigy (their states are not a weight's rows);
+- ``train.compile`` with block swap;
 - a single-file ``model.pretrained`` that is missing or that its family cannot load;
 - a validation prompts file that is missing, or a line the family cannot render (``--n``
   without negative prompts, ``--g`` without a guidance embedding, sizes off its grid);
@@ -91,6 +92,7 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
     _bucket_sizes(job.preprocess, family)
     _objective_kind(job.objective, family)
     _sharding(job)
+    _compile(job)
     _init_from(job)
     if runs:
         _packages(job)
@@ -135,6 +137,17 @@ def _sharding(job: JobConfig) -> None:
         raise ConfigError(
             f'train.optimizer = "{job.train.optimizer}" with scaling.strategy = "fsdp": '
             f'{reason}; use train.optimizer = "adamw" {fix}'
+        )
+
+
+def _compile(job: JobConfig) -> None:
+    """``train.compile`` compiles each repeated block once; a streamed block's weights are
+    swapped in by hooks inside the compiled call, which dynamo cannot trace."""
+    if job.train.compile and job.memory.blocks_to_swap:
+        raise ConfigError(
+            f"train.compile = true with memory.blocks_to_swap = {job.memory.blocks_to_swap}: "
+            "a streamed block's weights arrive through hooks the compiled block cannot hold; "
+            "set train.compile = false or memory.blocks_to_swap = 0"
         )
 
 

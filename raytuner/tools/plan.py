@@ -23,6 +23,7 @@ import torch
 from raytuner import placement
 from raytuner.config import JobConfig
 from raytuner.families import parts
+from raytuner.observe import flops
 from raytuner.preprocess.buckets import make_buckets
 from raytuner.tools import plan_sharded
 from raytuner.tools.trace import offloaded, traced
@@ -85,13 +86,14 @@ def _planned_model(job: JobConfig, family, checkpointing: bool) -> Trainable:
 def _step_trace(job: JobConfig, family, trained: Trainable, batch: dict, offload: bool) -> dict:
     """The step itself, run once on meta tensors and counted: the family's loss of ``trained``
     on ``batch``, backward (``offload``: activation offload) and an AdamW step. Returns the peak
-    bytes of forward + backward, of the whole step, and of AdamW's state (made by the step)."""
+    bytes of forward + backward, of the whole step, and of AdamW's state (made by the step), and
+    the FLOPs of forward and backward (the recompute of gradient checkpointing included)."""
     opt = torch.optim.AdamW(trained.weights.params, lr=job.train.learning_rate, foreach=False)
     loss_fn = family.loss(trained.source, job.objective.for_family(family))
-    with traced() as live, offloaded(offload):
+    with traced() as live, offloaded(offload), flops.counted() as work:
         generators = [torch.Generator().manual_seed(j) for j in range(len(batch["latent"]))]
         loss_fn(trained.denoiser, batch, generators).sum().backward()
-        backward_peak = live.peak
+        backward_peak, step_flops = live.peak, work.get_total_flops()
         opt.step()
         opt.zero_grad(set_to_none=True)
     adamw = sum(
@@ -100,7 +102,7 @@ def _step_trace(job: JobConfig, family, trained: Trainable, batch: dict, offload
         for v in s.values()
         if torch.is_tensor(v)
     )
-    return {"backward_peak": backward_peak, "peak": live.peak, "adamw": adamw}
+    return {"backward_peak": backward_peak, "peak": live.peak, "adamw": adamw, "flops": step_flops}
 
 
 def trace_step(job: JobConfig, family, shapes: dict, size, micro: int, checkpointing: bool) -> dict:
@@ -125,6 +127,7 @@ def trace_step(job: JobConfig, family, shapes: dict, size, micro: int, checkpoin
     n = memory.blocks_to_swap if checkpointing and t.mode == "lora" else 0
     peak = swapped_peak(result, n, memory.swap_ring)
     return result | {
+        "tflops_per_sample": counted["flops"] / micro / 1e12,
         "blocks_to_swap": n,
         "resident_weights_bytes": sum(by_dtype.values()) - (unswapped - peak),
         "denoiser_params": sum(p.numel() for p in denoiser.parameters()) - _lora(weights),
@@ -327,6 +330,7 @@ def plan(job: JobConfig, family, gpu_memory: int, compare: bool = True) -> dict:
         "blocks_to_swap": worker["blocks_to_swap"],
         "peak_bytes": peak,
         "fits": fits,
+        "tflops_per_sample": worker["tflops_per_sample"],
         "worker": worker,
         "sharded": sharded,
         "encoder_actor": encoder | {"fits": encoder["peak_bytes"] <= gpu_memory},

@@ -52,7 +52,8 @@ def print_plan(result: dict) -> None:
         f"{result['family']} ({result['pretrained']}): denoiser "
         f"{w['denoiser_params'] / 1e6:,.1f} M parameters, {w['trainable_params'] / 1e6:,.2f} M "
         f"trained; bucket {result['bucket'][0]}x{result['bucket'][1]}, "
-        f"{result['micro_batch']} per forward"
+        f"{result['micro_batch']} per forward; {result['tflops_per_sample']:.4g} TFLOP a sample "
+        "(forward, backward and recompute, counted)"
     )
     if result.get("sharded"):
         _print_sharded(result)

@@ -27,6 +27,7 @@ from raytuner.config import (
     TrainConfig,
 )
 from raytuner.lora import export
+from raytuner.observe import flops
 from raytuner.observe.memory import PeakMemory
 from raytuner.observe.observer import Observer
 from raytuner.placement import sharding
@@ -57,38 +58,48 @@ class LoopConfig:
     job: dict  # the whole resolved job, written into every checkpoint as a record only
     memory: MemoryConfig = MemoryConfig()
     strategy: str = "ddp"  # scaling.strategy: ddp (replicated) or fsdp (sharded)
+    peak_tflops: float = 0.0  # scaling.peak_tflops: the GPU's peak for MFU (0: from its name)
     validation_every: int = 0  # validation renders need a checkpoint every N steps
     tracking: TrackingConfig = TrackingConfig()  # rank 0's W&B run (the job as its config)
 
 
 class Meter:
-    """Loss, throughput and data wait over the steps since the last flush. The loss stays on the
-    device until the flush, so steps do not synchronise with the host to log it."""
+    """Loss, throughput, work and data wait over the steps since the last flush. The loss stays
+    on the device until the flush, so steps do not synchronise with the host to log it.
+    ``peak``: the device's dense bfloat16 TFLOP/s (None: MFU unknown)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, peak: float | None = None) -> None:
+        self.device, self.peak = device, peak
         self._reset()
 
     def _reset(self) -> None:
-        self.loss_sum, self.steps = torch.zeros((), device=self.device), 0
+        self.sums, self.steps = torch.zeros(2, dtype=torch.float64, device=self.device), 0
         self.tick = time.perf_counter()
 
-    def add(self, loss_sum: torch.Tensor) -> None:
-        self.loss_sum += loss_sum
+    def add(self, loss_sum: torch.Tensor, flops: float = 0.0) -> None:
+        """A step's loss sum and this rank's FLOPs of it."""
+        self.sums[0] += loss_sum.detach()
+        self.sums[1] += flops
         self.steps += 1
 
-    def flush(self, global_batch_size: int, wait_s: float) -> dict[str, float]:
-        """Means over the window, across ranks for the loss; ``wait_s``: this rank's data wait."""
+    def flush(self, global_batch_size: int, wait_s: float) -> dict[str, float | None]:
+        """Means over the window, across ranks for the loss and the work (TFLOP/s per worker);
+        ``wait_s``: this rank's data wait."""
         seconds = time.perf_counter() - self.tick
-        total = self.loss_sum.detach().clone()
+        total, world = self.sums.clone(), 1
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
+            world = dist.get_world_size()
+        loss, work = total.tolist()
         samples = self.steps * global_batch_size
+        tflops = work / seconds / world / 1e12
         out = {
-            "loss": total.item() / samples,
+            "loss": loss / samples,
             "samples_per_s": samples / seconds,
             "step_time_s": seconds / self.steps,
             "data_wait_fraction": wait_s / seconds,
+            "tflops_per_s": tflops,
+            "mfu": flops.mfu(tflops, self.peak),
         }
         self._reset()
         return out
@@ -132,7 +143,7 @@ class Worker:
         self.feed.start(self.state.epoch, self.state.index)
         run_dir = cfg.run_dir if t.sample_log else None
         self.samples = SampleLog(run_dir, attempt_id(), self.rank, world)
-        self.meter = Meter(device)
+        self.meter = Meter(device, flops.device_peak(device, cfg.peak_tflops))
         self.observer = None
         if self.rank == 0:
             args = (cfg.run_dir, t.max_steps, t.tensorboard, cfg.tracking, cfg.job)
@@ -173,7 +184,7 @@ class Worker:
         """Train this rank's slice of the next global batch; the step and cursor move past it."""
         st = self.state
         batch = self.feed.next(st.epoch, st.index)
-        self.meter.add(self.step(batch))
+        self.meter.add(self.step(batch), self.step.flops)
         st.step, (st.epoch, st.index) = st.step + 1, batch.after()
         self.samples.add(st.step, batch.epoch, batch.index, batch.ids)
 

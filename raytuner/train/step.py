@@ -4,18 +4,20 @@ step`) call this very code, so a bench times what training runs and nothing else
 ``forward_backward``: a rank's slice in micro-batches (gradient accumulation, DDP synchronised on
 the last one only), under autocast, the checkpointed blocks' inputs in host memory when asked.
 ``TrainStep``: that, then gradient clipping, the optimizer, the learning-rate schedule (warm-up
-included) and the EMA.
+included) and the EMA; the FLOPs of a step, counted once per latent shape (a bucket) on its
+first step (``observe/flops.py``) and known for every later one (``flops``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from raytuner import placement
+from raytuner.observe import flops
 
 
 class Slice(Protocol):
@@ -75,12 +77,21 @@ class TrainStep:
     scale: float  # world / global batch size: the update is the global batch's mean
     amp: torch.dtype | None = None  # autocast dtype
     offload: bool = False  # memory.activation_offload
+    # FLOPs of forward and backward (recompute included) of one sample, per latent shape
+    per_sample: dict = field(default_factory=dict)
+    flops: float = 0.0  # of the last step (this rank's slice)
 
     def __call__(self, batch: Slice) -> torch.Tensor:
-        loss = forward_backward(
-            self.model, self.loss_fn, batch, self.device, self.micro_batch_size,
-            self.scale, self.amp, self.offload,
-        )  # fmt: skip
+        shape = tuple(batch.tensors["latent"].shape[1:])
+        counting = shape not in self.per_sample
+        with flops.counted() if counting else contextlib.nullcontext() as counter:
+            loss = forward_backward(
+                self.model, self.loss_fn, batch, self.device, self.micro_batch_size,
+                self.scale, self.amp, self.offload,
+            )  # fmt: skip
+        if counting:
+            self.per_sample[shape] = counter.get_total_flops() / len(batch.seeds)
+        self.flops = self.per_sample[shape] * len(batch.seeds)
         torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)
         self.opt.step()
         self.sched.step()

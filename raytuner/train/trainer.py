@@ -240,6 +240,7 @@ def train(job: JobConfig, family) -> dict:
         job=job.to_dict(),
         memory=job.memory,
         strategy=job.scaling.strategy,
+        peak_tflops=job.scaling.peak_tflops,
         validation_every=job.validation.every_steps,
         tracking=job.tracking,
     )

@@ -294,7 +294,30 @@ def trainable_model(
     )
     placed = placement.DenoiserPlacement(denoiser, family, device, swapped, memory.swap_ring)
     placed.average(weights.ema)
+    placement.memory_format(denoiser, family, device)
+    if train.compile and device.type != "meta":
+        compile_blocks(denoiser, family)
     return Trainable(denoiser, weights, source, amp, placed)
+
+
+def compile_blocks(denoiser: nn.Module, family) -> int:
+    """``train.compile``: each of the denoiser's repeated blocks (the family's
+    ``compile_blocks``) compiled on its own, in place (its parameters keep their names), with
+    what it holds (a LoRA) and what wraps it (gradient checkpointing, sharding) as they are.
+    Regional compilation: a graph per block type, not per model. Shapes: a block type compiles
+    at the first bucket (and for the first block, whose input needs no gradient, once more) and
+    at the second bucket, where dynamo makes the sizes it took as constants dynamic; no bucket
+    after that compiles again. Returns how many blocks."""
+    names = set(family.compile_blocks)  # a sharded block's class is FSDP's subclass of it
+    blocks = [m for m in denoiser.modules() if names & {c.__name__ for c in type(m).__mro__}]
+    if not blocks:
+        raise ValueError(
+            f"train.compile: the {family.name} denoiser has none of its repeated blocks "
+            f"({', '.join(family.compile_blocks)})"
+        )
+    for block in blocks:
+        block.compile()
+    return len(blocks)
 
 
 def _sharded(denoiser: nn.Module, *, family, source, device: torch.device, amp) -> None:

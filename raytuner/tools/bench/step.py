@@ -1,6 +1,8 @@
 """`raytuner bench step`: one process trains the job's denoiser on random batches of the job's
-largest bucket (no Ray, no cache) and reports samples/s and the measured peak GPU memory beside
-what ``raytuner plan`` traces for the same step. On a CPU it runs the same code (tiny models).
+largest bucket (no Ray, no cache) and reports samples/s, the work (TFLOP a sample, counted;
+TFLOP/s; MFU against the device's dense bfloat16 peak, ``scaling.peak_tflops`` or the table of
+``observe/flops.py``) and the measured peak GPU memory beside what ``raytuner plan`` traces for
+the same step. On a CPU it runs the same code (tiny models).
 With ``scaling.strategy = "fsdp"`` the denoiser is sharded over a process group of one (what
 sharding costs on one GPU: the gathers, the float32 reduction), against plan's sharded worker."""
 
@@ -13,6 +15,7 @@ import time
 import torch
 
 from raytuner.config import JobConfig
+from raytuner.observe import flops
 from raytuner.placement import sharding
 from raytuner.tools import plan, plan_sharded
 from raytuner.train import optim, step
@@ -60,6 +63,9 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
+    per_sample = train_step.per_sample[tuple(batch["latent"].shape[1:])] / 1e12
+    tflops = steps * micro * per_sample / seconds
+    peak = flops.device_peak(device, job.scaling.peak_tflops)
     measured = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     result = {
         "family": family.name,
@@ -73,6 +79,10 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
         "steps": steps,
         "load_s": round(load_s, 1),
         "samples_per_s": round(steps * micro / seconds, 3),
+        "tflops_per_sample": float(f"{per_sample:.4g}"),  # counted: forward, backward, recompute
+        "tflops_per_s": float(f"{tflops:.4g}"),
+        "peak_tflops": peak,  # the device's dense bfloat16 peak; None: unknown
+        "mfu": None if peak is None else round(flops.mfu(tflops, peak), 4),
         "planned_bytes": planned_step,
         "measured_peak_bytes": measured,
         "planned_over_measured": round(planned_step / measured, 3) if measured else None,

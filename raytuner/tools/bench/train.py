@@ -142,8 +142,9 @@ def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int =
         load_after = load_average()
     metrics = sides["pipeline"]
     rates = {"pipeline": [m["samples_per_s"] for m in metrics], "bare": sides["bare"]}
-    keys = ("samples_per_s", "data_wait_fraction", "step_time_s")
+    keys = ("samples_per_s", "data_wait_fraction", "step_time_s", "tflops_per_s")
     median = {k: statistics.median(m[k] for m in metrics) for k in keys}
+    mfu = [m["mfu"] for m in metrics if m["mfu"] is not None]
     bare_rate = statistics.median(rates["bare"])
     result = {
         "samples_per_s": round(median["samples_per_s"], 2),
@@ -151,6 +152,10 @@ def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int =
         "ratio": round(median["samples_per_s"] / bare_rate, 3),
         "data_wait_fraction": round(median["data_wait_fraction"], 4),
         "step_time_s": round(median["step_time_s"], 4),
+        # the worker's counted work: TFLOP/s, and MFU against the GPU's peak (None: unknown)
+        "tflops_per_s": float(f"{median['tflops_per_s']:.4g}"),
+        "tflops_per_sample": float(f"{median['tflops_per_s'] / median['samples_per_s']:.4g}"),
+        "mfu": round(statistics.median(mfu), 4) if mfu else None,
         "global_batch_size": job.train.global_batch_size,
         "measured_steps": steps,
         "threads": threads[0],
