@@ -134,6 +134,7 @@ def _bench_parsers(sub) -> None:
     for parser in cmd.values():
         _job_args(parser)
         parser.add_argument("--json", action="store_true", help="print one JSON object")
+    _gpu_args(group.add_parser("gpu", help="every GPU figure in one go (needs a CUDA GPU)"))
     cmd["preprocess"].add_argument("--images", type=int, default=192, help="synthetic image count")
     cmd["train"].add_argument("--steps", type=int, default=100, help="measured steps")
     cmd["step"].add_argument("--steps", type=int, default=10, help="measured steps")
@@ -146,6 +147,14 @@ def _bench_parsers(sub) -> None:
             help="rounds, each side once a round, alternated (default 3): the figures are the "
             "medians",
         )
+
+
+def _gpu_args(gpu: argparse.ArgumentParser) -> None:
+    gpu.add_argument("--families", default="sd15,sdxl,flux,sana", help="comma-separated")
+    gpu.add_argument("--jobs", default="jobs", help="the folder of the shipped job files")
+    gpu.add_argument("--out", default=".", help="where the JSON and the Markdown rows go")
+    gpu.add_argument("--budget-s", type=float, default=1200.0, help="stop starting new ones after")
+    gpu.add_argument("--dry-run", action="store_true", help="list the commands, run nothing")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -271,6 +280,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         run_demo(args.workdir)
         return 0
+    if args.command == "bench" and args.action == "gpu":
+        from raytuner.tools.bench.gpu import bench_gpu
+
+        families = [f for f in args.families.split(",") if f]
+        return bench_gpu(families, args.jobs, args.out, args.budget_s, args.dry_run)
     job = load_job(args.job, args.overrides)
     if args.command == "check":
         api.check(job)

@@ -275,7 +275,8 @@ def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(
 
 def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_path):
     from raytuner.config import load_job
-    from raytuner.tools.plan import plan, swapped_peak
+    from raytuner.tools.plan import plan
+    from raytuner.tools.plan_trace import swapped_peak
 
     path = tmp_path / "job.toml"
     path.write_text(
@@ -332,7 +333,7 @@ def test_the_shipped_12gb_flux_job_fits_12gib():
     from pathlib import Path
 
     from raytuner.config import load_job
-    from raytuner.tools.plan import GiB, largest_bucket, micro_batch, trace_step
+    from raytuner.tools.plan_trace import GiB, largest_bucket, micro_batch, trace_step
 
     path = Path(__file__).resolve().parents[1] / "jobs" / "flux-12gb.toml"
     job = load_job(path)

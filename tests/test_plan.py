@@ -138,7 +138,7 @@ def test_plan_matches_what_a_real_step_allocates_on_cpu():
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
-    from raytuner.tools import plan as planner
+    from raytuner.tools import plan_trace as planner
     from raytuner.train.weights import trainable_model
 
     overrides = ['model.pretrained="random"', 'model.dtype="float32"', "train.micro_batch_size=1"]

@@ -19,8 +19,8 @@ from test_jobcheck import accepted, refused
 
 from raytuner.config import load_job
 from raytuner.families import FAMILIES
-from raytuner.tools import plan as planner
 from raytuner.tools import plan_sharded
+from raytuner.tools import plan_trace as planner
 from raytuner.tools.plan import GiB, plan
 from raytuner.tools.plan_report import parse_size
 

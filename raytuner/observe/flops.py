@@ -1,10 +1,13 @@
 """The work a step does and how much of the GPU it used: FLOPs counted, not estimated, and MFU
 against the device's dense bfloat16 peak.
 
-``counted()`` is torch's ``FlopCounterMode`` (matmuls, convolutions, attention, forward and
-backward, and the forward again where gradient checkpointing recomputes it), with formulas added
-for the CPU's fused attention kernels, which torch counts only on GPUs. It counts whatever runs
-inside it, on real tensors or on the meta device (``raytuner plan`` counts its traced step).
+``counted()`` counts with torch's FLOP formulas (``torch.utils.flop_counter``: matmuls,
+convolutions, attention, forward and backward, and the forward again where gradient
+checkpointing recomputes it), with formulas added for the CPU's fused attention kernels, which
+torch counts only on GPUs. It counts whatever runs inside it, on real tensors or on the meta
+device (``raytuner plan`` counts its traced step). It is a dispatch mode of its own rather than
+torch's ``FlopCounterMode``, whose module tracking keeps tensors alive and would change what
+``raytuner plan`` measures of the same step's memory.
 
 MFU = achieved FLOP/s / the device's dense (not 2:4 sparse) bfloat16 peak from ``PEAKS`` (vendor
 data sheets), or the peak given (``scaling.peak_tflops``, ``--peak-tflops``); a device the table
@@ -17,7 +20,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
 
 # dense bfloat16 tensor-core TFLOP/s, by a part of the name torch.cuda.get_device_name() gives
 # (the first that matches; longer, more specific names first)
@@ -56,14 +65,35 @@ def _custom() -> dict:
     }
 
 
+class Counter(TorchDispatchMode):
+    """The FLOPs of every op with a formula, added up; it keeps no reference to any tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        custom = {op: shape_wrapper(f) for op, f in _custom().items()}
+        self.formulas = flop_registry | custom
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
+
+    def get_total_flops(self) -> int:
+        return self.total
+
+
 @contextlib.contextmanager
-def counted() -> Iterator[FlopCounterMode]:
+def counted() -> Iterator[Counter]:
     """Count the FLOPs of what runs inside (``.get_total_flops()``). Compiled regions
     (``train.compile``) run eagerly while counted: dynamo, meeting them under a dispatch mode
     it cannot trace, would otherwise skip them for good."""
     with (
         torch.compiler.set_stance("force_eager"),
-        FlopCounterMode(display=False, custom_mapping=_custom()) as counter,
+        Counter() as counter,
     ):
         yield counter
 

@@ -32,8 +32,11 @@ def _draw(shape: str, colour: tuple, background: tuple, size: tuple, rng: random
     return image
 
 
-def make_demo_images(folder: str | Path, per_aspect: int = 8, seed: int = 0) -> Path:
-    """Write ``3 * per_aspect`` PNGs with same-stem .txt captions into ``folder``."""
+def make_demo_images(
+    folder: str | Path, per_aspect: int = 8, seed: int = 0, scale: int = 1
+) -> Path:
+    """Write ``3 * per_aspect`` PNGs with same-stem .txt captions into ``folder``, ``scale``
+    times the demo's sizes (11: about 1024 px, for full-size models)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -44,7 +47,8 @@ def make_demo_images(folder: str | Path, per_aspect: int = 8, seed: int = 0) -> 
         for i in range(per_aspect):
             shape, colour = rng.choice(SHAPES), rng.choice(names)
             background = rng.choice([n for n in names if n != colour])
-            image = _draw(shape, COLOURS[colour], COLOURS[background], size, rng)
+            side = (size[0] * scale, size[1] * scale)
+            image = _draw(shape, COLOURS[colour], COLOURS[background], side, rng)
             stem = sub / f"{aspect}_{i:02d}"
             image.save(stem.with_suffix(".png"))
             stem.with_suffix(".txt").write_text(

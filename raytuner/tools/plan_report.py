@@ -69,7 +69,11 @@ def print_plan(result: dict) -> None:
     print(f"  the training worker {verdict} in {size}")
     for s in result["suggestions"]:
         verdict = "fits" if s["fits"] else "still too big"
-        print(f"  with {s['set']}: {gib(s['peak_bytes'])} ({verdict})")
+        if s.get("faster"):
+            work = f"{s['tflops_per_sample']:.4g} TFLOP a sample"
+            print(f"  faster, and fits: {s['set']}: {gib(s['peak_bytes'])} ({work})")
+        else:
+            print(f"  with {s['set']}: {gib(s['peak_bytes'])} ({verdict})")
 
 
 def _gib(n: int) -> str:

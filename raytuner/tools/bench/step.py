@@ -17,7 +17,8 @@ import torch
 from raytuner.config import JobConfig
 from raytuner.observe import flops
 from raytuner.placement import sharding
-from raytuner.tools import plan, plan_sharded
+from raytuner.tools import plan_sharded
+from raytuner.tools import plan_trace as plan
 from raytuner.train import optim, step
 from raytuner.train.feed import RankSlice
 from raytuner.train.weights import trainable_model

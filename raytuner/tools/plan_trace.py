@@ -1,0 +1,214 @@
+"""The traces `raytuner plan` is made of: one training worker's step, an encoder actor's and the
+validation actor's work, each run once on the meta device and counted (``tools/trace.py``: the
+bytes; ``observe/flops.py``: the FLOPs), and the sharded worker's parts (``plan_sharded.py``).
+``plan.py`` puts them together; ``plan_suggest.py`` traces the settings it suggests."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from raytuner import placement
+from raytuner.config import JobConfig
+from raytuner.families import parts
+from raytuner.observe import flops
+from raytuner.preprocess.buckets import make_buckets
+from raytuner.tools import plan_sharded
+from raytuner.tools.trace import offloaded, traced
+from raytuner.train import optim
+from raytuner.train.weights import Trainable, Weights, trainable_model
+
+GiB = 2**30
+OVERHEAD = GiB  # CUDA context + library workspaces, per process
+META = torch.device("meta")
+
+
+def _bytes_by_dtype(module) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        name = str(t.dtype).removeprefix("torch.")
+        out[name] = out.get(name, 0) + t.numel() * t.element_size()
+    return out
+
+
+def largest_bucket(job: JobConfig, family) -> tuple[int, int]:
+    pre = job.preprocess
+    resolution = pre.resolution or family.default_resolution
+    step = pre.bucket_step or family.pixel_multiple
+    buckets = make_buckets(resolution, step, pre.min_aspect, pre.max_aspect)
+    return max(buckets, key=lambda b: (b[0] * b[1], b[0]))
+
+
+def _source(job: JobConfig) -> parts.Source:
+    """The job's model on a GPU; a released repo the package knows is planned from its shipped
+    architecture (the ``random`` preset), with no download."""
+    m = job.model
+    source = parts.model_source(m, "cuda")  # a single file: described by its config repo
+    pretrained = parts.released(m.family, source.repo) or m.pretrained
+    return dataclasses.replace(source, pretrained=pretrained)
+
+
+def _block_bytes(denoiser, family) -> list[int]:
+    """Each swappable block's frozen weight bytes (what block swap streams)."""
+    return [
+        sum(p.numel() * p.element_size() for p in b.parameters() if not p.requires_grad)
+        for b in placement.blocks(denoiser, family)
+    ]
+
+
+def swapped_peak(worker: dict, n: int, ring: int) -> int:
+    """The worker's peak with the last ``n`` blocks streamed through a ring of ``ring``."""
+    streamed = worker["block_bytes"][len(worker["block_bytes"]) - n :] if n else []
+    resident = sorted(streamed)[-ring:] if streamed else []
+    return worker["peak_bytes_unswapped"] - sum(streamed) + sum(resident)
+
+
+def _planned_model(job: JobConfig, family, checkpointing: bool) -> Trainable:
+    """The worker's own setup (``trainable_model``) of the job's denoiser on the meta device,
+    from the model a GPU runs (``_source``), gradient checkpointing as given."""
+    train = dataclasses.replace(job.train, gradient_checkpointing=checkpointing)
+    model = (job.model, train, job.lora, family)
+    return trainable_model(*model, META, job.memory, source=_source(job))
+
+
+def _step_trace(job: JobConfig, family, trained: Trainable, batch: dict, offload: bool) -> dict:
+    """The step itself, run once on meta tensors and counted: the family's loss of ``trained``
+    on ``batch``, backward (``offload``: activation offload) and an AdamW step. Returns the peak
+    bytes of forward + backward, of the whole step, and of AdamW's state (made by the step), and
+    the FLOPs of forward and backward (the recompute of gradient checkpointing included)."""
+    opt = torch.optim.AdamW(trained.weights.params, lr=job.train.learning_rate, foreach=False)
+    loss_fn = family.loss(trained.source, job.objective.for_family(family))
+    with traced() as live, offloaded(offload), flops.counted() as work:
+        generators = [torch.Generator().manual_seed(j) for j in range(len(batch["latent"]))]
+        loss_fn(trained.denoiser, batch, generators).sum().backward()
+        backward_peak, step_flops = live.peak, work.get_total_flops()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    adamw = sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
+    return {"backward_peak": backward_peak, "peak": live.peak, "adamw": adamw, "flops": step_flops}
+
+
+def trace_step(job: JobConfig, family, shapes: dict, size, micro: int, checkpointing: bool) -> dict:
+    """One training worker's step at ``micro`` samples of ``shapes``, traced on meta."""
+    t, memory = job.train, job.memory
+    trained = _planned_model(job, family, checkpointing)
+    denoiser, weights = trained.denoiser, trained.weights
+    # the step computes in the denoiser's weight dtype (bf16 by default on GPUs); a float32
+    # denoiser is traced in float32 even where bf16 autocast would halve its activations
+    batch = family.example_batch(shapes, micro, size, META, trained.source.dtype)
+    counted = _step_trace(job, family, trained, batch, memory.activation_offload and checkpointing)
+    backward_peak = counted["backward_peak"]
+    trained_bytes = sum(p.numel() * p.element_size() for p in weights.params)
+    state = optim.state_bytes(t.optimizer, weights.params)
+    by_dtype = _bytes_by_dtype(denoiser)
+    ema = trained_bytes if t.ema_decay else 0
+    ddp_buckets = trained_bytes  # DDP's flat gradient buckets beside the .grad tensors
+    # every later step runs the same forward and backward with the optimizer state alive
+    step_peak = max(backward_peak + state, counted["peak"] - counted["adamw"] + state)
+    unswapped = sum(by_dtype.values()) + ema + ddp_buckets + step_peak + OVERHEAD
+    result = {"peak_bytes_unswapped": unswapped, "block_bytes": _block_bytes(denoiser, family)}
+    n = memory.blocks_to_swap if checkpointing and t.mode == "lora" else 0
+    peak = swapped_peak(result, n, memory.swap_ring)
+    return result | {
+        "tflops_per_sample": counted["flops"] / micro / 1e12,
+        "blocks_to_swap": n,
+        "resident_weights_bytes": sum(by_dtype.values()) - (unswapped - peak),
+        "denoiser_params": sum(p.numel() for p in denoiser.parameters()) - _lora(weights),
+        "trainable_params": sum(p.numel() for p in weights.params),
+        "weights_bytes": sum(by_dtype.values()),
+        "weights_by_dtype": by_dtype,
+        "gradients_bytes": trained_bytes,
+        "optimizer_bytes": state,
+        "ema_bytes": ema,
+        "ddp_buckets_bytes": ddp_buckets,
+        "step_peak_bytes": step_peak,
+        "backward_peak_bytes": backward_peak,  # forward + backward, before the optimizer
+        "activations_bytes": max(0, step_peak - trained_bytes - state),
+        "overhead_bytes": OVERHEAD,
+        "peak_bytes": peak,
+    }
+
+
+def _lora(weights: Weights) -> int:
+    return sum(p.numel() for p in weights.params) if weights.mode == "lora" else 0
+
+
+def trace_encoders(job: JobConfig, family, size) -> tuple[dict, dict]:
+    """An encoder actor (VAE encode of ``preprocess.batch_size`` images at ``size``, then the
+    text encoders on as many captions) and the tensor shapes it produces per image."""
+    pre = job.preprocess
+    source = _source(job)
+    n, (w, h) = pre.batch_size, size
+    encode_image = family.image_encoder(source, "meta", weights=False)
+    encode_text = family.text_encoder(source, "meta", weights=False)
+    pixels = torch.zeros(n, 3, h, w, device="meta")
+    with traced() as image_live:
+        latent = encode_image(pixels)[0]
+    with traced() as text_live:
+        text = encode_text(["a caption of average length for a photograph"] * n)
+    shapes = {"latent": tuple(latent.shape[1:])} | {k: tuple(v.shape[1:]) for k, v in text.items()}
+    weights = _part_bytes(job, family, ("vae",)) + _text_bytes(job, family)
+    peak = weights + max(image_live.peak, text_live.peak) + OVERHEAD
+    return {"weights_bytes": weights, "peak_bytes": peak, "batch_size": n}, shapes
+
+
+def _text_bytes(job: JobConfig, family) -> int:
+    names = [p for p in family.part_classes() if p.startswith("text_")]
+    return _part_bytes(job, family, tuple(names))
+
+
+def _part_bytes(job: JobConfig, family, names: tuple[str, ...]) -> int:
+    source = _source(job)
+    total = 0
+    for name in names:
+        cls = family.part_classes()[name]
+        module = parts.load(family, source, name, cls, device="meta", weights=False)
+        total += sum(_bytes_by_dtype(module).values())
+    return total
+
+
+def trace_validation(job: JobConfig, family, shapes: dict, size) -> dict:
+    """The validation actor: the whole pipeline's weights, and the larger of a denoiser forward
+    (batch 2: classifier-free guidance) and the VAE decode of one image."""
+    source = _source(job)
+    denoiser = family.denoiser(source, "meta", weights=False).requires_grad_(False)
+    loss_fn = family.loss(source, job.objective.for_family(family))
+    batch = family.example_batch(shapes, 2, size, META, source.dtype)
+    with torch.no_grad(), traced() as forward:
+        loss_fn(denoiser, batch, [torch.Generator().manual_seed(i) for i in range(2)])
+    cls = family.part_classes()["vae"]
+    vae = parts.load(family, source, "vae", cls, device="meta", weights=False)
+    latent = torch.zeros(1, *shapes["latent"], device="meta", dtype=source.dtype)
+    with torch.no_grad(), traced() as decode:
+        vae.decode(latent)
+    weights = _part_bytes(job, family, tuple(family.part_classes()))
+    if n := job.memory.blocks_to_swap:  # the denoiser streams as in training
+        per_block = _block_bytes(denoiser, family)
+        streamed = per_block[len(per_block) - n :]
+        weights -= sum(streamed) - sum(sorted(streamed)[-job.memory.swap_ring :])
+    peak = weights + max(forward.peak, decode.peak) + OVERHEAD
+    return {"weights_bytes": weights, "peak_bytes": peak}
+
+
+def micro_batch(job: JobConfig) -> int:
+    """The most samples one forward takes: ``train.micro_batch_size``, else the largest rank
+    slice (the global batch over the fewest workers an elastic run may have)."""
+    fewest = (
+        job.scaling.workers[0] if isinstance(job.scaling.workers, list) else job.scaling.workers
+    )
+    return job.train.micro_batch_size or math.ceil(job.train.global_batch_size / fewest)
+
+
+def sharded_parts(job: JobConfig, family, shapes, size, micro: int, checkpointing: bool):
+    """``plan_sharded.trace`` of the job's step (what sharding does not divide)."""
+    trained = _planned_model(job, family, checkpointing)
+    batch = family.example_batch(shapes, micro, size, META, trained.source.dtype)
+    offload = job.memory.activation_offload and checkpointing
+    return plan_sharded.trace(job, family, trained, batch, offload)
