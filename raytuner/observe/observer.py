@@ -87,14 +87,15 @@ class Observer:
 
     def window(self, step: int, m: dict[str, float | None], lr: float) -> None:
         eta = datetime.timedelta(seconds=round((self.max_steps - step) * m["step_time_s"]))
-        mfu = "unknown" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
+        mfu = "unknown" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
         log.info(
             "step %d/%d loss %.4f lr %.2e %.1f samples/s %.3g TFLOP/s (MFU %s) data wait "
             "%.1f%% ETA %s",
-            *(step, self.max_steps, m["loss"], lr, m["samples_per_s"], m["tflops_per_s"], mfu),
+            *(step, self.max_steps, m["loss"], lr, m["samples_per_s"], m.get("tflops_per_s", 0.0)),
+            mfu,
             *(100 * m["data_wait_fraction"], eta),
         )
-        known = {key: m[key] for key in TRAIN_GAUGES if m[key] is not None}
+        known = {key: m[key] for key in TRAIN_GAUGES if m.get(key) is not None}
         for key, value in known.items():
             metrics.gauge(TRAIN_GAUGES[key], value, self.run)
         metrics.gauge("raytuner_train_step", step, self.run)

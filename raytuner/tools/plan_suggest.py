@@ -104,7 +104,7 @@ def faster(job: JobConfig, family, shapes, size, gpu_memory: int) -> list[dict]:
     for a transformer), then the largest micro-batch up to the worker's slice of the global
     batch (fewer, larger kernels; each tried at twice the last)."""
     out, best = [], job
-    if job.train.gradient_checkpointing:
+    if job.train.gradient_checkpointing and not job.memory.blocks_to_swap:  # swap needs it
         off = _with(job, gradient_checkpointing=False)
         peak, tflops = _measure(off, family, shapes, size)
         if peak <= gpu_memory:
