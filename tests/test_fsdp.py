@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 from PIL import Image
 from run_checks import TINY, lora_changes_the_pipeline, pipeline_image
 from safetensors.torch import load_file
+from test_train_exact import _workers_of_this_test
 
 from raytuner import runs
 from raytuner.api import preprocess, sample, train
@@ -142,17 +142,6 @@ def assert_same_losses(a: Path, b: Path, tolerance: float = 1e-4) -> None:
         assert abs(la[step] - lb[step]) <= tolerance * abs(la[step]), (step, la[step], lb[step])
 
 
-def _workers() -> list[psutil.Process]:
-    found = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "RayTrainWorker" in " ".join(p.cmdline()):
-                found.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
 def _kill_after_checkpoint(run_dir: Path, killed: list, errors: list) -> None:
     """Once a complete checkpoint exists and the first attempt trained past it: hold the
     workers, SIGKILL one of them, let the other go on."""
@@ -162,7 +151,7 @@ def _kill_after_checkpoint(run_dir: Path, killed: list, errors: list) -> None:
             attempts = sample_log.read_attempts(str(run_dir))
             complete = runs.complete_checkpoints(str(run_dir))[1]
             if complete and attempts and max(attempts[0], default=0) > EVERY:
-                workers = _workers()
+                workers = _workers_of_this_test()
                 for worker in workers:
                     worker.suspend()
                 at = max(sample_log.read_attempts(str(run_dir))[0])
@@ -237,21 +226,22 @@ def test_a_run_cannot_switch_strategy(flux_job):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
-def test_a_sharded_checkpoint_resumes_on_another_number_of_workers(flux_job, first, then):
-    """Half the steps at ``first`` workers, the rest at ``then``: the checkpoint's rows are
-    read back resharded, and the run ends with the uninterrupted run's rows and weights."""
+def test_a_sharded_checkpoint_resumes_on_another_number_of_workers(flux_job):
+    """A third of the steps at 2 workers, a third at 1, the rest at 2 again: each checkpoint's
+    rows are read back resharded (2 -> 1, then 1 -> 2), and the run ends with the
+    uninterrupted run's rows and weights."""
     expected, reference = once(flux_job, "ddp", 'scaling.strategy="ddp"')
-    name, fsdp = f"reshard-{first}-{then}", 'scaling.strategy="fsdp"'
-    run(flux_job, name, fsdp, f"scaling.workers={first}", f"train.max_steps={STEPS // 2}")
-    summary, run_dir = run(flux_job, name, fsdp, f"scaling.workers={then}")
+    name, fsdp = "reshard", 'scaling.strategy="fsdp"'
+    for workers, steps in ((2, EVERY), (1, 2 * EVERY), (2, STEPS)):
+        summary, run_dir = run(flux_job, name, fsdp, f"scaling.workers={workers}",
+                               f"train.max_steps={steps}")  # fmt: skip
     assert summary["step"] == STEPS
-    first_attempt, second_attempt = sample_log.read_attempts(str(run_dir))
-    assert max(first_attempt) == STEPS // 2 and min(second_attempt) == STEPS // 2 + 1
-    assert {len(r) for r in second_attempt.values()} == {then}
+    attempts = sample_log.read_attempts(str(run_dir))
+    assert [(min(a), max(a)) for a in attempts] == [(1, 4), (5, 8), (9, 16)]
+    assert [{len(r) for r in a.values()} for a in attempts] == [{2}, {1}, {2}]
     assert sample_log.trained(str(run_dir)) == sample_log.trained(str(reference))
     worst = assert_close(model_weights(expected), model_weights(summary))
-    print(f"{first} -> {then} workers against ddp: largest relative difference {worst:.2e}")
+    print(f"2 -> 1 -> 2 workers against ddp: largest relative difference {worst:.2e}")
 
 
 @pytest.mark.slow

@@ -101,62 +101,6 @@ def _train_and_save(rank: int, world: int, folder: str, port: int) -> None:
         save_file(reference, os.path.join(folder, "..", "reference.safetensors"))
 
 
-class _Counted:
-    """A local file for ``pa.PythonFile`` that counts the bytes read from it."""
-
-    def __init__(self, path: str, counts: dict) -> None:
-        self.f, self.counts, self.path, self.closed = open(path, "rb"), counts, path, False  # noqa: SIM115
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
-        self.counts[self.path] = self.counts.get(self.path, 0) + len(data)
-        return data
-
-    def seek(self, *a):
-        return self.f.seek(*a)
-
-    def tell(self):
-        return self.f.tell()
-
-    def close(self) -> None:
-        self.f.close()
-        self.closed = True
-
-
-def _counting_fs(counts: dict):
-    """The local filesystem, counting the bytes read from each file."""
-    import pyarrow as pa
-    import pyarrow.fs as pafs
-
-    class Handler(pafs.FileSystemHandler):
-        local = pafs.LocalFileSystem()
-
-        def open_input_file(self, path):
-            return pa.PythonFile(_Counted(path, counts), mode="r")
-
-        open_input_stream = open_input_file
-
-        def get_file_info(self, paths):
-            return self.local.get_file_info(paths)
-
-        def get_file_info_selector(self, selector):
-            return self.local.get_file_info(selector)
-
-        def get_type_name(self):
-            return "counting"
-
-        def normalize_path(self, path):
-            return path
-
-        def _refused(self, *args, **kwargs):
-            raise OSError("read only")
-
-        create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = _refused
-        delete_file = move = copy_file = open_output_stream = open_append_stream = _refused
-
-    return pafs.PyFileSystem(Handler())
-
-
 def _load(rank: int, world: int, folder: str, port: int) -> None:
     """Load the checkpoint (counting the bytes read), keep what it restored, take a step; at 2
     workers, then damage a shard and load again."""
@@ -166,9 +110,12 @@ def _load(rank: int, world: int, folder: str, port: int) -> None:
 
     os.environ["RANK"] = str(rank)
     weights, opt, sched, step = _setup(world, port)
-    counts: dict[str, int] = {}
-    loaded = checkpoints.load_checkpoint(folder, weights, opt, sched, _counting_fs(counts))
-    result = {"step": loaded.step, "read": counts}
+    import pyarrow.fs as pafs
+    from test_export_final import Recording  # the local filesystem, noting every read
+
+    reads = Recording()
+    loaded = checkpoints.load_checkpoint(folder, weights, opt, sched, pafs.PyFileSystem(reads))
+    result = {"step": loaded.step, "read": {p: sum(n) for p, n in reads.opened.items()}}
     got = _state(weights, opt, sched)
     if rank == 0:
         save_file(got, os.path.join(folder, "..", f"loaded-{world}.safetensors"))
