@@ -155,6 +155,9 @@ def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int =
         # the worker's counted work: TFLOP/s, and MFU against the GPU's peak (None: unknown)
         "tflops_per_s": float(f"{median['tflops_per_s']:.4g}"),
         "tflops_per_sample": float(f"{median['tflops_per_s'] / median['samples_per_s']:.4g}"),
+        "bare_tflops_per_s": float(
+            f"{median['tflops_per_s'] / median['samples_per_s'] * bare_rate:.4g}"
+        ),
         "mfu": round(statistics.median(mfu), 4) if mfu else None,
         "global_batch_size": job.train.global_batch_size,
         "measured_steps": steps,
