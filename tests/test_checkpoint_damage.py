@@ -59,7 +59,7 @@ def trained(steps: int = 1):
             p.grad = torch.ones_like(p)
         opt.step()
         sched.step()
-    export = lambda folder: weights.export(folder, family, {})  # noqa: E731
+    export = lambda folder: weights.export_lora(folder, family, {})  # noqa: E731
     return weights, opt, sched, export
 
 

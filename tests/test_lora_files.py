@@ -54,7 +54,7 @@ def exported(name: str, out: Path, lora: LoraConfig, seed: int = 0) -> Weights:
     weights.load({k: torch.randn(v.shape, generator=g) / 3 for k, v in weights.state().items()})
     model, run = ModelConfig(family=name), f"known-{name}"
     meta = export.metadata(family=name, model=model, lora=lora, step=5, run=run, fingerprint="f")
-    weights.export(str(out), family, meta)
+    weights.export_lora(str(out), family, meta)
     return weights
 
 
@@ -176,7 +176,7 @@ def test_save_dtype_refuses_a_weight_beyond_float16(tmp_path):
     weights.load({k: torch.full_like(v, 7e4) for k, v in weights.state().items()})
     meta = {"raytuner.save_dtype": "float16", "raytuner.run": "big"}
     with pytest.raises(ValueError, match=r"lora.save_dtype = 'float16'.*7e\+04.*bfloat16"):
-        weights.export(str(tmp_path / "big"), FAMILIES["sd15"], meta)
+        weights.export_lora(str(tmp_path / "big"), FAMILIES["sd15"], meta)
 
 
 def test_files_carry_the_metadata_the_uis_classify_by(tmp_path):
@@ -230,7 +230,7 @@ def test_init_from_either_export_starts_from_its_weights(name, tmp_path):
             expected = known[key].to(torch.float16).float()
             torch.testing.assert_close(start[key], expected, msg=f"{file}: {key}")
 
-        weights.export(str(tmp_path / "next"), FAMILIES[name], {"raytuner.run": "next"})
+        weights.export_lora(str(tmp_path / "next"), FAMILIES[name], {"raytuner.run": "next"})
         m = meta(tmp_path / "next" / "lora" / runs.DIFFUSERS_FILE)
         assert m["raytuner.init_from"] == str(path)
         assert (

@@ -165,7 +165,7 @@ def test_every_optimizer_and_schedule_resumes_exactly_with_blocks_swapped(
     first, opt, sched = worker()
     _steps(first, opt, sched, [0, 2])
     state = checkpoints.TrainState(step=2)
-    export = lambda folder: first.weights.export(folder, FAMILIES["sana"], {})  # noqa: E731
+    export = lambda folder: first.weights.export_lora(folder, FAMILIES["sana"], {})  # noqa: E731
     checkpoints.save_checkpoint(str(tmp_path), first.weights, opt, sched, state, {}, export)
     resumed, opt, sched = worker(MemoryConfig(blocks_to_swap=2))
     assert checkpoints.load_checkpoint(str(tmp_path), resumed.weights, opt, sched).step == 2
@@ -255,7 +255,7 @@ def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(
     opt, _ = optim.for_run(_train(), trained.weights.params)
     forward_backward(trained.denoiser, loss_fn, _Slice(_batch(name), [3, 4]), CPU, 0, 0.5)
     opt.step()
-    trained.weights.export(str(tmp_path), family, {})
+    trained.weights.export_lora(str(tmp_path), family, {})
     lora = find_weights(str(tmp_path))
 
     images = {}

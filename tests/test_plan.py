@@ -195,7 +195,7 @@ def test_bfloat16_frozen_weights_train_and_export_a_lora_that_loads(name, tmp_pa
     assert torch.isfinite(loss)
     opt.step()
     assert any(not torch.equal(a, b) for a, b in zip(before, weights.params, strict=True))
-    weights.export(str(tmp_path), family, {"raytuner.step": "1"})
+    weights.export_lora(str(tmp_path), family, {"raytuner.step": "1"})
     pipe = family.pipeline(source)
     pipe.load_lora_weights(str(tmp_path / "lora"), weight_name="pytorch_lora_weights.safetensors")
     part = getattr(pipe, family.denoiser_part)

@@ -225,7 +225,7 @@ def _lora_checkpoint(folder: Path) -> Path:
     with torch.no_grad():
         for p in weights.params:
             p.add_(torch.randn_like(p) * 0.5)
-    weights.export(str(folder / EXPORT), family, {"raytuner.family": "sd15"})
+    weights.export_lora(str(folder / EXPORT), family, {"raytuner.family": "sd15"})
     return folder
 
 

@@ -1,13 +1,13 @@
 """What a run trains: a peft LoRA adapter on the denoiser (``train.mode = "lora"``) or the whole
 denoiser (``"full"``), optionally with an exponential moving average of the trained weights
-(``diffusers.training_utils.EMAModel``), and what each exports."""
+(``diffusers.training_utils.EMAModel``), and a LoRA's export (a full fine-tune's is written from
+its checkpoint: ``lora/full_model.py``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -22,7 +22,7 @@ from raytuner.config import ConfigError
 from raytuner.lora import export, kohya
 from raytuner.lora import init_from as lora_init
 from raytuner.placement import sharding
-from raytuner.runs import KOHYA_FILE, LORA_DIR, MODEL_DIR
+from raytuner.runs import KOHYA_FILE, LORA_DIR
 
 
 def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -215,19 +215,6 @@ class Weights:
             meta=meta | self.provenance,
             denoiser=self.denoiser,
         )
-
-    def export(self, directory: str, family, meta: dict[str, str]) -> None:
-        """What the user takes away from an unsharded model (the EMA weights when enabled):
-        both LoRA layouts, or the denoiser as a diffusers model folder that ``from_pretrained``
-        loads."""
-        if self.mode == "lora":
-            self.export_lora(directory, family, meta)
-            return
-        with self.averaged():
-            out = os.path.join(directory, MODEL_DIR, family.denoiser_part)
-            self.denoiser.save_pretrained(out)
-            with open(os.path.join(out, "raytuner.json"), "w") as f:
-                json.dump(meta, f, indent=2, sort_keys=True)
 
 
 class Trainable(NamedTuple):
