@@ -159,8 +159,12 @@ class Weights:
         return _cpu(self.denoiser.state_dict())
 
     def gathered(self) -> dict[str, torch.Tensor]:
-        """``tensors`` whole on the CPU, gathered one at a time (a collective when sharded)."""
-        return {k: sharding.gather(v).detach().cpu() for k, v in self.tensors().items()}
+        """``tensors`` whole on the CPU, gathered one at a time (a collective when sharded):
+        copies, also of tensors on the CPU (the EMA's values stay the export's after
+        ``averaged`` puts the trained ones back in place)."""
+        return {
+            k: sharding.gather(v).detach().to("cpu", copy=True) for k, v in self.tensors().items()
+        }
 
     def keys(self) -> set[str]:
         return set(self.tensors())
