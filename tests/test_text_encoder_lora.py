@@ -414,6 +414,17 @@ def test_check_refuses_text_encoders_it_cannot_train(family, overrides, says, tm
     assert "set lora.text_encoder = true, or remove lora.text_encoder_lr" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_check_takes_text_encoders_of_sd15_and_sdxl(family, tmp_path, capsys):
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(family=family, root=tmp_path.as_posix()))
+    te = ["lora.text_encoder=true", "lora.text_encoder_rank=8", "lora.text_encoder_lr=5e-5"]
+    args = [a for text in te for a in ("--set", text)]
+    assert main(["check", str(job), *args]) == 0, capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_ray_workers_train_the_text_encoders_and_sample_renders_with_them(job_file, tmp_path):
