@@ -61,6 +61,7 @@ class JobConfig:
                 f"the {self.scaling.max_workers} workers: every worker needs a sample per step"
             )
         rules.memory_needs(self.memory, self.train, self.model)
+        rules.text_encoder_needs(self.lora, self.train, self.scaling, self.memory)
         rules.regularization(self.data, self.train)
         rules.run_name(self.train.name)
         rules.paths_apart(self.data, self.train)

@@ -1,7 +1,7 @@
 """Rules between a job's sections, checked when the job is loaded (``JobConfig``): what block
-swap, activation offload and float8 need of training; a prior-loss weight only beside
-regularization images; a run name that is one folder name; the folders raytuner writes never
-nested with the image folders it reads."""
+swap, activation offload and float8 need of training; what a text-encoder LoRA needs of
+training; a prior-loss weight only beside regularization images; a run name that is one folder
+name; the folders raytuner writes never nested with the image folders it reads."""
 
 from __future__ import annotations
 
@@ -33,6 +33,32 @@ def memory_needs(memory, train, model) -> None:
         raise ConfigError(
             'model.dtype = "float8" stores frozen weights: it needs train.mode = "lora" '
             '(a full fine-tune trains in model.trainable_dtype; use "bfloat16" or "auto")'
+        )
+
+
+def text_encoder_needs(lora, train, scaling, memory) -> None:
+    """What ``lora.text_encoder`` (a LoRA on the text encoders, trained beside the denoiser's)
+    cannot be combined with; the family's side is checked where the family is known
+    (``train.text_lora.check``)."""
+    if not lora.text_encoder:
+        return
+    fix = "set lora.text_encoder = false"
+    if train.mode != "lora":
+        raise ConfigError(
+            f'lora.text_encoder = true with train.mode = "{train.mode}": the text encoders\' '
+            'LoRA trains beside a denoiser LoRA; use train.mode = "lora" or ' + fix
+        )
+    if scaling.strategy != "ddp":
+        raise ConfigError(
+            f'lora.text_encoder = true with scaling.strategy = "{scaling.strategy}": the text '
+            "encoders are replicated on every worker (their gradients averaged once a step), "
+            'not sharded; use scaling.strategy = "ddp" (allowed with it) or ' + fix
+        )
+    if memory.blocks_to_swap:
+        raise ConfigError(
+            f"lora.text_encoder = true with memory.blocks_to_swap = {memory.blocks_to_swap}: "
+            "block swap is for the transformer families, whose text encoders raytuner does not "
+            f"train; set memory.blocks_to_swap = 0 or {fix}"
         )
 
 

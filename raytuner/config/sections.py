@@ -13,6 +13,13 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
 STRATEGIES = ("ddp", "fsdp")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
 SAVE_DTYPES = ("float16", "bfloat16", "float32")  # lora.save_dtype
+# the [lora] keys of the text encoders' LoRA, read only with lora.text_encoder = true
+TEXT_ENCODER_KEYS = (
+    "text_encoder_rank",
+    "text_encoder_alpha",
+    "text_encoder_lr",
+    "text_encoder_target_modules",
+)
 DEFAULT_STEPS = 100  # train.max_steps when neither it nor train.epochs is set
 
 
@@ -85,7 +92,7 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LoraConfig:
-    """LoRA adapter on the denoiser."""
+    """LoRA adapter on the denoiser (and with ``text_encoder``, on the text encoders)."""
 
     rank: int = 16
     alpha: float = 16.0
@@ -95,6 +102,14 @@ class LoraConfig:
     # the dtype of the exported LoRA files (training keeps model.trainable_dtype); float16: what
     # sd-scripts' users save (--save_precision fp16) and every UI loads, Apple's MPS included
     save_dtype: str = "float16"
+    # a LoRA on every text encoder of the family too (kohya's default for SD1.5 and SDXL): the
+    # captions are then encoded in the worker at every step, not read from the cache
+    text_encoder: bool = False
+    text_encoder_rank: int = 0  # 0: rank
+    text_encoder_alpha: float = 0.0  # 0: alpha
+    text_encoder_lr: float = 0.0  # 0: train.learning_rate (kohya's --text_encoder_lr)
+    # peft target modules on the text encoders; empty: the family's (CLIP's q/k/v/out_proj)
+    text_encoder_target_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         positive("lora.rank", self.rank)
@@ -102,6 +117,32 @@ class LoraConfig:
         positive("lora.alpha", self.alpha)
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"lora.dropout = {self.dropout}: must be in [0, 1)")
+        for key in TEXT_ENCODER_KEYS:
+            value = getattr(self, key)
+            if key != "text_encoder_target_modules":
+                positive(f"lora.{key}", value, zero_ok=True)
+            if value and not self.text_encoder:
+                raise ConfigError(
+                    f"lora.{key} = {value!r} is read only when the text encoders are trained, "
+                    "and lora.text_encoder = false: set lora.text_encoder = true, or remove "
+                    f"lora.{key}"
+                )
+
+    def without_text_encoder(self) -> LoraConfig:
+        """The same adapter on the denoiser alone (every text-encoder key at its default)."""
+        return dataclasses.replace(
+            self, text_encoder=False, **{k: type(getattr(self, k))() for k in TEXT_ENCODER_KEYS}
+        )
+
+    @property
+    def text_rank(self) -> int:
+        """The text encoders' LoRA rank (``text_encoder_rank``, else ``rank``)."""
+        return self.text_encoder_rank or self.rank
+
+    @property
+    def text_alpha(self) -> float:
+        """The text encoders' LoRA alpha (``text_encoder_alpha``, else ``alpha``)."""
+        return self.text_encoder_alpha or self.alpha
 
 
 @dataclass(frozen=True, kw_only=True)

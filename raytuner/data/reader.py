@@ -2,10 +2,13 @@
 
 In memory: the index, a few numbers per row (bucket, conditioning, where the latent lies, and
 its flipped latent and its mask where it has them, whether it is a regularization image, the
-caption's row) and the same per caption. Nothing else: each batch's tensors are fetched when
-it is assembled, with one ranged read per cell (exactly its bytes and its 4-byte length prefix),
-ranges of one file that lie close together merged into one request, and the requests issued in
-parallel. On object storage a batch costs at most one request per row and per caption.
+caption's row) and the same per caption; for a job that trains the text encoders
+(``lora.text_encoder``, ``computed``) each distinct caption's text instead of where its text
+tensors lie (its UTF-8 bytes and a 4-byte offset, one Arrow string array). Nothing else: each
+batch's tensors are fetched when it is assembled, with one ranged read per cell (exactly its
+bytes and its 4-byte length prefix), ranges of one file that lie close together merged into one
+request, and the requests issued in parallel. On object storage a batch costs at most one request
+per row and per caption.
 
 Every cell read is checked before a tensor is made of it: its length prefix, and its xxh3-64
 against the checksum the index holds for it (written with the bytes at encode time). A cell
@@ -165,7 +168,11 @@ def _where(rows: pa.Table, file: str, at: str, sums: str) -> _Where:
 class CachedDataset:
     """The committed rows of one cache version, in index order; ``batch`` reads rows."""
 
-    def __init__(self, version: Version, manifest: dict, rows: pa.Table, captions: pa.Table):
+    def __init__(
+        self, version: Version, manifest: dict, rows: pa.Table, captions: pa.Table, computed=()
+    ):
+        """``computed``: the text tensors the worker makes itself from the captions (trained
+        text encoders): not read, the captions' text (``captions``) read instead."""
         self.manifest, self.store = manifest, DTYPES[manifest["dtype"]]
         self.size = itemsize(manifest["dtype"])
         self.reader = RangeReader(version.fs, version.root)
@@ -183,7 +190,8 @@ class CachedDataset:
         self._has_std = bool(len(self._std_at)) and self._std_at[0] >= 0
         self._shape = _matrix(rows.column("latent_shape"))
         self._caption = rows.column("caption_row").to_numpy()
-        self.tensors: list[str] = manifest["text_tensors"]
+        self.tensors: list[str] = [t for t in manifest["text_tensors"] if t not in computed]
+        self._texts = captions.column("caption").combine_chunks() if computed else None
         self._text_file, self._text_files = _codes(captions.column("text_file"))
         self._text = {
             name: (
@@ -285,7 +293,7 @@ class CachedDataset:
         latent, its mask mirrored and the crop's corner as seen in the mirror image."""
         drops = empty_caption or [False] * len(indices)
         flips = flipped or [False] * len(indices)
-        if any(drops) and self._empty is None:
+        if any(drops) and self.tensors and self._empty is None:
             raise ValueError("the cache holds no empty-caption embedding for caption dropout")
         rows = list(zip(indices, flips, strict=True))
         if unflippable := [self.paths[i] for i, f in rows if f and not self.flippable[i]]:
@@ -319,6 +327,15 @@ class CachedDataset:
             out[name] = _stacked([mine[row_of[c]] for c in captions], dtype)
         return out | self._conditioning(indices, flips)
 
+    def captions(self, indices: list[int], empty_caption=None) -> list[str]:
+        """The rows' captions, ``""`` where ``empty_caption[j]`` (caption dropout): what a
+        worker that trains the text encoders encodes (a dataset opened with ``computed``)."""
+        if self._texts is None:
+            raise ValueError("the dataset was opened without its captions (computed=())")
+        drops = empty_caption or [False] * len(indices)
+        pairs = zip(indices, drops, strict=True)
+        return ["" if d else self._texts[int(self._caption[i])].as_py() for i, d in pairs]
+
     def _conditioning(self, indices: list[int], flips: list[bool]) -> dict:
         """SDXL's micro-conditioning of the rows, [B, 2] int64 each ((h, w) order)."""
         crops = np.where(np.asarray(flips)[:, None], self._flip_crop[indices], self._crop[indices])
@@ -340,9 +357,13 @@ def for_readers(manifest: dict) -> dict:
     return {k: manifest[k] for k in needed} | {"dataset": manifest["dataset"]}
 
 
-def open_dataset(cache_uri: str, fp: str, manifest: dict | None = None) -> CachedDataset:
+def open_dataset(
+    cache_uri: str, fp: str, manifest: dict | None = None, computed=()
+) -> CachedDataset:
     """The committed version ``fp`` of the cache; ``manifest``: the one a job started with
-    (a later commit does not change what a running job reads), else the current one."""
+    (a later commit does not change what a running job reads), else the current one;
+    ``computed``: the text tensors the worker computes from the captions (not read: the
+    captions' text is)."""
     version = Version(cache_uri, fp)
     manifest = manifest or version.manifest()
     if manifest is None:
@@ -355,7 +376,9 @@ def open_dataset(cache_uri: str, fp: str, manifest: dict | None = None) -> Cache
             f"the cache at {version.root} holds no usable image: every input was "
             f"skipped (see {version.path('report.json')})"
         )
-    text = ["caption_key", "text_file"]
+    text = ["caption_key", "text_file"] + ["caption"] * bool(computed)
     for n in manifest["text_tensors"]:
-        text += [f"{n}_at", f"{n}_shape", checksum_column(n)]
-    return CachedDataset(version, manifest, rows, version.read(manifest["captions"]["path"], text))
+        if n not in computed:
+            text += [f"{n}_at", f"{n}_shape", checksum_column(n)]
+    captions = version.read(manifest["captions"]["path"], text)
+    return CachedDataset(version, manifest, rows, captions, computed)

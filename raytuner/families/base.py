@@ -18,6 +18,7 @@ from torch import nn
 from raytuner import placement
 from raytuner.config.objective import KINDS, DdpmObjective, FlowObjective
 from raytuner.families.parts import Source
+from raytuner.families.text import TextEncoder, TextEncoderLora
 
 # A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
 # per-image conditioning "original_size", "crop_top_left", "target_size" ([B,2] int64, (h, w)
@@ -40,11 +41,6 @@ class LoraFiles:
     network_module: str = "networks.lora"  # ss_network_module: sd-scripts' LoRA module
     architecture: str = ""  # modelspec.architecture of the base model; "": no modelspec keys
     implementation: str = ""  # modelspec.implementation
-
-
-class TextEncoder(Protocol):
-    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]: ...  # name -> [B, ...]
-    def truncated(self, captions: list[str]) -> list[bool]: ...  # longer than the tokenizer limit
 
 
 class Family(Protocol):
@@ -72,6 +68,11 @@ class Family(Protocol):
     default_guidance_scale: float
     # its pipeline takes a negative prompt (classifier-free guidance: kohya's --n and --l)
     negative_prompt: bool
+    # the text encoders ``lora.text_encoder`` trains a LoRA on (all of them, as kohya does), in
+    # the order ``text_encoder`` returns them; empty: the family trains none (the cache's text)
+    text_encoder_loras: tuple[TextEncoderLora, ...]
+    # default peft target_modules on those text encoders (``lora.text_encoder_target_modules``)
+    text_encoder_lora_targets: tuple[str, ...]
     # image sides must be multiples of this for its parts to run (pixel_multiple is one)
     pixel_grid: int
     # the parts a single-file checkpoint (model.pretrained = "….safetensors") holds, each with
@@ -91,8 +92,11 @@ class Family(Protocol):
     # how sd-scripts names the LoRA of each module of a denoiser of this config (``Names`` of
     # raytuner.lora.kohya); None: the family writes no kohya file (``lora_files.kohya`` is "")
     def kohya_names(self, config): ...
-    # the diffusers layout; adapter_config: the peft LoraConfig as a dict (rank, alpha, targets)
-    def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None: ...
+    # the diffusers layout; adapter_config: the peft LoraConfig as a dict (rank, alpha, targets);
+    # text_encoders: a text encoder's part -> (its LoRA's state, its adapter config), if trained
+    def save_lora(
+        self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None
+    ) -> None: ...
     def pipeline(self, source: Source): ...  # a diffusers DiffusionPipeline, on the CPU
     # pipeline-call arguments that match how the cache was encoded (caption token count)
     def pipeline_options(self, pipe) -> dict: ...
@@ -144,60 +148,19 @@ def file_parts(load_part, source: Source, parts: tuple[tuple[str, str], ...]) ->
     return {name: load_part(source, name) for name, _ in parts} if source.single_file else {}
 
 
-def save_lora(pipeline_cls, part: str, directory: str, lora_state: dict, adapter_config: dict):
-    """The diffusers layout of a LoRA on the pipeline's ``part`` (``unet`` / ``transformer``),
-    through the pipeline class's own ``save_lora_weights``, with the peft adapter config so a
-    loader applies the trained alpha."""
-    pipeline_cls.save_lora_weights(
-        directory,
-        **{f"{part}_lora_layers": lora_state, f"{part}_lora_adapter_metadata": adapter_config},
-    )
-
-
-def tiny_clip_tokenizer(max_length: int = 77):
-    """A byte-level CLIP tokenizer built in code: one token per byte, no merges, no download."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTokenizer
-
-    chars = sorted(ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
-    vocab["<|startoftext|>"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
-
-
-class FrozenTextEncoders:
-    """Tokenizers and their encoders, frozen in eval mode on ``device``; a family's subclass
-    defines ``__call__`` (captions -> its named text tensors)."""
-
-    def __init__(self, tokenizers, encoders, device: str):
-        self.tokenizers = tokenizers
-        self.encoders = [placement.move(e, device).eval().requires_grad_(False) for e in encoders]
-        self.device = device
-
-    def truncated(self, captions: list[str]) -> list[bool]:
-        return truncated(self.tokenizers, captions)
-
-
-def truncated(tokenizers, captions: list[str]) -> list[bool]:
-    """Whether any of the tokenizers cuts the caption at its model_max_length."""
-    flags = [False] * len(captions)
-    for tokenizer in tokenizers:
-        ids = tokenizer(captions, truncation=False, verbose=False).input_ids
-        lengths = [len(i) for i in ids]
-        flags = [f or n > tokenizer.model_max_length for f, n in zip(flags, lengths, strict=True)]
-    return flags
-
-
-def tokenize(tokenizer, captions: list[str], device: str) -> torch.Tensor:
-    return tokenizer(
-        captions,
-        padding="max_length",
-        max_length=tokenizer.model_max_length,
-        truncation=True,
-        return_tensors="pt",
-    ).input_ids.to(device)  # token ids, made for the encoder's device
+def save_lora(
+    pipeline_cls, part: str, directory: str, lora_state: dict, adapter_config: dict,
+    text_encoders=None,
+):  # fmt: skip
+    """The diffusers layout of a LoRA on the pipeline's ``part`` (``unet`` / ``transformer``)
+    and on its ``text_encoders`` (a text encoder's part -> (state, adapter config):
+    ``text_encoder``, ``text_encoder_2``), through the pipeline class's own
+    ``save_lora_weights``, each with its peft adapter config so a loader applies its alpha."""
+    layers = {part: (lora_state, adapter_config)} | (text_encoders or {})
+    kwargs = {}
+    for name, (state, config) in layers.items():
+        kwargs |= {f"{name}_lora_layers": state, f"{name}_lora_adapter_metadata": config}
+    pipeline_cls.save_lora_weights(directory, **kwargs)
 
 
 def per_sample_noise(like: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from raytuner import placement
-from raytuner.families import base, parts
+from raytuner.families import base, parts, text
 from raytuner.lora import kohya
 
 VAE_FACTOR = 8
@@ -153,21 +153,21 @@ def _tokenizers(source: parts.Source) -> list:
     if source.preset:
         clip = parts.tokenizer_length("flux", source, "tokenizer", 77)
         t5 = parts.tokenizer_length("flux", source, "tokenizer_2", 512)
-        return [base.tiny_clip_tokenizer(clip), _tiny_t5_tokenizer(t5)]
+        return [text.tiny_clip_tokenizer(clip), _tiny_t5_tokenizer(t5)]
     from transformers import AutoTokenizer
 
     names = ("tokenizer", "tokenizer_2")
     return [AutoTokenizer.from_pretrained(source.repo, **source.hub(n)) for n in names]
 
 
-class _FluxText(base.FrozenTextEncoders):
+class _FluxText(text.FrozenTextEncoders):
     """T5's last hidden state (the sequence) and CLIP-L's pooled output."""
 
     @torch.no_grad()
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
         (clip_tok, t5_tok), (clip, t5) = self.tokenizers, self.encoders
-        pooled = clip(base.tokenize(clip_tok, captions, self.device)).pooler_output
-        sequence = t5(base.tokenize(t5_tok, captions, self.device)).last_hidden_state
+        pooled = clip(text.tokenize(clip_tok, captions, self.device)).pooler_output
+        sequence = t5(text.tokenize(t5_tok, captions, self.device)).last_hidden_state
         return {"prompt_embeds": sequence, "pooled_prompt_embeds": pooled}
 
 
@@ -193,6 +193,9 @@ class Flux:
     guidance_embedding: bool = True
     default_guidance_scale: float = 3.5  # FluxPipeline's default: the guidance embedding's value
     negative_prompt: bool = False  # guidance-distilled: no classifier-free guidance
+    # CLIP-L and T5: not trained (sd-scripts trains Flux's CLIP-L; raytuner the cache's text)
+    text_encoder_loras: tuple[text.TextEncoderLora, ...] = ()
+    text_encoder_lora_targets: tuple[str, ...] = ()
     pixel_grid: int = 16  # the VAE's 8 x the 2x2 packing
     # a Flux single file holds the transformer (BFL's layout); VAE, CLIP and T5 come from
     # model.single_file_config
@@ -279,10 +282,13 @@ class Flux:
 
         return flux_loss
 
-    def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
+    def save_lora(
+        self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None
+    ) -> None:
         from diffusers import FluxPipeline
 
-        base.save_lora(FluxPipeline, self.denoiser_part, directory, lora_state, adapter_config)
+        pipeline, part = FluxPipeline, self.denoiser_part
+        base.save_lora(pipeline, part, directory, lora_state, adapter_config, text_encoders)
 
     def pipeline_options(self, pipe) -> dict:
         """T5 tokens as the cache kept them: the tokenizer's limit, at most the pipeline's 512."""

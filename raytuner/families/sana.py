@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from raytuner import placement
-from raytuner.families import base, parts
+from raytuner.families import base, parts, text
 
 MAX_TOKENS = 300  # caption tokens the Sana pipeline keeps (a tiny tokenizer keeps fewer)
 PARTS = {
@@ -88,6 +88,9 @@ class Sana:
     guidance_embedding: bool = False
     default_guidance_scale: float = 4.5  # SanaPipeline's default
     negative_prompt: bool = True  # classifier-free guidance with a negative prompt
+    # Gemma-2: not trained (no trainer or loader takes a Sana text-encoder LoRA)
+    text_encoder_loras: tuple[text.TextEncoderLora, ...] = ()
+    text_encoder_lora_targets: tuple[str, ...] = ()
     pixel_grid: int = 32  # the DC-AE's 32x
     # none: Sana ships as diffusers folders (its original checkpoints are pickled .pth files)
     single_file_parts: tuple[tuple[str, str], ...] = ()
@@ -160,10 +163,13 @@ class Sana:
 
         return sana_loss
 
-    def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
+    def save_lora(
+        self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None
+    ) -> None:
         from diffusers import SanaPipeline
 
-        base.save_lora(SanaPipeline, self.denoiser_part, directory, lora_state, adapter_config)
+        pipeline, part = SanaPipeline, self.denoiser_part
+        base.save_lora(pipeline, part, directory, lora_state, adapter_config, text_encoders)
 
     def pipeline_options(self, pipe) -> dict:
         """Gemma tokens as the cache kept them; resolution binning only for the sample sizes

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raytuner.families import base, parts
+from raytuner.families import base, parts, text
 from raytuner.lora import kohya
 
 PARTS = {
@@ -20,20 +20,20 @@ PARTS = {
 
 def _tokenizer(source: parts.Source):
     if source.preset:
-        return base.tiny_clip_tokenizer(parts.tokenizer_length("sd15", source, "tokenizer", 77))
+        return text.tiny_clip_tokenizer(parts.tokenizer_length("sd15", source, "tokenizer", 77))
     from transformers import CLIPTokenizer
 
     return CLIPTokenizer.from_pretrained(source.repo, **source.hub("tokenizer"))
 
 
-class _ClipText(base.FrozenTextEncoders):
+class _ClipText(text.FrozenTextEncoders):
     """The last hidden state of one CLIP text encoder."""
 
-    @torch.no_grad()
-    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
-        (tokenizer,), (encoder,) = self.tokenizers, self.encoders
-        ids = base.tokenize(tokenizer, captions, self.device)
-        return {"prompt_embeds": encoder(ids).last_hidden_state}
+    outputs = ("prompt_embeds",)
+
+    def embed(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        (encoder,) = self.encoders
+        return {"prompt_embeds": encoder(tokens["input_ids"]).last_hidden_state}
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,11 @@ class SD15:
     guidance_embedding: bool = False
     default_guidance_scale: float = 7.5  # StableDiffusionPipeline's default
     negative_prompt: bool = True  # classifier-free guidance with a negative prompt
+    # sd-scripts' lora_te_text_model_encoder_layers_<i>_self_attn_q_proj, ...
+    text_encoder_loras: tuple[text.TextEncoderLora, ...] = (
+        text.TextEncoderLora("text_encoder", "lora_te"),
+    )
+    text_encoder_lora_targets: tuple[str, ...] = text.CLIP_LORA_TARGETS
     pixel_grid: int = 8  # the VAE's 8x; the UNet fits its skips to any latent size
     # the original LDM layout of SD1.5 checkpoints (model sites' .safetensors)
     single_file_parts: tuple[tuple[str, str], ...] = (
@@ -108,12 +113,13 @@ class SD15:
 
         return sd15_loss
 
-    def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
+    def save_lora(
+        self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None
+    ) -> None:
         from diffusers import StableDiffusionPipeline
 
-        base.save_lora(
-            StableDiffusionPipeline, self.denoiser_part, directory, lora_state, adapter_config
-        )
+        pipeline, part = StableDiffusionPipeline, self.denoiser_part
+        base.save_lora(pipeline, part, directory, lora_state, adapter_config, text_encoders)
 
     def pipeline_options(self, pipe) -> dict:
         """None: the pipeline tokenizes captions as the cache did (77 CLIP tokens)."""

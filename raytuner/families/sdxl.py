@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raytuner.families import base, parts
+from raytuner.families import base, parts, text
 from raytuner.lora import kohya
 
 PARTS = {
@@ -73,20 +73,21 @@ def _tokenizers(source: parts.Source) -> list:
     names = ("tokenizer", "tokenizer_2")
     if source.preset:
         lengths = [parts.tokenizer_length("sdxl", source, name, 77) for name in names]
-        return [base.tiny_clip_tokenizer(n) for n in lengths]
+        return [text.tiny_clip_tokenizer(n) for n in lengths]
     from transformers import CLIPTokenizer
 
     return [CLIPTokenizer.from_pretrained(source.repo, **source.hub(n)) for n in names]
 
 
-class _SdxlText(base.FrozenTextEncoders):
+class _SdxlText(text.FrozenTextEncoders):
     """Penultimate hidden states of both encoders, concatenated, plus encoder 2's pooled output."""
 
-    @torch.no_grad()
-    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
-        (tok1, tok2), (one, two) = self.tokenizers, self.encoders
-        out1 = one(base.tokenize(tok1, captions, self.device), output_hidden_states=True)
-        out2 = two(base.tokenize(tok2, captions, self.device), output_hidden_states=True)
+    outputs = ("prompt_embeds", "pooled_prompt_embeds")
+
+    def embed(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        one, two = self.encoders
+        out1 = one(tokens["input_ids"], output_hidden_states=True)
+        out2 = two(tokens["input_ids_2"], output_hidden_states=True)
         hidden = torch.cat([out1.hidden_states[-2], out2.hidden_states[-2]], dim=-1)
         return {"prompt_embeds": hidden, "pooled_prompt_embeds": out2.text_embeds}
 
@@ -113,6 +114,14 @@ class SDXL:
     guidance_embedding: bool = False
     default_guidance_scale: float = 5.0  # StableDiffusionXLPipeline's default
     negative_prompt: bool = True  # classifier-free guidance with a negative prompt
+    # sd-scripts' lora_te1_text_model_encoder_layers_<i>_self_attn_q_proj (CLIP-L), lora_te2_…
+    # (OpenCLIP bigG); CLIP-L's last layer feeds nothing (the penultimate hidden state is
+    # used), so its LoRA stays as it started, as in sd-scripts
+    text_encoder_loras: tuple[text.TextEncoderLora, ...] = (
+        text.TextEncoderLora("text_encoder", "lora_te1"),
+        text.TextEncoderLora("text_encoder_2", "lora_te2"),
+    )
+    text_encoder_lora_targets: tuple[str, ...] = text.CLIP_LORA_TARGETS
     pixel_grid: int = 8  # the VAE's 8x; the UNet fits its skips to any latent size
     # the original SGM layout of SDXL checkpoints (model sites' .safetensors)
     single_file_parts: tuple[tuple[str, str], ...] = (
@@ -178,12 +187,13 @@ class SDXL:
 
         return sdxl_loss
 
-    def save_lora(self, directory: str, lora_state: dict, adapter_config: dict) -> None:
+    def save_lora(
+        self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None
+    ) -> None:
         from diffusers import StableDiffusionXLPipeline
 
-        base.save_lora(
-            StableDiffusionXLPipeline, self.denoiser_part, directory, lora_state, adapter_config
-        )
+        pipeline, part = StableDiffusionXLPipeline, self.denoiser_part
+        base.save_lora(pipeline, part, directory, lora_state, adapter_config, text_encoders)
 
     def pipeline_options(self, pipe) -> dict:
         """None: the pipeline tokenizes captions as the cache did (77 CLIP tokens)."""

@@ -43,15 +43,25 @@ def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str)
         "raytuner.run": run,
         "raytuner.cache_fingerprint": fingerprint,
         SAVE_DTYPE: lora.save_dtype,
+        "raytuner.text_encoder": str(lora.text_encoder).lower(),
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(lora.rank),
         "ss_network_alpha": str(lora.alpha),
         "ss_network_dropout": str(lora.dropout),
+        # sd-scripts' flag for a LoRA without text-encoder modules
+        "ss_network_train_unet_only": str(not lora.text_encoder),
         "ss_steps": str(step),
         "ss_output_name": run,
         "ss_sd_model_name": model.pretrained,
         "ss_v2": "False",
-    }
+    } | (
+        {
+            "raytuner.text_encoder_rank": str(lora.text_rank),
+            "raytuner.text_encoder_alpha": str(lora.text_alpha),
+        }
+        if lora.text_encoder
+        else {}
+    )
 
 
 def family_metadata(family, meta: dict[str, str], now: float | None = None) -> dict[str, str]:
@@ -114,23 +124,45 @@ def saved(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tenso
     return out
 
 
+def _rooted(state: dict, root: str) -> dict:
+    """A text encoder's peft state named from ``root`` (its ``TextEncoderLora.root``: CLIP's
+    ``text_model.``, which transformers 5's CLIPTextModel lacks), as diffusers writes it and
+    every loader reads it."""
+    return {k if k.startswith(root) else root + k: v for k, v in state.items()}
+
+
 def write_lora(
-    directory: str, lora_state: dict, *, family, adapter_config: dict, meta: dict, denoiser
+    directory: str,
+    lora_state: dict,
+    *,
+    family,
+    adapter_config: dict,
+    meta: dict,
+    denoiser,
+    text_encoders=(),
 ) -> None:
     """The family's layouts into ``directory``, each with ``meta`` and the family's keys, their
     tensors in the dtype ``meta`` names (``SAVE_DTYPE``; float32 when it names none);
     ``adapter_config``: the peft LoRA config as a dict, so loaders apply the trained alpha /
-    rank scale; ``denoiser``: the model the LoRA is on (its module sizes and config)."""
+    rank scale; ``denoiser``: the model the LoRA is on (its module sizes and config);
+    ``text_encoders``: (``TextEncoderLora``, peft state, adapter config) of each trained text
+    encoder (``lora.text_encoder``): ``text_encoder.*`` / ``text_encoder_2.*`` keys in the
+    diffusers file, ``lora_te_*`` / ``lora_te1_*`` / ``lora_te2_*`` in the kohya file."""
     meta = meta | family_metadata(family, meta)
     dtype = meta.setdefault(SAVE_DTYPE, "float32")
     lora_state = saved(lora_state, dtype)
-    family.save_lora(directory, lora_state, adapter_config)
+    text = [(spec, saved(state, dtype), config) for spec, state, config in text_encoders]
+    layers = {spec.part: (_rooted(state, spec.root), config) for spec, state, config in text}
+    family.save_lora(directory, lora_state, adapter_config, layers)
     _add_metadata(os.path.join(directory, DIFFUSERS_FILE), meta)
     names = kohya_names(family, denoiser)
     if names is None:
         return
     alpha = adapter_config["lora_alpha"]
     tensors = saved(kohya.to_kohya(lora_state, names, alpha, out_dims(denoiser)), dtype)
+    for spec, state, config in text:
+        te_names = kohya.text_names(spec.kohya, spec.root)
+        tensors |= saved(kohya.to_kohya(state, te_names, config["lora_alpha"], {}), dtype)
     path = os.path.join(directory, KOHYA_FILE)
     save_file(tensors, path + ".tmp", metadata=meta)
     os.replace(path + ".tmp", path)

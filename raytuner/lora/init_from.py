@@ -3,6 +3,9 @@ one (raytuner's own exports, sd-scripts' SDXL ``input_blocks`` names, sd-scripts
 layout), read into the run's freshly made peft adapter before the first step. Its rank and
 alpha must be the job's ``lora.rank`` / ``lora.alpha``; a key that names no adapted module of
 the model is refused, never skipped. A resumed run reads its checkpoint afterwards, which wins.
+A file's text-encoder LoRA (``text_encoder.*``, ``lora_te_*``: SD1.5's and SDXL's) starts the
+run's text-encoder adapters (``lora.text_encoder = true``; their rank and alpha the job's
+``text_encoder_rank`` / ``text_encoder_alpha``), and is refused by a job that trains none.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from typing import NamedTuple
 
 import torch
 from peft.utils import get_peft_model_state_dict
@@ -100,8 +104,17 @@ def file_modules(tensors: dict, meta: dict, family, denoiser) -> dict:
     return kohya.from_kohya(tensors, table, dims)
 
 
-def _match(found: dict, adapted: set[str], known: set[str], lora) -> dict[str, torch.Tensor]:
+class Shape(NamedTuple):
+    """The adapter a file's LoRA must fit: its rank and alpha, and the job's keys for them."""
+
+    rank: int
+    alpha: float
+    keys: tuple[str, str, str] = ("lora.rank", "lora.alpha", "lora.target_modules")
+
+
+def _match(found: dict, adapted: set[str], known: set[str], shape: Shape) -> dict:
     """peft state of the adapter from the file's modules; ValueError where they disagree."""
+    rank_key, alpha_key, targets_key = shape.keys
     if unknown := sorted(m for m in found if m not in known):
         raise ValueError(
             f"it has a LoRA on {len(unknown)} modules this model does not have "
@@ -110,48 +123,121 @@ def _match(found: dict, adapted: set[str], known: set[str], lora) -> dict[str, t
     extra = [m for m, (_, up, _) in found.items() if m not in adapted and up.any()]
     if extra:
         raise ValueError(
-            f"it has a LoRA on {len(extra)} modules lora.target_modules does not reach "
-            f"(e.g. {', '.join(sorted(extra)[:4])}): add them to lora.target_modules"
+            f"it has a LoRA on {len(extra)} modules {targets_key} does not reach "
+            f"(e.g. {', '.join(sorted(extra)[:4])}): add them to {targets_key}"
         )
     state = {}
     for module, (down, up, alpha) in found.items():
         if module not in adapted:
             continue  # a zero piece of a fused kohya linear the run does not train
         rank = down.shape[0]
-        if rank != lora.rank or abs(alpha - lora.alpha) > 1e-6 * max(1.0, abs(alpha)):
+        if rank != shape.rank or abs(alpha - shape.alpha) > 1e-6 * max(1.0, abs(alpha)):
             raise ValueError(
                 f"its LoRA on {module} has rank {rank} and alpha {alpha:g}, the job "
-                f"lora.rank = {lora.rank} and lora.alpha = {lora.alpha:g}: set lora.rank = "
-                f"{rank} and lora.alpha = {alpha:g} to continue from it"
+                f"{rank_key} = {shape.rank} and {alpha_key} = {shape.alpha:g}: set {rank_key} "
+                f"= {rank} and {alpha_key} = {alpha:g} to continue from it"
             )
         state[f"{module}.lora_A.weight"], state[f"{module}.lora_B.weight"] = down, up
     return state
 
 
-def start_from(denoiser, path: str, lora, family) -> tuple[dict[str, torch.Tensor], dict]:
-    """``path`` read and checked against the denoiser's peft adapter: its tensors under the
-    adapter's peft names (``get_peft_model_state_dict``), and the provenance the export keeps.
-    The caller puts them into the adapter (sharded or not)."""
+def _checked(state: dict, current: dict) -> dict:
+    """``state`` when every tensor has the shape of the adapter's (``current``)."""
+    for key, value in state.items():
+        if value.shape != current[key].shape:
+            raise ValueError(
+                f"{key} is {tuple(value.shape)}, the model's "
+                f"{tuple(current[key].shape)}: a LoRA of another model"
+            )
+    return state
+
+
+def _text_tensors(tensors: dict, family) -> tuple[dict, dict]:
+    """The file's tensors split into the denoiser's and each text encoder's, by its part's
+    diffusers prefix or its kohya prefix (``"?"``: a text encoder's name in either naming that
+    is none of the family's)."""
+    owners = {}
+    for spec in family.text_encoder_loras:
+        owners |= {f"{spec.part}.": spec.part, f"{spec.kohya}_": spec.part}
+    texts: dict[str, dict] = {}
+    for key in list(tensors):
+        part = next((p for prefix, p in owners.items() if key.startswith(prefix)), None)
+        if part is None and key.startswith(("text_encoder", "lora_te")):
+            part = "?"
+        if part is not None:
+            texts.setdefault(part, {})[key] = tensors.pop(key)
+    return tensors, texts
+
+
+def _untrained(texts: dict, family, text) -> None:
+    """ValueError for a text-encoder LoRA the job does not train (``text``: the trained ones)
+    or the family has no encoder for."""
+    if "?" in texts:
+        key = next(iter(texts["?"]))
+        raise ValueError(
+            f"it holds a LoRA of text encoders {family.name} has none of (e.g. {key}): a LoRA "
+            "of another model"
+            if family.text_encoder_loras
+            else f"it holds a LoRA of the text encoders (e.g. {key}), and raytuner trains no "
+            f"{family.name} text encoder: remove those keys from the file"
+        )
+    if texts and not text:
+        key = next(iter(next(iter(texts.values()))))
+        raise ValueError(
+            f"it holds a LoRA of the text encoders (e.g. {key}): set lora.text_encoder = true "
+            "to start them from it too"
+        )
+
+
+def _text_state(tensors: dict, meta: dict, spec, encoder, lora) -> dict[str, torch.Tensor]:
+    """A text encoder's LoRA in the file (its keys only) as the adapter's checkpoint names
+    (``<part>.<peft name>``): sd-scripts' names or diffusers' (from the CLIP's ``text_model``,
+    or the model's own module names)."""
+    dims = export.out_dims(encoder)
+    if any(k.endswith(".lora_down.weight") for k in tensors):
+        table = kohya.reverse(kohya.text_names(spec.kohya, spec.root), dims)
+        found = kohya.from_kohya(tensors, table, dims)
+    else:
+        own = {(m if m.startswith(spec.root) else spec.root + m): m for m in dims}
+        found = {own.get(m, m): v for m, v in from_diffusers(tensors, meta, spec.part).items()}
+    current = get_peft_model_state_dict(encoder)
+    keys = ("lora.text_encoder_rank", "lora.text_encoder_alpha", "lora.text_encoder_target_modules")
+    shape = Shape(lora.text_rank, lora.text_alpha, keys)
+    state = _checked(_match(found, set(kohya.modules_of(current)), set(dims), shape), current)
+    return {f"{spec.part}.{k}": v for k, v in state.items()}
+
+
+def start_from(denoiser, path: str, lora, family, text=()) -> tuple[dict, dict, dict]:
+    """``path`` read and checked against the denoiser's peft adapter and the text encoders'
+    (``text``: (``TextEncoderLora``, encoder) of each, ``lora.text_encoder``): its denoiser
+    tensors under the adapter's peft names (``get_peft_model_state_dict``), its text encoders'
+    under their checkpoint names (``<part>.<peft name>``, none where the file has none), and
+    the provenance the export keeps. The caller puts them into the adapters (sharded or not)."""
     tensors, meta, sha = read(path)
     current = get_peft_model_state_dict(denoiser)
     adapted = set(kohya.modules_of(current))
+    texts = {}
     try:
-        found = file_modules(tensors, meta, family, denoiser)
-        state = _match(found, adapted, set(export.out_dims(denoiser)), lora)
-        for key, value in state.items():
-            if value.shape != current[key].shape:
-                raise ValueError(
-                    f"{key} is {tuple(value.shape)}, the model's "
-                    f"{tuple(current[key].shape)}: a LoRA of another model"
-                )
+        tensors, by_part = _text_tensors(tensors, family)
+        found = file_modules(tensors, meta, family, denoiser) if tensors else {}
+        shape = Shape(lora.rank, lora.alpha)
+        state = _checked(_match(found, adapted, set(export.out_dims(denoiser)), shape), current)
+        _untrained(by_part, family, text)
+        for spec, encoder in text:
+            if spec.part in by_part:
+                texts |= _text_state(by_part[spec.part], meta, spec, encoder, lora)
     except (KeyError, ValueError) as e:
         raise ConfigError(f"lora.init_from = {path!r}: {e}") from None
     source = {
         k: v for k, v in meta.items() if k.startswith(SOURCE_PREFIXES) and k not in SOURCE_SKIP
     }
-    return state, {
-        "raytuner.init_from": path,
-        "raytuner.init_from_sha256": sha,
-        "raytuner.init_from_modules": str(len(state) // 2),
-        "raytuner.init_from_metadata": json.dumps(source, sort_keys=True),
-    }
+    return (
+        state,
+        texts,
+        {
+            "raytuner.init_from": path,
+            "raytuner.init_from_sha256": sha,
+            "raytuner.init_from_modules": str((len(state) + len(texts)) // 2),
+            "raytuner.init_from_metadata": json.dumps(source, sort_keys=True),
+        },
+    )

@@ -1,4 +1,4 @@
-"""The kohya (sd-scripts) file layout of a denoiser LoRA, both ways.
+"""The kohya (sd-scripts) file layout of a denoiser LoRA (and of a text encoder's), both ways.
 
 A kohya LoRA names each adapted module ``lora_unet_<module, dots as underscores>`` and stores
 ``lora_down.weight`` (A), ``lora_up.weight`` (B) and ``alpha``; a loader applies
@@ -6,7 +6,9 @@ A kohya LoRA names each adapted module ``lora_unet_<module, dots as underscores>
 the model's business: each family's ``kohya_names`` (``unet_names`` here, the diffusers module
 name itself, for SD1.5; Stability's ``sgm`` block names for SDXL in ``families/sdxl.py``; Black
 Forest Labs' names for Flux in ``families/flux.py``, where one fused linear holds several
-diffusers modules: q, k, v; q, k, v and the MLP's input in a single block).
+diffusers modules: q, k, v; q, k, v and the MLP's input in a single block). A text encoder's
+LoRA (``lora.text_encoder``) is named ``<prefix>_<module from the CLIP's text_model>``
+(``text_names``: ``lora_te_`` for SD1.5's, ``lora_te1_`` and ``lora_te2_`` for SDXL's).
 
 A fused linear carries its pieces' rank-r LoRAs as one of rank n x r: the pieces' downs stacked,
 their ups block-diagonal (as sd-scripts' ``split_qkv`` saves them), a piece the run did not train
@@ -32,6 +34,19 @@ def flat(module: str) -> str:
 
 def unet_names(module: str) -> list[tuple[str, tuple[str, ...]]]:
     return [(flat(module), (module,))]
+
+
+def text_names(prefix: str, root: str) -> Names:
+    """sd-scripts' names of a text encoder's LoRA: ``<prefix>_`` and the module's path from
+    ``root`` with dots as underscores (``lora_te1_text_model_encoder_layers_0_self_attn_q_proj``
+    for CLIP's ``text_model.encoder.layers.0.self_attn.q_proj``: ``root`` is added to a model
+    whose module names lack it)."""
+
+    def names(module: str) -> list[tuple[str, tuple[str, ...]]]:
+        path = module if module.startswith(root) else root + module
+        return [(f"{prefix}_{path.replace('.', '_')}", (module,))]
+
+    return names
 
 
 def modules_of(state: dict[str, torch.Tensor]) -> list[str]:

@@ -15,6 +15,7 @@ same jobs. A job's own sections checked their values and each other when it was 
 - a validation prompts file that is missing, or a line the family cannot render (``--n``
   without negative prompts, ``--g`` without a guidance embedding, sizes off its grid);
 - a ``lora.init_from`` file that is not there, or set for a run that trains no LoRA;
+- ``lora.text_encoder`` for a family whose text encoders raytuner does not train;
 - a relative ``data.cache`` or ``train.output`` when the command runs in Ray's temporary copy of
   a job's working dir (``ray job submit --working-dir``, a runtime_env ``working_dir``), where
   what it writes would stay on one node and be deleted (relative image folders are read from
@@ -45,7 +46,8 @@ kohya layout has no name for, and the content of a ``lora.init_from`` file, are 
 the worker builds its adapter (the model must exist for both).
 
 The family says what it is (``pixel_grid``, ``pixel_multiple``, ``objective_kind``,
-``guidance_embedding``, ``single_file_parts``); nothing here asks which family it holds.
+``guidance_embedding``, ``single_file_parts``, ``text_encoder_loras``); nothing here asks which
+family it holds.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from raytuner.config import (
 from raytuner.config.objective import KINDS
 from raytuner.families import parts
 from raytuner.observe import tracking
+from raytuner.train import text_lora
 from raytuner.train.optim import missing_package
 
 log = logging.getLogger("raytuner")
@@ -94,6 +97,7 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
     _sharding(job)
     _compile(job)
     _init_from(job)
+    text_lora.check(job.lora, family)
     if runs:
         _packages(job)
     _model_file(job.model, family)

@@ -55,6 +55,12 @@ def print_plan(result: dict) -> None:
         f"{result['micro_batch']} per forward; {result['tflops_per_sample']:.4g} TFLOP a sample "
         "(forward, backward and recompute, counted)"
     )
+    if w.get("text_encoder_params"):  # lora.text_encoder: on the worker, run every step
+        print(
+            f"  text encoders (lora.text_encoder): {w['text_encoder_params'] / 1e6:,.1f} M "
+            f"parameters on the worker, {w['text_encoder_trained_params'] / 1e6:,.2f} M of "
+            "their LoRA trained; every caption encoded at every step (counted above)"
+        )
     if result.get("sharded"):
         _print_sharded(result)
     else:

@@ -82,9 +82,14 @@ def when_too_big(job: JobConfig, family, shapes, size, gpu_memory: int, sharded)
         peak = trace_step(changed, family, shapes, size, micro_changed, checkpointing)["peak_bytes"]
         out.append({"set": text, "peak_bytes": peak, "fits": peak <= gpu_memory})
     out += _swap_suggestions(job, family, shapes, size, gpu_memory)
-    checkpointing = job.train.gradient_checkpointing
-    parts = sharded_parts(job, family, shapes, size, micro, checkpointing)
-    return out + [_fsdp_suggestion(job, parts, gpu_memory)]
+    checkpointing, sharded_job = job.train.gradient_checkpointing, job
+    if job.lora.text_encoder:  # fsdp shards the denoiser only: without the text encoders
+        sharded_job = dataclasses.replace(job, lora=job.lora.without_text_encoder())
+    parts = sharded_parts(sharded_job, family, shapes, size, micro, checkpointing)
+    suggestion = _fsdp_suggestion(sharded_job, parts, gpu_memory)
+    if sharded_job is not job:
+        suggestion["set"] = "lora.text_encoder = false, " + suggestion["set"]
+    return out + [suggestion]
 
 
 def _measure(job: JobConfig, family, shapes, size) -> tuple[int, float]:

@@ -18,18 +18,19 @@ from raytuner.preprocess.buckets import make_buckets
 from raytuner.tools import plan_sharded
 from raytuner.tools.trace import offloaded, traced
 from raytuner.train import optim
-from raytuner.train.weights import Trainable, Weights, trainable_model
+from raytuner.train.weights import Trainable, trainable_model
 
 GiB = 2**30
 OVERHEAD = GiB  # CUDA context + library workspaces, per process
 META = torch.device("meta")
 
 
-def _bytes_by_dtype(module) -> dict[str, int]:
+def _bytes_by_dtype(*modules) -> dict[str, int]:
     out: dict[str, int] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        name = str(t.dtype).removeprefix("torch.")
-        out[name] = out.get(name, 0) + t.numel() * t.element_size()
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            name = str(t.dtype).removeprefix("torch.")
+            out[name] = out.get(name, 0) + t.numel() * t.element_size()
     return out
 
 
@@ -75,13 +76,16 @@ def _planned_model(job: JobConfig, family, checkpointing: bool) -> Trainable:
 
 def _step_trace(job: JobConfig, family, trained: Trainable, batch: dict, offload: bool) -> dict:
     """The step itself, run once on meta tensors and counted: the family's loss of ``trained``
-    on ``batch``, backward (``offload``: activation offload) and an AdamW step. Returns the peak
+    on ``batch`` (with ``lora.text_encoder``, its token ids encoded by the trained text encoders
+    first), backward (``offload``: activation offload) and an AdamW step. Returns the peak
     bytes of forward + backward, of the whole step, and of AdamW's state (made by the step), and
     the FLOPs of forward and backward (the recompute of gradient checkpointing included)."""
     opt = torch.optim.AdamW(trained.weights.params, lr=job.train.learning_rate, foreach=False)
     loss_fn = family.loss(trained.source, job.objective.for_family(family))
     with traced() as live, offloaded(offload), flops.counted() as work:
         generators = [torch.Generator().manual_seed(j) for j in range(len(batch["latent"]))]
+        if (text := trained.weights.text) is not None:  # lora.text_encoder: captions encoded
+            batch = text.encode(batch)
         loss_fn(trained.denoiser, batch, generators).sum().backward()
         backward_peak, step_flops = live.peak, work.get_total_flops()
         opt.step()
@@ -103,11 +107,14 @@ def trace_step(job: JobConfig, family, shapes: dict, size, micro: int, checkpoin
     # the step computes in the denoiser's weight dtype (bf16 by default on GPUs); a float32
     # denoiser is traced in float32 even where bf16 autocast would halve its activations
     batch = family.example_batch(shapes, micro, size, META, trained.source.dtype)
+    text = weights.text.modules if weights.text is not None else []
+    if weights.text is not None:  # the feed's token ids in place of the cached text tensors
+        batch = weights.text.example(batch, META)
     counted = _step_trace(job, family, trained, batch, memory.activation_offload and checkpointing)
     backward_peak = counted["backward_peak"]
     trained_bytes = sum(p.numel() * p.element_size() for p in weights.params)
     state = optim.state_bytes(t.optimizer, weights.params)
-    by_dtype = _bytes_by_dtype(denoiser)
+    by_dtype = _bytes_by_dtype(denoiser, *text)  # the text encoders' when trained
     ema = trained_bytes if t.ema_decay else 0
     ddp_buckets = trained_bytes  # DDP's flat gradient buckets beside the .grad tensors
     # every later step runs the same forward and backward with the optimizer state alive
@@ -120,8 +127,11 @@ def trace_step(job: JobConfig, family, shapes: dict, size, micro: int, checkpoin
         "tflops_per_sample": counted["flops"] / micro / 1e12,
         "blocks_to_swap": n,
         "resident_weights_bytes": sum(by_dtype.values()) - (unswapped - peak),
-        "denoiser_params": sum(p.numel() for p in denoiser.parameters()) - _lora(weights),
+        "denoiser_params": sum(p.numel() for p in denoiser.parameters()) - _lora(denoiser),
         "trainable_params": sum(p.numel() for p in weights.params),
+        # lora.text_encoder: the text encoders' frozen parameters and their LoRA's
+        "text_encoder_params": sum(_frozen(m) for m in text),
+        "text_encoder_trained_params": sum(_lora(m) for m in text),
         "weights_bytes": sum(by_dtype.values()),
         "weights_by_dtype": by_dtype,
         "gradients_bytes": trained_bytes,
@@ -136,8 +146,13 @@ def trace_step(job: JobConfig, family, shapes: dict, size, micro: int, checkpoin
     }
 
 
-def _lora(weights: Weights) -> int:
-    return sum(p.numel() for p in weights.params) if weights.mode == "lora" else 0
+def _lora(module) -> int:
+    """A module's LoRA parameters."""
+    return sum(p.numel() for n, p in module.named_parameters() if ".lora_" in n)
+
+
+def _frozen(module) -> int:
+    return sum(p.numel() for n, p in module.named_parameters() if ".lora_" not in n)
 
 
 def trace_encoders(job: JobConfig, family, size) -> tuple[dict, dict]:

@@ -170,7 +170,9 @@ def run_identity(model, lora, train, fingerprint: str, dataset: str, strategy: s
     schedule = {k: getattr(train, k) for k in ("seed", "global_batch_size", "remainder")}
     trained = {"mode": train.mode, "ema": train.ema_decay > 0, "optimizer": train.optimizer}
     trained["strategy"] = strategy
-    return {"fingerprint": fingerprint, "model": asdict(model), "lora": asdict(lora)} | {
+    adapter = asdict(lora)
+    del adapter["text_encoder_lr"]  # a learning rate, as train.learning_rate: may change
+    return {"fingerprint": fingerprint, "model": asdict(model), "lora": adapter} | {
         "dataset": {"id": dataset},
         "schedule": schedule,
         "weights": trained,

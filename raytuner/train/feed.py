@@ -77,10 +77,14 @@ class Feed:
         pin: bool,
         caption_dropout: float = 0.0,
         prior_loss_weight: float = 1.0,
+        tokenize=None,
     ) -> None:
+        """``tokenize``: captions -> token ids (``text_lora.TextLora.tokens``), for a step that
+        encodes them itself (``lora.text_encoder``; ``data`` opened with its captions): each
+        batch then carries its rows' token ids, a dropped caption the empty one's."""
         self.data, self.seed, self.gbs, self.remainder = data, seed, global_batch_size, remainder
         self.caption_dropout, self.prior_loss_weight = caption_dropout, prior_loss_weight
-        self.rank, self.world, self.pin = rank, world, pin
+        self.rank, self.world, self.pin, self.tokenize = rank, world, pin, tokenize
         # a source's repeats are repeated appearances of its rows in the schedule
         self.rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
         buckets = data.buckets
@@ -105,6 +109,8 @@ class Feed:
         pairs = zip(rows, seeds, strict=True)
         flips = [bool(self.data.flippable[i]) and flipped(s) for i, s in pairs]
         tensors = self.data.batch(rows, empty_caption=dropped, flipped=flips)
+        if self.tokenize is not None:  # trained text encoders: the step encodes the captions
+            tensors |= self.tokenize(self.data.captions(rows, dropped))
         if "latent_std" in tensors:  # preprocess.store_std: train on a draw, not the mean
             tensors["latent"] = latent_draw(tensors["latent"], tensors.pop("latent_std"), seeds)
         if self.data.regularization.any():  # each sample's loss weight (step.forward_backward)
@@ -180,12 +186,22 @@ class Feed:
 
 
 def open_feed(
-    train: TrainConfig, cache: str, fp: str, manifest: dict, rank: int, world: int, pin: bool
+    train: TrainConfig,
+    cache: str,
+    fp: str,
+    manifest: dict,
+    rank: int,
+    world: int,
+    pin: bool,
+    text=None,
 ) -> Feed:
     """The feed of one rank over the committed version ``fp`` as ``manifest`` describes it (the
-    one the job started with); the caller starts it at its cursor and closes it and its data."""
+    one the job started with); the caller starts it at its cursor and closes it and its data.
+    ``text``: the trained text encoders' LoRA (``text_lora.TextLora``): the batches carry token
+    ids of the captions in place of the cached text tensors it computes."""
+    computed = text.outputs if text is not None else ()
     return Feed(
-        open_dataset(cache, fp, manifest),
+        open_dataset(cache, fp, manifest, computed),
         seed=train.seed,
         global_batch_size=train.global_batch_size,
         remainder=train.remainder,
@@ -195,4 +211,5 @@ def open_feed(
         pin=pin,
         caption_dropout=train.caption_dropout,
         prior_loss_weight=train.prior_loss_weight,
+        tokenize=text.tokens if text is not None else None,
     )

@@ -130,7 +130,7 @@ class Worker:
             cfg.model, t, cfg.lora, cfg.family, device, cfg.memory, strategy=cfg.strategy
         )
         self.weights, placed = trained.weights, trained.placement
-        self.opt, self.sched = optim.for_run(t, self.weights.params)
+        self.opt, self.sched = optim.for_run(t, self.weights.param_groups())
         self.state = self.restore()
         # restored optimizer state beside its parameter, every block in its place
         placed.check(self.opt)
@@ -139,7 +139,8 @@ class Worker:
         opt, sched = self.opt, self.sched
         self.step = train_step(trained, model, loss_fn, opt, sched, t, cfg.memory, device, world)
         pin = device.type == "cuda"
-        self.feed = open_feed(t, cfg.cache, cfg.fingerprint, cfg.manifest, self.rank, world, pin)
+        where = (cfg.cache, cfg.fingerprint, cfg.manifest)
+        self.feed = open_feed(t, *where, self.rank, world, pin, trained.weights.text)
         self.feed.start(self.state.epoch, self.state.index)
         run_dir = cfg.run_dir if t.sample_log else None
         self.samples = SampleLog(run_dir, attempt_id(), self.rank, world)

@@ -20,8 +20,10 @@ def missing_package(name: str) -> str | None:
 
 
 def build_optimizer(name: str, params: list, lr: float, weight_decay: float):
+    """``params``: tensors, or param groups (dicts, a group's own ``lr`` where it has one)."""
     if name == "adamw":  # on GPUs, the fused kernel: one launch for every parameter
-        fused = bool(params) and params[0].device.type == "cuda"
+        tensors = [t for g in params for t in (g["params"] if isinstance(g, dict) else [g])]
+        fused = bool(tensors) and tensors[0].device.type == "cuda"
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
     if name == "adamw8bit":
         import bitsandbytes as bnb
@@ -82,7 +84,9 @@ def state_bytes(name: str, params: list[torch.Tensor]) -> int:
 
 
 def for_run(train, params: list):
-    """The optimizer and the schedule the job's ``[train]`` section asks for."""
+    """The optimizer and the schedule the job's ``[train]`` section asks for; ``params``: the
+    trained tensors or their param groups (``Weights.param_groups``: the schedule scales every
+    group's learning rate)."""
     opt = build_optimizer(train.optimizer, params, train.learning_rate, train.weight_decay)
     sched = build_schedule(
         train.lr_scheduler,

@@ -2,10 +2,12 @@
 step`) call this very code, so a bench times what training runs and nothing else.
 
 ``forward_backward``: a rank's slice in micro-batches (gradient accumulation, DDP synchronised on
-the last one only), under autocast, the checkpointed blocks' inputs in host memory when asked.
-``TrainStep``: that, then gradient clipping, the optimizer, the learning-rate schedule (warm-up
-included) and the EMA; the FLOPs of a step, counted once per latent shape (a bucket) on its
-first step (``observe/flops.py``) and known for every later one (``flops``).
+the last one only), under autocast, the checkpointed blocks' inputs in host memory when asked;
+with ``lora.text_encoder`` each micro-batch's captions encoded by the trained text encoders
+first (``encode``: ``text_lora.TextLora.encode``). ``TrainStep``: that, then the text encoders'
+gradients averaged over the workers, gradient clipping, the optimizer, the learning-rate
+schedule (warm-up included) and the EMA; the FLOPs of a step, counted once per latent shape (a
+bucket) on its first step (``observe/flops.py``) and known for every later one (``flops``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ def forward_backward(
     scale: float,
     amp=None,
     offload=False,
+    encode=None,
 ) -> torch.Tensor:
     """Forward and backward over this rank's slice, in micro-batches (gradient accumulation,
     synchronised across ranks on the last one only), under autocast to ``amp`` when set, the
-    checkpointed blocks' inputs in host memory when ``offload``; returns the slice's loss sum."""
+    checkpointed blocks' inputs in host memory when ``offload``; ``encode``: the micro-batch's
+    token ids to the text tensors the loss reads (trained text encoders), inside autocast.
+    Returns the slice's loss sum."""
     tensors = placement.batch(batch.tensors, device)
     torch.manual_seed(batch.seeds[0])  # dropout: a redone step draws the same masks
     n = len(batch.seeds)
@@ -53,6 +58,8 @@ def forward_backward(
         with sync, placement.activations(offload, device):
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 micro = {k: v[a : a + size] for k, v in tensors.items()}
+                if encode is not None:
+                    micro = encode(micro)
                 per_sample = loss_fn(model, micro, generators)
                 if "loss_weight" in micro:  # regularization images: train.prior_loss_weight
                     per_sample = per_sample * micro["loss_weight"]
@@ -77,6 +84,7 @@ class TrainStep:
     scale: float  # world / global batch size: the update is the global batch's mean
     amp: torch.dtype | None = None  # autocast dtype
     offload: bool = False  # memory.activation_offload
+    text: object = None  # train.text_lora.TextLora (lora.text_encoder), else None
     # FLOPs of forward and backward (recompute included) of one sample, per latent shape
     per_sample: dict = field(default_factory=dict)
     flops: float = 0.0  # of the last step (this rank's slice)
@@ -87,11 +95,13 @@ class TrainStep:
         with flops.counted() if counting else contextlib.nullcontext() as counter:
             loss = forward_backward(
                 self.model, self.loss_fn, batch, self.device, self.micro_batch_size,
-                self.scale, self.amp, self.offload,
+                self.scale, self.amp, self.offload, self.text and self.text.encode,
             )  # fmt: skip
         if counting:
             self.per_sample[shape] = counter.get_total_flops() / len(batch.seeds)
         self.flops = self.per_sample[shape] * len(batch.seeds)
+        if self.text is not None:  # not DDP-wrapped: averaged over the workers here
+            self.text.average_gradients()
         torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)
         self.opt.step()
         self.sched.step()
@@ -115,4 +125,5 @@ def train_step(trained, model, loss_fn, opt, sched, train, memory, device, world
         scale=world / train.global_batch_size,
         amp=trained.amp,
         offload=memory.activation_offload,
+        text=trained.weights.text,
     )

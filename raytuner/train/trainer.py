@@ -16,7 +16,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from raytuner import runs, runtime, storage
-from raytuner.config import ConfigError, JobConfig
+from raytuner.config import ConfigError, JobConfig, LoraConfig
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.index import describe_change
 from raytuner.data.reader import for_readers
@@ -40,6 +40,13 @@ from raytuner.train.loop import LoopConfig, train_loop
 from raytuner.train.schedule import epoch_batches
 
 log = logging.getLogger(__name__)
+# [lora] keys of a run's identity that checkpoints written before them lack (their defaults)
+ADDED_LORA_KEYS = (
+    "text_encoder",
+    "text_encoder_rank",
+    "text_encoder_alpha",
+    "text_encoder_target_modules",
+)
 
 
 def dataset_record(cache: str, fp: str, manifest: dict) -> dict:
@@ -76,6 +83,8 @@ def check_resumable(job: JobConfig, run_dir: str, fp: str, dataset: dict) -> Non
         except (OSError, ValueError):
             continue  # unreadable: the workers skip it too
         saved.get("weights", {}).setdefault("strategy", "ddp")  # before scaling.strategy
+        for key in ADDED_LORA_KEYS:  # a run from before lora.text_encoder trained none
+            saved.get("lora", {}).setdefault(key, getattr(LoraConfig(), key))
         changes = identity_changes(saved, current)
         if changes == ["dataset.id"]:
             raise ConfigError(

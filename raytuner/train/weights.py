@@ -1,4 +1,5 @@
-"""What a run trains: a peft LoRA adapter on the denoiser (``train.mode = "lora"``) or the whole
+"""What a run trains: a peft LoRA adapter on the denoiser (``train.mode = "lora"``, with
+``lora.text_encoder`` one on the text encoders too: ``train/text_lora.py``) or the whole
 denoiser (``"full"``), optionally with an exponential moving average of the trained weights
 (``diffusers.training_utils.EMAModel``), and a LoRA's export (a full fine-tune's is written from
 its checkpoint: ``lora/full_model.py``)."""
@@ -23,6 +24,7 @@ from raytuner.lora import export, kohya
 from raytuner.lora import init_from as lora_init
 from raytuner.placement import sharding
 from raytuner.runs import KOHYA_FILE, LORA_DIR
+from raytuner.train import text_lora
 
 
 def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -64,13 +66,16 @@ class Weights:
         family=None,
         seed: int = 0,
         place=None,
+        text=None,
     ):
         """``dtype``: the trained weights' (``model.trainable_dtype``), whatever the frozen
         ones are in; ``family``: given, a LoRA starts from ``lora.init_from`` (a resumed run
         then loads its checkpoint over it) and must fit the family's kohya layout; ``seed``: the
         LoRA's initial draw (``train.seed``); ``place``: called with the denoiser once its
-        trained weights exist and before they get values (``trainable_model``'s sharding)."""
-        self.denoiser, self.mode = denoiser, mode
+        trained weights exist and before they get values (``trainable_model``'s sharding);
+        ``text``: the text encoders' LoRA (``text_lora.TextLora``), trained with the rest: its
+        parameters follow the denoiser's in ``names`` and ``params``."""
+        self.denoiser, self.mode, self.text = denoiser, mode, text
         self.provenance = {"ss_training_started_at": str(time.time())}
         denoiser.requires_grad_(mode == "full")
         if mode == "lora":
@@ -94,6 +99,8 @@ class Weights:
             self._draw_lora(seed, lora.rank)
             if family is not None:
                 self._lora_files(family, lora)
+        if text is not None:
+            self.names, self.params = self.names + text.names, self.params + text.params
         self.ema = None
         if ema_decay:
             from diffusers.training_utils import EMAModel
@@ -106,16 +113,9 @@ class Weights:
         return any(sharding.is_sharded(p) for p in self.params)
 
     def _draw_lora(self, seed: int, rank: int) -> None:
-        """peft's "gaussian" start (down ~ N(0, 1/rank), up 0), drawn on the CPU from ``seed``
-        in the adapter's order: the same values on any device, sharded or not."""
-        generator = torch.Generator().manual_seed(seed)
-        values = {
-            n: torch.randn(p.shape, generator=generator) / rank
-            if ".lora_A." in n
-            else torch.zeros(p.shape)
-            for n, p in zip(self.names, self.params, strict=True)
-        }
-        sharding.fill(self.denoiser, values)
+        """peft's "gaussian" start (``text_lora.draw``) from ``seed`` in the adapter's order:
+        the same values on any device, sharded or not."""
+        sharding.fill(self.denoiser, text_lora.draw(self.names, self.params, seed, rank))
 
     def _lora_files(self, family, lora) -> None:
         """Refuse targets the family's kohya layout has no name for (before training, not at
@@ -130,9 +130,14 @@ class Weights:
                     "leave it out of lora.target_modules"
                 )
         if lora.init_from:
-            state, provenance = lora_init.start_from(self.denoiser, lora.init_from, lora, family)
+            text = self.text.start() if self.text is not None else []
+            state, texts, provenance = lora_init.start_from(
+                self.denoiser, lora.init_from, lora, family, text
+            )
             names = self._peft_names()
             sharding.fill(self.denoiser, {names[k]: v for k, v in state.items()})
+            if self.text is not None:
+                self.text.load(texts)
             self.provenance |= provenance
 
     def _peft_names(self) -> dict[str, str]:
@@ -155,21 +160,39 @@ class Weights:
     def state(self) -> dict[str, torch.Tensor]:
         """``tensors`` whole on the CPU (an unsharded run's checkpoint)."""
         if self.mode == "lora":
-            return _cpu(get_peft_model_state_dict(self.denoiser))
+            text = self.text.state() if self.text is not None else {}
+            return _cpu(get_peft_model_state_dict(self.denoiser)) | text
         return _cpu(self.denoiser.state_dict())
 
     def gathered(self) -> dict[str, torch.Tensor]:
-        """``tensors`` whole on the CPU, gathered one at a time (a collective when sharded)."""
-        return {k: sharding.gather(v).detach().cpu() for k, v in self.tensors().items()}
+        """``tensors`` whole on the CPU, gathered one at a time (a collective when sharded):
+        copies, also of tensors on the CPU (the EMA's values stay the export's after
+        ``averaged`` puts the trained ones back in place)."""
+        return {
+            k: sharding.gather(v).detach().to("cpu", copy=True) for k, v in self.tensors().items()
+        }
 
     def keys(self) -> set[str]:
         return set(self.tensors())
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
+        if self.mode == "lora" and self.text is not None:
+            text = {k: v for k, v in state.items() if k.startswith(self.text.parts())}
+            self.text.load(text)
+            state = {k: v for k, v in state.items() if k not in text}
         if self.mode == "lora":
             set_peft_model_state_dict(self.denoiser, state)
         else:
             self.denoiser.load_state_dict(state)
+
+    def param_groups(self) -> list:
+        """What the optimizer steps: the trained parameters, the text encoders' LoRA in a param
+        group of its own (its ``lora.text_encoder_lr`` when set; the LR schedule scales both)."""
+        if self.text is None:
+            return self.params
+        n = len(self.params) - len(self.text.params)
+        text = {"params": self.params[n:]} | ({"lr": self.text.lr} if self.text.lr else {})
+        return [{"params": self.params[:n]}, text]
 
     def ema_state(self) -> dict[str, torch.Tensor] | None:
         if self.ema is None:
@@ -214,6 +237,7 @@ class Weights:
             adapter_config=self.denoiser.peft_config["default"].to_dict(),
             meta=meta | self.provenance,
             denoiser=self.denoiser,
+            text_encoders=self.text.split(state) if self.text is not None else (),
         )
 
 
@@ -241,7 +265,8 @@ def trainable_model(
     dtypes, a released repo's shipped architecture). On the meta device (plan) nothing is
     loaded, read, streamed or sharded: the architecture alone, every weight resident, no
     ``lora.init_from`` (its values change no size); plan counts streamed and sharded bytes
-    itself."""
+    itself. With ``lora.text_encoder`` the family's text encoders are built beside it, on the
+    same device, with their LoRA (``Weights.text``)."""
     from raytuner import placement
     from raytuner.config import MemoryConfig
     from raytuner.families import parts
@@ -268,6 +293,9 @@ def trainable_model(
         parts.float8_storage(denoiser.requires_grad_(False))
     if train.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
+    text = None
+    if lora.text_encoder and train.mode == "lora":
+        text = text_lora.build(family, source, device, lora, train, trainable)
     weights = Weights(
         denoiser,
         mode=train.mode,
@@ -278,6 +306,7 @@ def trainable_model(
         family=family,
         seed=train.seed,
         place=place,
+        text=text,
     )
     placed = placement.DenoiserPlacement(denoiser, family, device, swapped, memory.swap_ring)
     placed.average(weights.ema)

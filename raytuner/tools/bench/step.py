@@ -43,12 +43,14 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
     loss_fn = family.loss(trained.source, job.objective.for_family(family))
     dtype = trained.source.dtype
     load_s = time.perf_counter() - started
-    opt, sched = optim.for_run(job.train, trained.weights.params)
+    opt, sched = optim.for_run(job.train, trained.weights.param_groups())
     one = dataclasses.replace(job.train, global_batch_size=micro, micro_batch_size=0)
     args = (trained, trained.denoiser, loss_fn, opt, sched, one, job.memory, device)
     train_step = step.train_step(*args)
     # the family's example of what the feed hands the step (float32, as read from the cache)
     batch = family.example_batch(shapes, micro, size, device, torch.float32)
+    if (text := trained.weights.text) is not None:  # lora.text_encoder: the token ids instead
+        batch = text.example(batch, device)
 
     def run(i: int) -> None:  # the training step itself, on one micro-batch of random inputs
         train_step(RankSlice(0, i, 1, batch, [i * micro + j for j in range(micro)], []))

@@ -21,6 +21,7 @@ from raytuner import runtime
 from raytuner.config import JobConfig, ValidationConfig
 from raytuner.data.cache import fingerprint, read_manifest
 from raytuner.data.reader import open_dataset
+from raytuner.families import parts
 from raytuner.preprocess.job import preprocess
 from raytuner.tools.bench.common import (
     alternate,
@@ -30,7 +31,7 @@ from raytuner.tools.bench.common import (
     torch_threads,
     wait_for_quiet,
 )
-from raytuner.train import optim
+from raytuner.train import optim, text_lora
 from raytuner.train.feed import Feed, RankSlice
 from raytuner.train.step import train_step
 from raytuner.train.weights import trainable_model
@@ -55,10 +56,15 @@ def _one_worker_job(job: JobConfig, steps: int, output: str) -> JobConfig:
     )
 
 
-def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
-    """The first ``count`` global batches of the schedule as tensors, with their noise seeds."""
-    t = job.train
-    data = open_dataset(job.data.cache, fingerprint(job.model, job.preprocess))
+def _batches(job: JobConfig, family, count: int) -> list[tuple[dict, list[int]]]:
+    """The first ``count`` global batches of the schedule as tensors, with their noise seeds
+    (with ``lora.text_encoder``, the captions' token ids, as the worker's feed makes them)."""
+    t, text = job.train, None
+    if job.lora.text_encoder:  # its tokenizers; the encoders on the meta device, unused
+        source = parts.model_source(job.model, "cpu")
+        text = text_lora.build(family, source, torch.device("meta"), job.lora, t, torch.float32)
+    fp = fingerprint(job.model, job.preprocess)
+    data = open_dataset(job.data.cache, fp, computed=text.outputs if text else ())
     feed = Feed(
         data,
         seed=t.seed,
@@ -69,6 +75,7 @@ def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
         prefetch=1,
         pin=False,
         caption_dropout=t.caption_dropout,
+        tokenize=text.tokens if text else None,
     )
     out, epoch = [], 0
     while len(out) < count:
@@ -83,9 +90,9 @@ def _batches(job: JobConfig, count: int) -> list[tuple[dict, list[int]]]:
 
 def bare_loop(job: JobConfig, family, steps: int, threads: int, batches=None) -> float:
     """Samples/s of a plain single-process loop over the same batches (no Ray); ``batches``:
-    those of ``_batches(job, 2 * steps)`` when already read."""
+    those of ``_batches(job, family, 2 * steps)`` when already read."""
     if batches is None:
-        batches = _batches(job, 2 * steps)
+        batches = _batches(job, family, 2 * steps)
     with torch_threads(threads):
         return _bare_loop(job, family, steps, batches)
 
@@ -98,7 +105,7 @@ def _bare_loop(job: JobConfig, family, steps: int, batches: list) -> float:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(t.seed)
     trained = trainable_model(job.model, t, job.lora, family, device, job.memory)
-    opt, sched = optim.for_run(t, trained.weights.params)
+    opt, sched = optim.for_run(t, trained.weights.param_groups())
     loss_fn = family.loss(trained.source, job.objective.for_family(family))
     step = train_step(trained, trained.denoiser, loss_fn, opt, sched, t, job.memory, device)
     start = 0.0
@@ -124,7 +131,7 @@ def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int =
     runtime.connect()
     if read_manifest(job.data.cache, fingerprint(job.model, job.preprocess)) is None:
         preprocess(job.model, job.data, job.preprocess, family=family)
-    batches = _batches(job, 2 * steps)  # read once: the bare loop's clock never sees them
+    batches = _batches(job, family, 2 * steps)  # read once: the bare loop's clock never sees them
     threads: list[int] = []
     with tempfile.TemporaryDirectory(prefix="raytuner-bench-train-") as output:
 

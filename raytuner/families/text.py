@@ -1,0 +1,115 @@
+"""The text encoders' shared code: the protocols of a family's caption encoder (frozen, or with
+its LoRA trained: ``lora.text_encoder``), how a trained text encoder is named in LoRA files,
+tokenizers and the frozen encoders' base class."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from raytuner import placement
+
+
+class TextEncoder(Protocol):
+    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]: ...  # name -> [B, ...]
+    def truncated(self, captions: list[str]) -> list[bool]: ...  # longer than the tokenizer limit
+
+
+class TrainableTextEncoder(TextEncoder, Protocol):
+    """The text encoders of a family whose ``text_encoder_loras`` are trained
+    (``lora.text_encoder``): captions to token ids (the feed's work), and token ids to the text
+    tensors with gradients (the step's); ``__call__`` is both without gradients."""
+
+    encoders: list[nn.Module]  # in the order of the family's text_encoder_loras
+    outputs: tuple[str, ...]  # the text tensors ``embed`` makes (the cached ones it replaces)
+
+    def tokens(self, captions: list[str], device) -> dict[str, torch.Tensor]: ...
+    def embed(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class TextEncoderLora:
+    """A text encoder ``lora.text_encoder`` trains a LoRA on, as the LoRA files name it."""
+
+    part: str  # its pipeline part: the prefix of its keys in the diffusers file
+    kohya: str  # the prefix of its LoRA's names in sd-scripts' layout (lora_te, lora_te1, ...)
+    # the module its files' names start from: sd-scripts and diffusers name a CLIP's modules
+    # from transformers 4's CLIPTextModel (``text_model.encoder.layers.0...``), which
+    # transformers 5 flattened (``encoder.layers.0...``): added where the model lacks it
+    root: str = "text_model."
+
+
+def tiny_clip_tokenizer(max_length: int = 77):
+    """A byte-level CLIP tokenizer built in code: one token per byte, no merges, no download."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTokenizer
+
+    chars = sorted(ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+
+
+# what kohya's sd-scripts and diffusers' training scripts adapt in a CLIP text encoder: the
+# attention's projections (sd-scripts adds the MLP's fc1 and fc2: lora.text_encoder_target_modules)
+CLIP_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+# the token ids of a caption batch, one tensor per tokenizer ([B, its length], int64)
+TOKENS = ("input_ids", "input_ids_2")
+
+
+class FrozenTextEncoders:
+    """Tokenizers and their encoders, frozen in eval mode on ``device``; a family's subclass
+    defines ``embed`` (token ids -> its named text tensors, ``outputs``), or ``__call__``
+    (captions -> the same) where its encoders are never trained."""
+
+    outputs: tuple[str, ...] = ()
+
+    def __init__(self, tokenizers, encoders, device: str):
+        self.tokenizers = tokenizers
+        self.encoders = [placement.move(e, device).eval().requires_grad_(False) for e in encoders]
+        self.device = device
+        self._tokenizing = threading.Lock()  # the feed's threads share the tokenizers
+
+    def truncated(self, captions: list[str]) -> list[bool]:
+        return truncated(self.tokenizers, captions)
+
+    def tokens(self, captions: list[str], device) -> dict[str, torch.Tensor]:
+        """Each tokenizer's ids of ``captions`` on ``device``: ``input_ids``, ``input_ids_2``.
+        One call at a time: a fast tokenizer sets its padding and truncation on every call, and
+        two threads doing so at once fail ("Already borrowed")."""
+        pairs = zip(TOKENS, self.tokenizers, strict=False)
+        with self._tokenizing:
+            return {name: tokenize(t, captions, device) for name, t in pairs}
+
+    def embed(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} encodes captions only (__call__)")
+
+    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return self.embed(self.tokens(captions, self.device))
+
+
+def truncated(tokenizers, captions: list[str]) -> list[bool]:
+    """Whether any of the tokenizers cuts the caption at its model_max_length."""
+    flags = [False] * len(captions)
+    for tokenizer in tokenizers:
+        ids = tokenizer(captions, truncation=False, verbose=False).input_ids
+        lengths = [len(i) for i in ids]
+        flags = [f or n > tokenizer.model_max_length for f, n in zip(flags, lengths, strict=True)]
+    return flags
+
+
+def tokenize(tokenizer, captions: list[str], device: str) -> torch.Tensor:
+    return tokenizer(
+        captions,
+        padding="max_length",
+        max_length=tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids.to(device)  # token ids, made for the encoder's device
