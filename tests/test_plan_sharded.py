@@ -54,6 +54,29 @@ def test_a_flux_full_finetune_fits_80gib_sharded_over_8_and_plan_says_so():
     assert result["fits"] and result["peak_bytes"] < 40 * GiB
 
 
+def _gathered_in_a_step(job, family, trained) -> int:
+    """The most parameter elements a sharded worker holds whole at once (gathered from the
+    other worker, or the root's) in a forward and backward of the job's loss, looked at as every
+    module starts its forward."""
+    from torch.distributed.tensor import DTensor
+
+    denoiser, most = trained.denoiser, 0
+
+    def look(*_):
+        nonlocal most
+        whole = sum(p.numel() for p in denoiser.parameters() if not isinstance(p, DTensor))
+        most = max(most, whole)
+
+    for module in denoiser.modules():
+        module.register_forward_pre_hook(look)
+    size = planner.largest_bucket(job, family)
+    _, shapes = planner.trace_encoders(job, family, size)
+    batch = family.example_batch(shapes, 1, size, torch.device("cpu"), torch.float32)
+    loss_fn = family.loss(trained.source, job.objective.for_family(family))
+    loss_fn(denoiser, batch, [torch.Generator().manual_seed(0)]).sum().backward()
+    return most
+
+
 def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
     """A real sharded worker of the tiny SDXL full fine-tune after an AdamW step: the bytes of
     its rows of the weights, the gradients and AdamW's moments (each storage once)."""
@@ -68,6 +91,7 @@ def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
     cpu = torch.device("cpu")
     trained = trainable_model(job.model, job.train, job.lora, family, cpu, strategy="fsdp")
     params = trained.weights.params
+    gathered = _gathered_in_a_step(job, family, trained)
     opt = torch.optim.AdamW(params)
     for p in params:
         p.grad = torch.ones_like(p)
@@ -82,6 +106,8 @@ def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
         "weights_bytes": stored(trained.denoiser.parameters()),
         "gradients_bytes": stored([p.grad for p in params]),
         "optimizer_bytes": stored(moments),
+        "gathered_elements": gathered,
+        "up_block_elements": sum(p.numel() for p in trained.denoiser.up_blocks[0].parameters()),
     }
     Path(out, f"{rank}.json").write_text(json.dumps(figures))
     dist.destroy_process_group()
@@ -98,6 +124,13 @@ def test_plan_divides_the_state_as_fsdp_does(tmp_path):
     planned = plan_sharded.worker_bytes(job, parts, 2, 0)
     for key in ("weights_bytes", "gradients_bytes", "optimizer_bytes"):
         assert [m[key] for m in measured] == [planned[key]] * 2, key
+    # what a worker holds whole at once: at most plan's root and two units in flight, and two
+    # units together are less than one of the UNet's up blocks (its resnets and transformer
+    # blocks are units, not its down and up blocks)
+    itemsize = getattr(torch, parts["compute_dtype"]).itemsize
+    in_flight = (planned["root_bytes"] + planned["gathered_bytes"]) // itemsize
+    assert 0 < max(m["gathered_elements"] for m in measured) <= in_flight
+    assert planned["gathered_bytes"] // itemsize < measured[0]["up_block_elements"]
 
 
 @pytest.mark.parametrize(

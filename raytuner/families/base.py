@@ -56,6 +56,10 @@ class Family(Protocol):
     # the denoiser's repeated blocks, each a unit that ``scaling.strategy = "fsdp"`` shards and
     # gathers on its own (a block list: each block; a single block: itself), in the order they run
     shard_blocks: tuple[str, ...]
+    # class names of the layers inside those blocks that are units of their own, nested in their
+    # block (which then keeps only what they do not hold): the UNets' resnets and transformer
+    # blocks, so that no unit is a whole down or up block; empty: the blocks are the units
+    shard_inner: tuple[str, ...]
     # class names of the repeated blocks ``train.compile`` compiles, each on its own (regional
     # compilation: diffusers' ``_repeated_blocks`` where the model has them)
     compile_blocks: tuple[str, ...]

@@ -187,6 +187,7 @@ class Flux:
     )
     swap_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
     shard_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
+    shard_inner: tuple[str, ...] = ()
     compile_blocks: tuple[str, ...] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     channels_last: bool = False
     objective_kind: str = "flow"

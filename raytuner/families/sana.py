@@ -82,6 +82,7 @@ class Sana:
     lora_files: base.LoraFiles = base.LoraFiles()
     swap_blocks: tuple[str, ...] = ("transformer_blocks",)
     shard_blocks: tuple[str, ...] = ("transformer_blocks",)
+    shard_inner: tuple[str, ...] = ()
     compile_blocks: tuple[str, ...] = ("SanaTransformerBlock",)
     channels_last: bool = False
     objective_kind: str = "flow"

@@ -48,6 +48,7 @@ class SD15:
     )
     swap_blocks: tuple[str, ...] = ()
     shard_blocks: tuple[str, ...] = ("down_blocks", "mid_block", "up_blocks")
+    shard_inner: tuple[str, ...] = ("ResnetBlock2D", "BasicTransformerBlock")
     compile_blocks: tuple[str, ...] = ("BasicTransformerBlock",)
     channels_last: bool = True
     objective_kind: str = "ddpm"

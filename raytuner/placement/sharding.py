@@ -1,7 +1,8 @@
 """``scaling.strategy = "fsdp"``: the denoiser sharded over the training workers with FSDP2
 (``torch.distributed.fsdp.fully_shard``). Each of the family's repeated blocks
-(``shard_blocks``: transformer blocks, the UNets' down/mid/up blocks) is a unit of its own, the
-root holds the rest (embeddings, final layers); every parameter of a unit, frozen or trained, is
+(``shard_blocks``: transformer blocks, the UNets' down/mid/up blocks, and inside the UNets' each
+resnet and transformer block: ``shard_inner``) is a unit of its own, the root holds the rest
+(embeddings, final layers); every parameter of a unit, frozen or trained, is
 split by rows over the workers (``Shard(0)``), and a unit's whole parameters exist only while it
 runs (all-gathered before its forward and again for its backward, freed after).
 
@@ -31,6 +32,8 @@ __all__ = [
     "is_sharded",
     "local",
     "materialize",
+    "of_classes",
+    "owned",
     "shard",
     "single_process_group",
     "units",
@@ -50,13 +53,35 @@ def single_process_group(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def of_classes(root: nn.Module, names: Iterable[str]) -> list[nn.Module]:
+    """The modules under ``root`` (itself included) of any of the classes ``names`` (or of a
+    subclass: a sharded block's class is FSDP's subclass of it), in ``root.modules()`` order."""
+    names = set(names)
+    return [m for m in root.modules() if names & {c.__name__ for c in type(m).__mro__}]
+
+
 def units(denoiser: nn.Module, family) -> list[nn.Module]:
-    """The denoiser's sharding units besides its root, in the order they run: every block of
-    each of the family's ``shard_blocks`` lists (a single block counts as one)."""
+    """The denoiser's sharding units besides its root: every block of each of the family's
+    ``shard_blocks`` lists (a single block counts as one), each preceded by the layers inside it
+    that are units of their own (``shard_inner``; a unit is sharded after those nested in it)."""
     out: list[nn.Module] = []
     for name in family.shard_blocks:
         part = getattr(denoiser, name)
-        out += list(part) if isinstance(part, nn.ModuleList) else [part]
+        for block in part if isinstance(part, nn.ModuleList) else [part]:
+            out += [m for m in of_classes(block, family.shard_inner) if m is not block]
+            out.append(block)
+    return out
+
+
+def owned(units: list[nn.Module]) -> list[list[nn.Parameter]]:
+    """Each of ``units``' own parameters, those no unit nested in it holds: what it gathers
+    (``units``' order: nested units come first)."""
+    seen: set[int] = set()
+    out = []
+    for unit in units:
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen |= {id(p) for p in own}
+        out.append(own)
     return out
 
 

@@ -5,9 +5,10 @@ and its traced step.
 Every parameter is split by rows over the workers (FSDP2's ``Shard(0)``, padded to equal rows),
 and so are its gradient, optimizer state and EMA; on top of that a worker holds, in the compute
 dtype (bfloat16 on GPUs), the root unit's whole parameters for the step (FSDP2 keeps the root
-gathered between forward and backward), the two largest blocks' whole parameters (the one
-running and the one prefetched), the largest block's whole gradients in the compute dtype and
-their float32 copy for the reduce-scatter, and the step's activations. The activations are
+gathered between forward and backward), the two largest units' own whole parameters (the one
+running and the one prefetched; a unit's own: those of no unit nested in it), the largest
+unit's whole gradients in the compute dtype and their float32 copy for the reduce-scatter, and
+the step's activations. The activations are
 traced: the job's step run once on meta tensors in the compute dtype with each parameter's
 gradient dropped as soon as it is made (a sharded worker keeps only its rows of them, counted
 above), so the trace holds what the forward saved, the recomputed block of gradient checkpointing
@@ -49,12 +50,11 @@ def trace(job, family, trained, batch: dict, offload: bool) -> dict:
     params = [(tuple(p.shape), p.dtype, p.requires_grad) for p in denoiser.parameters()]
     compute = autocast_dtype(job.train.mixed_precision, CUDA, trained.source.dtype)
     compute = compute or torch.float32
-    blocks = sharding.units(denoiser, family)
-    inside = {id(p) for b in blocks for p in b.parameters()}
+    blocks = sharding.owned(sharding.units(denoiser, family))
+    inside = {id(p) for b in blocks for p in b}
     root = [p for p in denoiser.parameters() if id(p) not in inside]
-    largest = sorted((_bytes(b.parameters(), compute) for b in blocks), reverse=True)[:2]
-    unit_grads = max((_bytes([p for p in b.parameters() if p.requires_grad]) for b in blocks),
-                     default=0)  # fmt: skip
+    largest = sorted((_bytes(b, compute) for b in blocks), reverse=True)[:2]
+    unit_grads = max((_bytes([p for p in b if p.requires_grad]) for b in blocks), default=0)
     for p in denoiser.parameters():  # the whole copies a unit computes with (meta: no bytes)
         p.data = p.data.to(compute)
     for p in weights.params:  # a sharded worker keeps its rows only: drop each whole gradient

@@ -324,8 +324,7 @@ def compile_blocks(denoiser: nn.Module, family) -> int:
     at the first bucket (and for the first block, whose input needs no gradient, once more) and
     at the second bucket, where dynamo makes the sizes it took as constants dynamic; no bucket
     after that compiles again. Returns how many blocks."""
-    names = set(family.compile_blocks)  # a sharded block's class is FSDP's subclass of it
-    blocks = [m for m in denoiser.modules() if names & {c.__name__ for c in type(m).__mro__}]
+    blocks = sharding.of_classes(denoiser, family.compile_blocks)
     if not blocks:
         raise ValueError(
             f"train.compile: the {family.name} denoiser has none of its repeated blocks "
