@@ -6,7 +6,9 @@ own peak memory; a failure, an out-of-memory included, is recorded and the next 
 this order, until ``--budget-s`` is spent (what is left is recorded as skipped):
 
 1. per family: ``bench step`` of the shipped job (plan against the measured peak; samples/s,
-   TFLOP a sample, TFLOP/s, MFU), then the same with ``train.compile = true``;
+   TFLOP a sample, TFLOP/s, MFU), then the same with ``train.compile = true``; for SDXL also a
+   full fine-tune replicated (``ddp``) and sharded (``fsdp``, a process group of one), and the
+   shipped job with ``lora.text_encoder = true``;
 2. the block-swap table: Flux with 0, 8, 16 and 28 blocks streamed, in bfloat16 and float8, and
    float8 with 8-bit AdamW;
 3. per family: ``bench train`` (raytuner's Ray Train worker against the bare loop) on synthetic
@@ -46,6 +48,14 @@ def measurements(families: list[str], jobs: str, workdir: str) -> list[dict]:
         add(f"step {f}", "bench", "step", job, *RANDOM, "--steps", "10")
         add(f"step {f} compiled", "bench", "step", job, *RANDOM, "--steps", "10", "--set",
             "train.compile=true")  # fmt: skip
+    if "sdxl" in families:  # sharding against replication at world 1, the text encoders' LoRA
+        full = [*RANDOM, "--steps", "5", "--set", 'train.mode="full"', "--set",
+                "train.micro_batch_size=2"]  # fmt: skip
+        add("step sdxl full ddp", "bench", "step", f"{jobs}/sdxl.toml", *full)
+        add("step sdxl full fsdp", "bench", "step", f"{jobs}/sdxl.toml", *full, "--set",
+            'scaling.strategy="fsdp"')  # fmt: skip
+        add("step sdxl text-encoder lora", "bench", "step", f"{jobs}/sdxl.toml", *RANDOM,
+            "--steps", "10", "--set", "lora.text_encoder=true")  # fmt: skip
     if "flux" in families:
         for n, dtype in SWAP + [(16, "float8 adamw8bit"), (28, "float8 adamw8bit")]:
             sets = [
