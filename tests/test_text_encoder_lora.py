@@ -25,6 +25,7 @@ from PIL import Image
 from run_checks import pipeline_image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_jobcheck import accepted, check, refused
 
 from raytuner.cli import main
 from raytuner.config import (
@@ -379,17 +380,6 @@ def test_a_run_from_before_the_text_encoder_keys_resumes(job_file, tmp_path):
         check_resumable(trains_them, run_dir, fp, dataset)
 
 
-JOB = """
-[model]
-family = "{family}"
-[data]
-images = "{root}/images"
-cache = "{root}/cache"
-[train]
-output = "{root}/runs"
-"""
-
-
 @pytest.mark.parametrize(
     "family, overrides, says",
     [
@@ -401,30 +391,16 @@ output = "{root}/runs"
     ],
 )
 def test_check_refuses_text_encoders_it_cannot_train(family, overrides, says, tmp_path, capsys):
-    (tmp_path / "images").mkdir()
-    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
-    job = tmp_path / "job.toml"
-    job.write_text(JOB.format(family=family, root=tmp_path.as_posix()))
-    args = ["check", str(job), "--set", "lora.text_encoder=true"]
-    for text in overrides:
-        args += ["--set", text]
-    assert main(args) == 2
-    err = capsys.readouterr().err
+    err = refused(tmp_path, capsys, "lora.text_encoder=true", *overrides, family=family)
     assert "lora.text_encoder = true" in err and says in err, err
-    assert len(err.strip().splitlines()) == 1
-    assert main(["check", str(job), "--set", "lora.text_encoder_lr=1e-5"]) == 2
-    assert "set lora.text_encoder = true, or remove lora.text_encoder_lr" in capsys.readouterr().err
+    code, err = check(tmp_path, capsys, "lora.text_encoder_lr=1e-5", family=family)
+    assert code == 2 and "set lora.text_encoder = true, or remove lora.text_encoder_lr" in err
 
 
 @pytest.mark.parametrize("family", ["sd15", "sdxl"])
 def test_check_takes_text_encoders_of_sd15_and_sdxl(family, tmp_path, capsys):
-    (tmp_path / "images").mkdir()
-    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
-    job = tmp_path / "job.toml"
-    job.write_text(JOB.format(family=family, root=tmp_path.as_posix()))
     te = ["lora.text_encoder=true", "lora.text_encoder_rank=8", "lora.text_encoder_lr=5e-5"]
-    args = [a for text in te for a in ("--set", text)]
-    assert main(["check", str(job), *args]) == 0, capsys.readouterr().err
+    accepted(tmp_path, capsys, *te, family=family)
 
 
 @pytest.mark.slow

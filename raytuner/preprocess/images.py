@@ -7,9 +7,11 @@ text is the reason shown in the preprocess report. PIL's global state (``MAX_IMA
 
 from __future__ import annotations
 
+import contextlib
 import io
 import struct
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,36 +67,37 @@ def load_image(data: bytes, policy: ImagePolicy) -> Image.Image:
 def load_with_alpha(data: bytes, policy: ImagePolicy) -> tuple[Image.Image, Image.Image | None]:
     """``load_image``, and the image's alpha channel (mode L, upright) when it has one (an
     alpha mode or a transparency colour); None otherwise."""
-    if not data:
-        raise SkipImage("empty file")
-    # PIL warns (DecompressionBombWarning, corrupt EXIF, ...); the checks here decide instead.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with _open(data) as image:
-            upright = _upright(image, policy.max_pixels)
-            width, height = upright.size
-            if min(width, height) < policy.min_size:
-                raise SkipImage(
-                    f"too small: {width}x{height}, the short side is under {policy.min_size}"
-                )
-            return _to_rgb(upright, policy.background), _alpha(upright)
+    with _decoded(data, policy) as upright:
+        width, height = upright.size
+        if min(width, height) < policy.min_size:
+            short = f"the short side is under {policy.min_size}"
+            raise SkipImage(f"too small: {width}x{height}, {short}")
+        return _to_rgb(upright, policy.background), _alpha(upright)
 
 
 def load_mask(data: bytes, policy: ImagePolicy) -> Image.Image:
     """A mask file as greyscale (mode L, upright: white trains, black is ignored), read with
     the image's limits. Raises SkipImage."""
+    with _decoded(data, policy) as upright:
+        try:
+            if upright.mode in _INT_MODES or upright.mode == "F":
+                return _scale_to_8bit(upright)
+            return upright.convert("L")
+        except (*_DECODE_ERRORS, ImportError) as e:
+            raise SkipImage(f"unsupported colour mode {upright.mode}: {e}") from e
+
+
+@contextlib.contextmanager
+def _decoded(data: bytes, policy: ImagePolicy) -> Iterator[Image.Image]:
+    """The file's first frame decoded within the pixel limit, EXIF orientation applied, while
+    the file is open. PIL's warnings (DecompressionBombWarning, corrupt EXIF, ...) are dropped:
+    the checks here decide instead. Raises SkipImage."""
     if not data:
         raise SkipImage("empty file")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with _open(data) as image:
-            upright = _upright(image, policy.max_pixels)
-            try:
-                if upright.mode in _INT_MODES or upright.mode == "F":
-                    return _scale_to_8bit(upright)
-                return upright.convert("L")
-            except (*_DECODE_ERRORS, ImportError) as e:
-                raise SkipImage(f"unsupported colour mode {upright.mode}: {e}") from e
+            yield _upright(image, policy.max_pixels)
 
 
 def _upright(image: ImageFile.ImageFile, max_pixels: int) -> Image.Image:
