@@ -18,9 +18,12 @@ non-deprecated way to bound an actor pool's restarts (``ray_remote_args_accepted
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 # (logger, what its message starts with): why each says nothing to a raytuner user
 DROPPED: tuple[tuple[str, str], ...] = (
@@ -49,6 +52,14 @@ DROPPED: tuple[tuple[str, str], ...] = (
     # Ray Data's answer to raytuner's own setting (``runtime.connect``): its per-operator bars
     # flood a job's log, raytuner prints one progress line instead (preprocess/progress.py)
     ("ray.data._internal.progress", r"Progress bars disabled\. To enable, set"),
+    # the end of each Ray Data stream that succeeded (a failed one says so, and stays), and of
+    # the preprocess's write: raytuner's own line says what the stream did, in its words
+    # (its start, "Starting execution" and "Execution plan", is off: ``runtime.connect``)
+    (
+        "ray.data._internal.execution.streaming_executor",
+        "\u2714\ufe0f +Dataset \\S+ execution finished in ",
+    ),
+    ("ray.data.dataset", r"Data sink \w+ finished\. \d+ rows and \S+ data written\."),
 )
 
 
@@ -86,6 +97,13 @@ WITHOUT_STATE_API: tuple[tuple[str, str], ...] = (
         "ray.train.v2._internal.execution.controller.placement_group_cleaner",
         r"Failed to query Ray Train Controller actor state\. State API may be temporarily",
     ),
+    # and, where state tracking was turned on all the same (RAY_TRAIN_ENABLE_STATE_TRACKING=1 in
+    # the environment; raytuner leaves it off there, ``runtime.has_state_api``), Ray Train's
+    # state actor every 30 s, with a 60-line traceback
+    (
+        "ray.train.v2._internal.state.state_actor",
+        r"State API unavailable when checking if actor is alive\.",
+    ),
 )
 
 
@@ -101,6 +119,23 @@ def install(no_state_api: bool = False) -> None:
 
 
 @contextmanager
+def no_loading_bars():
+    """Around diffusers' ``load_lora_weights`` of a LoRA with text-encoder keys: transformers
+    draws a "Loading weights" progress bar for each text encoder it puts the LoRA into (one
+    per render and text encoder, each done in milliseconds). Only transformers' bars, and only
+    inside the block."""
+    from transformers.utils import logging as transformers_logging
+
+    was = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            transformers_logging.enable_progress_bar()
+
+
+@contextmanager
 def ray_remote_args_accepted():
     """Around a Ray Data ``map_batches`` that passes ``max_restarts`` / ``max_task_retries``:
     Ray 2.60 deprecated every option passed as ``**ray_remote_args`` (removal: Ray 2.64) but
@@ -113,3 +148,72 @@ def ray_remote_args_accepted():
             "ignore", message=r"`ray_remote_args` is deprecated", category=RayDeprecationWarning
         )
         yield
+
+
+# Lines that Ray's C++ code writes straight to a process's stderr, where no logging filter
+# reaches them (the driver's own, and its actors' as the driver prints them), matched anywhere
+# in the line: why each says nothing to a raytuner user
+STDERR_LINES: tuple[str, ...] = (
+    # Ray's core worker, creating an actor that may restart and whose constructor arguments
+    # lie in the object store: Ray Data's encoder pool (the map function is passed by
+    # reference) and Ray Train's PreemptionWatcher. Ray Data and Ray Train hold those
+    # references as long as the actors live, so the restart it warns of cannot fail so
+    r" E \d+ \d+\] core_worker\.cc:\d+: Actor with class name: "
+    r"'(MapWorker\(MapBatches\(Encoder\)\)|PreemptionWatcher)' and ID: '[0-9a-f]+' has "
+    r"constructor arguments in the object store and max_restarts > 0\.",
+)
+
+# the filter process: stdin's lines to stdout, but those matching a pattern (argv); a partial
+# line waits 0.1 s for its end; signals are left to the process it filters for (Ctrl-C and
+# `ray job stop` reach both), it ends when that process's stderr closes
+_FILTER = r"""
+import os, re, select, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+drop = re.compile(b"|".join(a.encode() for a in sys.argv[1:]))
+pending = b""
+while True:
+    if pending and not select.select([0], [], [], 0.1)[0]:
+        os.write(1, pending)
+        pending = b""
+    chunk = os.read(0, 65536)
+    lines = (pending + chunk).split(b"\n")
+    pending = lines.pop()
+    out = b"".join(line + b"\n" for line in lines if not drop.search(line))
+    if out:
+        os.write(1, out)
+    if not chunk:
+        os.write(1, pending)
+        break
+"""
+
+
+@contextmanager
+def stderr_filtered(patterns: tuple[str, ...] = STDERR_LINES):
+    """Within the block, this process's stderr (file descriptor 2, what it writes and what its
+    child processes inherit) passes through a small filter process that drops the lines
+    matching ``patterns`` (``STDERR_LINES``) and writes every other line on, at once and in
+    order, to the stderr the process had; after the block stderr is that again, every line
+    written in it passed on. Where no filter process can start, stderr stays as it is."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _FILTER, *patterns],
+            stdin=subprocess.PIPE,
+            stdout=saved,
+        )
+    except OSError as e:
+        logging.getLogger("raytuner").debug("stderr not filtered: %s", e)
+        yield
+        return
+    os.dup2(process.stdin.fileno(), 2)
+    process.stdin.close()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the filter's input closes: it writes what is left and ends
+        os.close(saved)
+        with suppress(subprocess.TimeoutExpired):  # a child process holds the old stderr yet
+            process.wait(timeout=10)

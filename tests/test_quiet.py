@@ -37,6 +37,9 @@ NOISE = re.compile(
             r"PlacementGroupCleaner",
             r"Failed to query Ray Train Controller",
             r"Progress bars disabled",
+            r"core_worker\.cc:\d+: Actor with class name",
+            r"Starting execution of Dataset|Execution plan of Dataset|execution finished in",
+            r"Data sink \w+ finished",
         ]
     )
 )
@@ -148,6 +151,16 @@ def test_each_filter_drops_its_message_and_nothing_else():
             "Progress bars disabled. To enable, set `ray.data.DataContext...`",
             "Progress bars for operators disabled.",
         ),
+        (
+            "ray.data._internal.execution.streaming_executor",
+            "\u2714\ufe0f  Dataset dataset_0354Js6zWihl_0 execution finished in 16.85 seconds",
+            "\u26a0\ufe0f  Dataset dataset_0354Js6zWihl_0 execution failed",
+        ),
+        (
+            "ray.data.dataset",
+            "Data sink RaytunerCacheParts finished. 37 rows and 142.2KiB data written.",
+            "Data sink RaytunerCacheParts failed.",
+        ),
     ]
     for name, dropped, other in cases:
         logger = logging.getLogger(name)
@@ -161,8 +174,52 @@ def test_each_filter_drops_its_message_and_nothing_else():
         finally:
             logger.removeHandler(handler)
     assert kept == [other for _, _, other in cases]
-    cleaner = logging.getLogger(quiet.WITHOUT_STATE_API[0][0])
-    assert not any(isinstance(f, quiet.Drop) for f in cleaner.filters)  # only without one
+    for name, _ in quiet.WITHOUT_STATE_API:  # only where Ray has no state API
+        assert not any(isinstance(f, quiet.Drop) for f in logging.getLogger(name).filters)
+
+
+# what Ray's C++ logging writes on stderr, in the driver and (forwarded) from an actor
+CORE_WORKER_LINES = [
+    "[2026-11-26 14:04:39,516 E 5502 5502] core_worker.cc:2465: Actor with class name: "
+    "'MapWorker(MapBatches(Encoder))' and ID: 'd2dd91e0027a081d47d7402701000000' has "
+    "constructor arguments in the object store and max_restarts > 0. If the arguments in the "
+    "object store go out of scope or are lost, the actor restart will fail. See "
+    "https://github.com/ray-project/ray/issues/53727 for more details.",
+    "\x1b[36m(TrainController pid=6442)\x1b[0m [2026-11-26 14:05:30,673 E 6442 6501] "
+    "core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' and ID: "
+    "'e9fecc6e35e707a32e77a89201000000' has constructor arguments in the object store and "
+    "max_restarts > 0. If the arguments in the object store go out of scope or are lost, the "
+    "actor restart will fail.",
+]
+
+
+def test_the_stderr_filter_drops_rays_core_worker_lines_and_passes_every_other_line():
+    """A process that writes straight to its file descriptor 2, as Ray's C++ logging does:
+    the two lines are gone, every other line arrives whole and in order (a partial line too,
+    once the process ends), also an error of the same kind about another actor."""
+    other = CORE_WORKER_LINES[0].replace("MapWorker(MapBatches(Encoder))", "Validator")
+    writes = [
+        "one\n",
+        CORE_WORKER_LINES[0] + "\n",
+        "[2026-11-26 14:05:30,673 E 6442 6501] core_worker.cc:99: Failed to connect to GCS\n",
+        CORE_WORKER_LINES[1] + "\n",
+        other + "\n",
+        "two, then a partial line",
+    ]
+    code = (
+        "import os, sys\n"
+        "from raytuner import quiet\n"
+        "with quiet.stderr_filtered():\n"
+        f"    for text in {writes!r}:\n"
+        "        os.write(2, text.encode())\n"
+        "print('after', file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    expected = [writes[0], writes[2], other + "\n", writes[5] + "after\n"]
+    assert result.stderr == "".join(expected)
 
 
 def test_every_worker_knows_its_cluster_and_has_the_filters(ray_local):

@@ -152,11 +152,17 @@ def parse_prompts(text: str) -> list[PromptLine]:
         raise PromptsError("no prompts in it (every line is blank or a # comment)")
     if samplers := [p for p in found if p.sampler is not None]:
         where = ", ".join(str(p.line) for p in samplers[:5]) + (", …" if len(samplers) > 5 else "")
-        log.info(
-            "prompts: --ss %s (line %s) is not used: the pipeline's own scheduler renders",
-            samplers[0].sampler, where,
-        )  # fmt: skip
+        note = (
+            f"prompts: --ss {samplers[0].sampler} (line {where}) is not used: the pipeline's "
+            "own scheduler renders"
+        )
+        if (text, note) not in _NOTED:  # a file is read by check, by validation, ...: once
+            _NOTED.add((text, note))
+            log.info(note)
     return found
+
+
+_NOTED: set[tuple[str, str]] = set()  # the notes logged in this process, with their file's text
 
 
 def read_prompts_file(path: str) -> list[PromptLine]:

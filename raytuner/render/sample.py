@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import torch
 from PIL import Image
 
-from raytuner import placement, runs, storage
+from raytuner import placement, quiet, runs, storage
 from raytuner.lora import full_model
 from raytuner.lora.find import ExportedWeights, find_weights
 from raytuner.render.prompts import Defaults, PromptLine, Render, resolve
@@ -52,7 +52,8 @@ def apply_weights(
     if weights is not None and weights.kind == "lora":
         pipe.unload_lora_weights()
         path = Path(weights.path)  # a .safetensors file
-        pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+        with quiet.no_loading_bars():  # a bar per text encoder the LoRA trained
+            pipe.load_lora_weights(str(path.parent), weight_name=path.name)
     elif weights is not None:
         part = family.denoiser_part
         cls = type(getattr(pipe, part))
