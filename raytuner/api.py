@@ -16,7 +16,12 @@ diffusers are imported inside the calls: importing the API is cheap.
 
 from __future__ import annotations
 
+import logging
+import sys
+
 from raytuner.config import ConfigError, JobConfig, load_job
+
+log = logging.getLogger("raytuner")
 
 __all__ = ["ConfigError", "JobConfig", "check", "load_job", "plan", "preprocess", "run"]
 __all__ += ["sample", "train"]
@@ -48,6 +53,9 @@ def _preprocess(job: JobConfig, family) -> dict:
 
 def _train(job: JobConfig, family) -> dict:
     from raytuner import runtime
+
+    if "raytuner.train.trainer" not in sys.modules:  # seconds of imports, more on a busy host
+        log.info("train: loading Ray Train, torch and the model's libraries")
     from raytuner.train.trainer import train as fit
 
     runtime.connect()

@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from raytuner import api
+from raytuner import api, quiet
 from raytuner.config import ConfigError, JobConfig, load_job
 
 log = logging.getLogger("raytuner")
@@ -312,17 +312,27 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _sigterm_interrupts():
-    """SIGTERM (what `ray job stop` sends a job's driver, SIGKILL following 3 s later) handled
-    as Ctrl-C while the command runs: the training run aborts cleanly and the command says
-    where it can resume."""
+    """SIGTERM (what `ray job stop` sends a job's driver) handled as Ctrl-C while the command
+    runs: the training run aborts cleanly and the command says where it can resume.
+    ``runtime.connect`` keeps this handler in place across ``ray.init``, which replaces it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    previous = signal.signal(signal.SIGTERM, _as_ctrl_c)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _as_ctrl_c(signum, frame) -> None:
+    """What Ctrl-C does now: the SIGINT handler in place is called here, not reached by raising
+    SIGINT, which a `ray job submit` driver never receives (Ray blocks SIGINT in its worker
+    processes, and the job's entrypoint inherits the mask)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler):  # SIG_DFL / SIG_IGN: stop as the default Ctrl-C does
+        raise KeyboardInterrupt
+    handler(signal.SIGINT, frame)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,8 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # argparse: usage errors exit 2, --help exits 0
         return int(e.code or 0)
+    # commands that start Ray: the C++ lines of Ray that read as errors and are none are left
+    # out of stderr (``quiet.STDERR_LINES``)
+    filtered = args.command not in ("check", "plan")
+    stderr = quiet.stderr_filtered() if filtered else contextlib.nullcontext()
     try:
-        with _sigterm_interrupts():
+        with _sigterm_interrupts(), stderr:
             code = _dispatch(args)
     except KeyboardInterrupt as e:  # Ctrl-C, or `ray job stop` (SIGTERM): one line, exit 130
         where = f": {e}" if str(e) else ""

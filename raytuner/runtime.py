@@ -3,11 +3,14 @@ and what a job's actors and workers may ask of that cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
 import socket
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ NO_STATE_API = "RAYTUNER_NO_STATE_API"
 
 def connect(num_cpus: int | None = None) -> None:
     """Join the cluster in RAY_ADDRESS, else start a local Ray (``num_cpus`` for tests)."""
+    global _state_api
     if ray.is_initialized():
         return
     from ray.data import DataContext
@@ -34,8 +38,12 @@ def connect(num_cpus: int | None = None) -> None:
     env: dict = {"env_vars": env_vars}
     if "worker_process_setup_hook" not in os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", ""):
         env["worker_process_setup_hook"] = SETUP_HOOK  # a job's own hook wins (no conflict)
+    started = time.monotonic()
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env=env, log_to_driver=True)
+        log.info("joining the Ray cluster at %s", os.environ["RAY_ADDRESS"])
+        with _own_sigterm_handler():
+            ray.init(runtime_env=env, log_to_driver=True)
+        _state_api = True
     else:
         # with num_cpus (tests, benches) always a new local instance: a bare ray.init() would
         # join a cluster that `ray start` left running on this machine
@@ -52,15 +60,72 @@ def connect(num_cpus: int | None = None) -> None:
             # port of its own is advertised instead; the cleaner's every query fails and it
             # waits on, harmless (its warning about that is dropped, ``setup_worker``).
             port, env_vars[NO_STATE_API] = _free_port(), "1"
-        ray.init(
-            address=address,
-            num_cpus=num_cpus,
-            include_dashboard=dashboard,
-            dashboard_port=port,
-            runtime_env=env,
-            logging_level=logging.WARNING,
-        )
-    DataContext.get_current().enable_progress_bars = False
+        log.info("starting a local Ray%s", "" if dashboard else " (no dashboard)")
+        with _own_sigterm_handler():
+            ray.init(
+                address=address,
+                num_cpus=num_cpus,
+                include_dashboard=dashboard,
+                dashboard_port=port,
+                runtime_env=env,
+                logging_level=logging.WARNING,
+            )
+        _state_api = dashboard
+    cpus = ray.cluster_resources().get("CPU", 0)
+    log.info("Ray ready in %.1f s (%g CPUs)", time.monotonic() - started, cpus)
+    context = DataContext.get_current()
+    # one progress line instead of Ray Data's per-operator bars (preprocess/progress.py), and
+    # none of its "Starting execution" / "Execution plan" lines per stream
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+
+
+# whether the connected Ray answers Ray's state API (a local Ray without its dashboard does not)
+_state_api = True
+
+
+def has_state_api() -> bool:
+    """Whether the Ray this process connected to serves Ray's state API (its dashboard): a
+    local Ray started with ``RAYTUNER_LOCAL_DASHBOARD=0`` does not, so Ray Train's state
+    tracking (the dashboard's Train page) has nothing to show and must stay off there: its
+    state actor asks the state API every 30 s whether each run's controller lives and prints a
+    60-line traceback each time it cannot."""
+    return _state_api
+
+
+@contextlib.contextmanager
+def _own_sigterm_handler():
+    """Around ``ray.init``: the SIGTERM handler this process had (raytuner's CLI: SIGTERM, what
+    `ray job stop` sends, stops a run as Ctrl-C does) is put back after it. ``ray.init``
+    replaces it with its own (``sys.exit(15)``), and Ray's core worker then puts the failure
+    signal handler of its C++ logging in front, which prints a 6-line "SIGTERM received ...
+    PC: @" dump before it. A process without a handler of its own keeps Ray's."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if callable(before):
+            signal.signal(signal.SIGTERM, before)
+
+
+# what Ray's job supervisor waits after its SIGTERM before it SIGKILLs a stopped job's driver,
+# unless RAY_JOB_STOP_WAIT_TIME_S is set (JobSupervisor.DEFAULT_RAY_JOB_STOP_WAIT_TIME_S)
+RAY_JOB_STOP_WAIT_S = 3
+
+
+def job_stop_wait_s() -> float | None:
+    """How long `ray job stop` lets this driver stop before Ray SIGKILLs it: the
+    ``RAY_JOB_STOP_WAIT_TIME_S`` of the job's environment (the job supervisor, which sends the
+    signals, reads it from its own environment, the job's runtime env ``env_vars`` included,
+    and hands the driver a copy), else Ray's default of 3 s. None outside a `ray job submit`
+    driver."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
+        return None
+    try:  # whole seconds: Ray reads it with int()
+        return float(int(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", RAY_JOB_STOP_WAIT_S)))
+    except ValueError:  # Ray's supervisor fails on it too: nothing better is known
+        return RAY_JOB_STOP_WAIT_S
 
 
 def _free_port() -> int:
@@ -278,12 +343,19 @@ def wait_for_resources(
             f"Lower {lower}, or add nodes (nothing to wait {setting} for)"
         )
     group = ray.util.placement_group(bundles, strategy="PACK")
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline, said = start + timeout_s, start
     try:
         while True:
             step = min(5.0, max(0.0, deadline - time.monotonic()))
             if group.wait(timeout_seconds=step):
                 return
+            if time.monotonic() - said >= 5.0:  # a line every ~10 s while it waits
+                waited, said = time.monotonic() - start, time.monotonic() + 5.0
+                log.info(
+                    "waiting for %s (%s at once): %.0f s of %g s (%s)",
+                    *(what, _show(need, keys), waited, timeout_s, setting),
+                )
             if found.autoscaler == "v2" and _refused_by_autoscaler(group):
                 raise RuntimeError(
                     f"{what} need {_show(need, keys)} at once ({_shapes(bundles, keys)}); "

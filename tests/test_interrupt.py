@@ -35,15 +35,21 @@ def _complete_steps(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def _interrupt_after(job_file: Path, run_dir: Path, step: int) -> tuple[int, str, float]:
+def _interrupt_after(
+    job_file: Path, run_dir: Path, step: int, as_ray_job_stop: bool = False
+) -> tuple[int, str, float]:
     """`raytuner train` of a long run in its own session; SIGINT to its process group once a
-    complete checkpoint of ``step`` or later exists: (exit code, stderr, seconds to exit)."""
+    complete checkpoint of ``step`` or later exists: (exit code, stderr, seconds to exit).
+    ``as_ray_job_stop``: as Ray's job supervisor runs and stops a driver instead: SIGINT
+    blocked in it (Ray blocks it in its workers, the entrypoint inherits the mask), SIGTERM to
+    it."""
     command = [sys.executable, "-m", "raytuner", "train", str(job_file)]
-    command += ["--set", 'train.name="interrupted"', "--set", "train.max_steps=400"]
+    command += ["--set", f'train.name="{run_dir.name}"', "--set", "train.max_steps=400"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
+    block = lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # noqa: E731
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=block if as_ray_job_stop else None,
     )  # fmt: skip
     deadline = time.monotonic() + 240
     while not any(s >= step for s in _complete_steps(run_dir)):
@@ -51,7 +57,10 @@ def _interrupt_after(job_file: Path, run_dir: Path, step: int) -> tuple[int, str
             process.kill()
             raise AssertionError(f"no checkpoint of step {step}: {process.stderr.read()[-2000:]}")
         time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGINT)
+    if as_ray_job_stop:  # the driver alone: here its children are the local Ray's processes
+        process.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(process.pid, signal.SIGINT)
     sent = time.monotonic()
     try:
         _, err = process.communicate(timeout=90)
@@ -100,3 +109,23 @@ def test_ctrl_c_says_where_to_resume_and_the_rerun_resumes_from_the_newest_check
     steps = _tensorboard_steps(run_dir)
     assert steps == sorted(set(steps)), "a step was logged twice"
     assert steps[-1] == final
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_as_ray_job_stop_sends_it_says_where_to_resume_and_exits_130(job_file):
+    """What `ray job stop` does to a job's driver (README step 7): the run stops as on Ctrl-C,
+    the last line names the newest complete checkpoint, exit 130, and Ray's C++ "SIGTERM
+    received ... PC: @" dump is not printed (``ray.init`` had replaced raytuner's handler)."""
+    run_dir = job_file.parent / "runs" / "terminated"
+    code, err, seconds = _interrupt_after(job_file, run_dir, EVERY, as_ray_job_stop=True)
+    newest = _complete_steps(run_dir)[-1]
+    print(f"SIGTERM at checkpoint {newest}: exit {code} after {seconds:.1f} s")
+    assert code == 130, err[-3000:]
+    assert "SIGTERM received" not in err and "PC: @" not in err, err[-3000:]
+    assert re.fullmatch(
+        rf"raytuner: train interrupted: the newest complete checkpoint is step {newest} "
+        r"\(.+\): the same command resumes from it",
+        err.splitlines()[-1],
+    ), err[-3000:]
+    assert seconds < 30

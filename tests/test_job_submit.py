@@ -11,6 +11,7 @@ clusters on the machine (other tests, other people) are left alone, so no `ray s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -79,8 +80,10 @@ class Cluster:
             return ""
 
 
-@pytest.fixture
-def ray_cluster(tmp_path: Path) -> Iterator[Cluster]:
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One head for the module's jobs (a start costs ~30 s here)."""
+    tmp_path = tmp_path_factory.mktemp("ray_cluster")
     temp_dir = private_temp_dir()
     # Token auth: `ray start --head` turns it on by itself whenever it finds a token, e.g.
     # ~/.ray/auth_token (which any local `ray.init()` creates); each client then needs
@@ -174,23 +177,37 @@ def _check_validation(run: Path) -> None:
     print(f"step 5 logged {ahead:.1f} s before the render of step 4 ended")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_ray_job_submit_tiny(ray_cluster: Cluster, tmp_path: Path) -> None:
-    out = tmp_path / "out"
+def _submit(cluster: Cluster, out: Path, *sets: str) -> str:
+    """`ray job submit --no-wait` of `raytuner run jobs/tiny.toml` with jobs/runtime_env.yaml,
+    its cache and runs under ``out``; ``sets``: more ``--set`` values. Returns the job's id.
+    What `ray job submit` prints is the user's too: nothing of the working dir's caches."""
     job_id = f"raytuner-e2e-{secrets.token_hex(4)}"
     # The job's PATH need not hold the venv's bin dir: run the CLI with this interpreter.
     # jobs/tiny.toml's relative paths resolve against the uploaded working dir.
     entrypoint = [
         sys.executable, "-m", "raytuner", "run", "jobs/tiny.toml",
         "--set", f"train.output={out / 'runs'}", "--set", f"data.cache={out / 'cache'}",
-        "--set", "train.log_every=1",  # every step's time in TensorBoard
     ]  # fmt: skip
-    submit = ray_cluster.ray(
-        "job", "submit", "--address", ray_cluster.url, "--runtime-env", "jobs/runtime_env.yaml",
+    entrypoint += [arg for value in sets for arg in ("--set", value)]
+    submit = cluster.ray(
+        "job", "submit", "--address", cluster.url, "--runtime-env", "jobs/runtime_env.yaml",
         "--entrypoint-num-cpus", "0.5", "--submission-id", job_id, "--no-wait", "--", *entrypoint,
     )  # fmt: skip
-    assert submit.returncode == 0, f"ray job submit failed:\n{submit.stdout}\n{submit.stderr}"
+    printed = submit.stdout + submit.stderr
+    assert submit.returncode == 0, f"ray job submit failed:\n{printed}"
+    # Ray names each .gitignore it reads: ruff's and pytest's caches have one of their own
+    caches = [
+        line for line in printed.splitlines() if "Ignoring upload" in line and "_cache" in line
+    ]
+    assert not caches, printed
+    return job_id
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_job_submit_tiny(ray_cluster: Cluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job_id = _submit(ray_cluster, out, "train.log_every=1")  # every step's time in TensorBoard
 
     status, seen = _wait_for_job(ray_cluster, job_id)
     logs = ray_cluster.job_logs(job_id)
@@ -208,3 +225,50 @@ def test_ray_job_submit_tiny(ray_cluster: Cluster, tmp_path: Path) -> None:
 
     weights = load_file(lora)
     assert any("lora" in k for k in weights), sorted(weights)[:10]
+
+
+def _complete_steps(run_dir: Path) -> list[int]:
+    """The steps of the run's complete checkpoints (state.json written last)."""
+    from raytuner import runs
+
+    steps = []
+    for folder in runs.complete_checkpoints(str(run_dir))[1]:
+        with contextlib.suppress(OSError, ValueError):  # being deleted by Ray's retention
+            steps.append(json.loads(Path(folder, runs.STATE).read_text())["step"])
+    return sorted(steps)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_job_stop_ends_the_log_with_the_newest_checkpoint(ray_cluster, tmp_path) -> None:
+    """README step 7: `ray job stop` of a training job stops its workers and the job's log ends
+    in the line that names the newest complete checkpoint, without Ray's "SIGTERM received"
+    dump; the driver exits by itself within the time jobs/runtime_env.yaml gives it
+    (RAY_JOB_STOP_WAIT_TIME_S), not by Ray's SIGKILL."""
+    out = tmp_path / "out"
+    job_id = _submit(ray_cluster, out, "train.max_steps=400", 'train.name="stopped"')
+    run_dir, deadline = out / "runs" / "stopped", time.monotonic() + JOB_TIMEOUT_S
+    while not _complete_steps(run_dir):
+        status = ray_cluster.job_status(job_id)
+        assert status in ("PENDING", "RUNNING") or status.startswith("UNKNOWN"), (
+            f"job {job_id}: {status}:\n{ray_cluster.job_logs(job_id)}"
+        )
+        assert time.monotonic() < deadline, ray_cluster.job_logs(job_id)
+        time.sleep(0.5)
+    stopped = time.monotonic()
+    stop = ray_cluster.ray("job", "stop", "--address", ray_cluster.url, job_id, timeout=180)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    print(f"`ray job stop` returned after {time.monotonic() - stopped:.1f} s")
+    assert ray_cluster.job_status(job_id) == "STOPPED"
+    logs = ray_cluster.job_logs(job_id)
+    assert "SIGTERM received" not in logs and "PC: @" not in logs, logs
+    last = [line for line in logs.splitlines() if line.strip()][-1]
+    newest = _complete_steps(run_dir)[-1]
+    assert re.fullmatch(
+        rf"raytuner: run interrupted: the newest complete checkpoint is step {newest} "
+        r"\(.+\): the same command resumes from it",
+        last,
+    ), logs[-3000:]
+    supervisor = Path(ray_cluster.temp_dir, "session_latest", "logs", "jobs")
+    said = (supervisor / f"supervisor-{job_id}.log").read_text()
+    assert "has been terminated gracefully" in said, said  # not SIGKILLed

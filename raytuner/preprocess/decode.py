@@ -15,6 +15,7 @@ from raytuner import storage
 from raytuner.data.cache import ALPHA, caption_key, flip_key, mask_key
 from raytuner.preprocess.buckets import Size, fit_to_bucket, nearest_bucket
 from raytuner.preprocess.images import ImagePolicy, SkipImage, load_mask, load_with_alpha
+from raytuner.preprocess.progress import CACHED, READ, SKIPPED, TO_ENCODE
 from raytuner.preprocess.sources import probe_and_read
 
 # The row kinds of the stream (its ``status`` column).
@@ -215,8 +216,21 @@ def _stream_row(row: dict, sources, spec: DecodeSpec, known: Known, taken: set) 
     return out | want | encode | {k: decoded[k] for k in DECODED}
 
 
-def probe_decode(batch: pa.Table, sources, spec: DecodeSpec, known: Known) -> pa.Table:
-    """The stream's first step (Ray Data tasks): a batch of listed files -> stream rows."""
+def probe_decode(
+    batch: pa.Table, sources, spec: DecodeSpec, known: Known, progress=None
+) -> pa.Table:
+    """The stream's first step (Ray Data tasks): a batch of listed files -> stream rows;
+    ``progress``: the counting actor told what the batch's files came to."""
     taken: set[str] = set()  # a file whose content another row of this batch already decodes
     rows = [_stream_row(r, sources, spec, known, taken) for r in batch.to_pylist()]
+    if progress is not None:  # counted, not waited for
+        progress.add.remote(read_counts(rows))
     return pa.Table.from_pylist(rows, schema=STREAM_SCHEMA)
+
+
+def read_counts(rows: list[dict]) -> dict[str, int]:
+    """What probed stream rows came to, as the progress line counts them."""
+    skipped = sum(1 for r in rows if r["reason"] or r["status"] == FAILED)
+    encode = sum(1 for r in rows if r["status"] == ENCODE)
+    cached = len(rows) - skipped - encode
+    return {READ: len(rows), CACHED: cached, SKIPPED: skipped, TO_ENCODE: encode}

@@ -25,6 +25,7 @@ from raytuner.data.cache import caption_key, checksum_column
 from raytuner.data.tensors import to_cells
 from raytuner.families import parts
 from raytuner.preprocess.decode import ENCODE, FAILED, LATENT, MASK, SHAPE, TEXT
+from raytuner.preprocess.progress import ENCODED, READY
 
 # the rows the encoder appends: the columns they share with the stream's rows, then their cells
 ROW_FIELDS = [
@@ -52,7 +53,8 @@ class Encoder:
 
     ``family``: the job's Family; ``model``: its ModelConfig; ``dtype``: the cache's storage
     dtype; ``known``: the caption keys the cache holds already (never encoded again);
-    ``progress``: a counting actor told how many images each batch encoded; ``preload``: start
+    ``progress``: a counting actor told how many images each batch encoded and when the image
+    encoder is loaded (``preprocess/progress.py``); ``preload``: start
     loading both encoders now, on a thread, while the first blocks are still being decoded."""
 
     def __init__(
@@ -72,6 +74,10 @@ class Encoder:
             make = self.family.image_encoder if part == "image" else self.family.text_encoder
             source = parts.model_source(self.model, _device())
             self._loading[part] = self._loader.submit(make, source, _device())
+            if part == "image" and self.progress is not None:  # the progress line's "loading"
+                self._loading[part].add_done_callback(
+                    lambda _: self.progress.add.remote({READY: 1})
+                )
         return self._loading[part]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -104,7 +110,7 @@ class Encoder:
                 mean, std = encode(torch.flip(x[flips], dims=[3]))
                 latents += self._latent_rows([group[i] for i in flips], mean, std, flip=True)
         if self.progress is not None:  # counted, not waited for
-            self.progress.add.remote(len(rows))
+            self.progress.add.remote({ENCODED: len(rows)})
         fields = [*ROW_FIELDS, ("alpha", pa.bool_()), *_cell_fields("latent")]
         fields += _cell_fields("latent_std", shape=False) * self.store_std
         out = [pa.Table.from_pylist(latents, schema=pa.schema(fields))]

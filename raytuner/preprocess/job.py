@@ -113,7 +113,7 @@ def _stream(job: _Pass, listing, located) -> tuple[list, float]:
     alpha = frozenset(k for k, r in located.latents.items() if r.get("alpha"))
     known = (Known(frozenset(located.latents), alpha), set(located.captions))
     todo = sum(1 for r in listing if r["known_key"] not in known[0].keys)  # about this many new
-    line = ProgressLine("images encoded", todo, job.tag, "raytuner_images_encoded")
+    line = ProgressLine(len(listing), todo, job.tag, "raytuner_images_encoded")
     with line as progress:
         spec, sources = decode_spec(job.family, job.data, job.pre), job.data.all_sources()
         encoder = (job.family, job.model)

@@ -41,13 +41,13 @@ def run(
     """Stream every listed file of ``sources`` through probe, decode and encode into the data
     files of the run folder ``run_rel``; ``known``: (``decode.Known``, caption keys) the version
     holds already; ``encoder``: (family, ModelConfig) the encoder actors load; ``progress``: the
-    counting actor of the encoded images.
+    counting actor of the files read and the images encoded (``preprocess/progress.py``).
     Returns one row per listed file: its probe columns, ``status`` and ``failure``."""
     latents, caption_keys = known
     side = max(max(w, h) for w, h in spec.buckets)
     rows = rows_per_block(len(listing), pre.batch_size, side, pre.max_actors)
     preload = any(_likely_new(r, sources, latents.keys) for r in listing)  # images to encode
-    probe = {"sources": sources, "spec": spec, "known": latents}
+    probe = {"sources": sources, "spec": spec, "known": latents, "progress": progress}
     if not preload:  # every image unchanged: probe alone, no encoder starts unless a caption is new
         probed = _probed(listing, rows, probe)
         if _nothing_new(probed, caption_keys):

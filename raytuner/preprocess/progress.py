@@ -1,6 +1,7 @@
-"""A compact progress line for a Ray Data pass (Ray Data's own per-operator bars are off in
-jobs): encoder actors add what they finished to a small counting actor, and the driver logs
-one line every few seconds with the count, the rate and an ETA."""
+"""A compact progress line for the preprocess stream (Ray Data's own per-operator bars are off in
+jobs): the probe tasks add what they read (files cached, skipped, to encode) and the encoder
+actors what they encoded (and when their VAE is loaded) to a small counting actor, and the
+driver logs one line every few seconds with those counts, the encode rate and an ETA."""
 
 from __future__ import annotations
 
@@ -15,33 +16,47 @@ from raytuner.observe import metrics
 
 log = logging.getLogger("raytuner.preprocess")
 
+# what the stream's steps count (``Counting.add``)
+READ = "read"  # files probed (every listed file is, once)
+CACHED = "cached"  # probed: nothing new to encode (already cached, or a duplicate)
+SKIPPED = "skipped"  # probed or decoded: refused, with its reason
+TO_ENCODE = "to_encode"  # probed: decoded, for the encoders
+ENCODED = "encoded"  # images encoded (their latent, flipped latent or mask)
+READY = "ready"  # encoder actors whose image encoder is loaded
+
 
 class Counting:
-    """The counting actor; also feeds the dashboard's counter ``metric`` (if any)."""
+    """The counting actor; also feeds the dashboard's counter ``metric`` (if any) with the
+    images encoded."""
 
     def __init__(self, run: str, metric: str | None) -> None:
-        self.n, self.run, self.metric = 0, run, metric
-        self.first: float | None = None  # wall time of the first count
+        self.counts: dict[str, int] = {}
+        self.run, self.metric = run, metric
+        self.first: float | None = None  # wall time of the first image encoded
 
-    def add(self, n: int) -> None:
-        self.n += n
-        self.first = self.first or time.time()
-        if self.metric:
-            metrics.count(self.metric, n, self.run)
+    def add(self, counts: dict[str, int]) -> None:
+        for kind, n in counts.items():
+            self.counts[kind] = self.counts.get(kind, 0) + n
+        if counts.get(ENCODED):
+            self.first = self.first or time.time()
+            if self.metric:
+                metrics.count(self.metric, counts[ENCODED], self.run)
 
-    def value(self) -> int:
-        return self.n
+    def value(self) -> dict[str, int]:
+        return dict(self.counts)
 
     def first_at(self) -> float | None:
         return self.first
 
 
 class ProgressLine:
-    """``with ProgressLine("encoded", total, run) as counter:`` hand ``counter`` to the actors
-    (they call ``counter.add.remote(n)``); a line is logged every ``every_s`` seconds."""
+    """``with ProgressLine(files, todo, run) as counter:`` hand ``counter`` to the probe tasks
+    and the encoder actors (they call ``counter.add.remote({kind: n})``); a line is logged every
+    ``every_s`` seconds and at the end. ``files``: the files listed; ``todo``: about how many
+    of them have something to encode (the listing's guess, until every file is read)."""
 
-    def __init__(self, what: str, total: int, run: str, metric: str | None = None, every_s=10.0):
-        self.what, self.total, self.run, self.metric = what, total, run, metric
+    def __init__(self, files: int, todo: int, run: str, metric: str | None = None, every_s=10.0):
+        self.files, self.todo, self.run, self.metric = files, todo, run, metric
         self.every_s, self.stop = every_s, threading.Event()
         self.first_at: float | None = None
         self.counter = ray.remote(Counting).options(num_cpus=0).remote(run, metric)
@@ -71,21 +86,42 @@ class ProgressLine:
         failed before anything was counted (no resources for its actors) has no last line:
         its error says what happened."""
         try:
-            n = ray.get(self.counter.value.remote())
-            if not (failed and n == 0):
-                self._line(n, final)
+            counts = ray.get(self.counter.value.remote())
         except ray.exceptions.RayError as e:
             log.warning("preprocess: no progress count (%s)", e)
-
-    def _line(self, n: int, final: bool) -> None:
-        seconds = time.monotonic() - self.started
-        rate = n / seconds if seconds > 0 else 0.0
-        if final:
-            log.info(
-                "preprocess: %s %d/%d in %.1f s (%.1f/s)", self.what, n, self.total, seconds, rate
-            )
             return
-        eta = datetime.timedelta(seconds=round((self.total - n) / rate)) if rate else "?"
-        log.info("preprocess: %s %d/%d (%.1f/s) ETA %s", self.what, n, self.total, rate, eta)
-        if self.metric:
+        if not (failed and not counts):
+            log.info("preprocess: %s", line(counts, self.files, self.todo, self._seconds(), final))
+        rate = counts.get(ENCODED, 0) / max(self._seconds(), 1e-9)
+        if self.metric and not final:
             metrics.gauge(f"{self.metric}_per_s", rate, self.run)
+
+    def _seconds(self) -> float:
+        return time.monotonic() - self.started
+
+
+def line(counts: dict[str, int], files: int, todo: int, seconds: float, final: bool) -> str:
+    """What the progress line says (after ``preprocess: ``): the images encoded of those to
+    encode, their rate and ETA (or that the encoders are still loading), and the files read,
+    cached and skipped, from the first second on."""
+    read, encoded = counts.get(READ, 0), counts.get(ENCODED, 0)
+    # every file read: how many there are to encode is known, else the listing's guess
+    total = counts.get(TO_ENCODE, 0) if read >= files else max(todo, counts.get(TO_ENCODE, 0))
+    rate = encoded / seconds if seconds > 0 else 0.0
+    files_part = (
+        f"files read {read}/{files} ({counts.get(CACHED, 0)} cached, "
+        f"{counts.get(SKIPPED, 0)} skipped)"
+    )
+    if final:
+        if not total and not encoded:
+            return f"nothing to encode; {files_part} in {seconds:.1f} s"
+        return f"images encoded {encoded}/{total} in {seconds:.1f} s ({rate:.1f}/s); {files_part}"
+    if encoded:
+        left = max(total - encoded, 0)
+        eta = datetime.timedelta(seconds=round(left / rate)) if rate else "?"
+        return f"images encoded {encoded}/{total} ({rate:.1f}/s) ETA {eta}; {files_part}"
+    if total and not counts.get(READY):
+        return f"images encoded 0/{total} (the encoders are loading); {files_part}"
+    if total:
+        return f"images encoded 0/{total} (encoding the first batch); {files_part}"
+    return f"images encoded 0/0; {files_part}"

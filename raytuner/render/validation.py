@@ -134,6 +134,7 @@ class Validator:
         started, started_at, s = time.perf_counter(), time.time(), self.spec
         family, device = get_family(s.family), render.default_device()
         if self.pipe is None:
+            log.info("validation: loading the %s pipeline for the renders", s.family)
             source = parts.model_source(s, device)  # the spec carries [model]'s fields
             swap = s.blocks_to_swap
             self.pipe = render.load_pipeline(family, source, None, device, swap)
@@ -236,6 +237,7 @@ def finish(validator, completed: bool) -> None:
         if not ready:
             log.warning("the validation actor never started: no validation images")
         elif completed:
+            log.info("training done: waiting for the last validation renders")
             for r in ray.get(validator.drain.remote(), timeout=DRAIN_TIMEOUT_S):
                 if "error" in r:
                     log.warning("validation at step %d failed: %s", r["step"], r["error"])

@@ -125,10 +125,13 @@ class Worker:
         ctx = ray.train.get_context()
         self.rank, world = ctx.get_world_rank(), ctx.get_world_size()
         device = ray.train.torch.get_device()
+        started = time.perf_counter()
+        self.say("%d worker(s) started: building the model on %s", world, device)
         torch.manual_seed(t.seed)  # the same LoRA init on every rank
         trained = trainable_model(
             cfg.model, t, cfg.lora, cfg.family, device, cfg.memory, strategy=cfg.strategy
         )
+        self.say("model built in %.1f s", time.perf_counter() - started)
         self.weights, placed = trained.weights, trained.placement
         self.opt, self.sched = optim.for_run(t, self.weights.param_groups())
         self.state = self.restore()
@@ -150,6 +153,13 @@ class Worker:
             args = (cfg.run_dir, t.max_steps, t.tensorboard, cfg.tracking, cfg.job)
             self.observer = Observer(*args, resumed=self.state.step)
         self._announced = False  # a preemption was announced and checkpointed for
+        if t.compile:
+            self.say("train.compile: the first step compiles the denoiser's blocks (minutes)")
+
+    def say(self, message: str, *args) -> None:
+        """A line of rank 0 about where the worker group is (each rank would repeat it)."""
+        if self.rank == 0:
+            log.info(message, *args)
 
     def restore(self) -> checkpoints.TrainState:
         """The newest readable checkpoint's state, applied to the weights, optimizer and LR
@@ -161,7 +171,9 @@ class Worker:
         driver its list lacks the newest ones (``runs.prune_checkpoints`` removes them later)."""
         fs, folders = runs.complete_checkpoints(self.cfg.run_dir)
         if not folders:
+            self.say("no checkpoint in %s: training from step 1", self.cfg.run_dir)
             return checkpoints.TrainState()
+        self.say("restoring the newest complete checkpoint: %s", folders[0])
         w = self.weights
         for path in folders:
             try:
@@ -308,9 +320,12 @@ def train_loop(config: dict) -> None:
     _quiet_ray_train_reports()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     worker = Worker(cfg)
+    first, started = worker.state.step + 1, time.perf_counter()
     try:
         while worker.state.step < cfg.train.max_steps:
             worker.train_batch()
+            if worker.state.step == first and cfg.train.log_every > 1:  # its line comes later
+                worker.say("step %d took %.1f s", first, time.perf_counter() - started)
             # a spot reclaim announced to any rank: every rank checkpoints now (once), so the
             # restart loses no finished step; the call is a barrier that agrees across ranks
             preempted = worker.preemption_announced()

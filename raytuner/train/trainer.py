@@ -35,6 +35,7 @@ from raytuner.runs import (
     STATE,
     checkpoint_folders,
 )
+from raytuner.train import starting, stopping
 from raytuner.train.checkpoints import identity_changes, run_identity
 from raytuner.train.loop import LoopConfig, train_loop
 from raytuner.train.schedule import epoch_batches
@@ -266,9 +267,11 @@ class _Trainer(TorchTrainer):
     """Ray Train's trainer with raytuner's Ctrl-C: the first SIGINT aborts the run (Ray Train's
     controller stops the workers and withdraws its autoscaler request) and ``fit`` ends; a second
     exits at once. Ray's own handler, which this replaces, needs three and exits the driver
-    without a word. (`ray job stop` sends SIGTERM: the CLI turns it into a SIGINT.)"""
+    without a word. (`ray job stop` sends SIGTERM: the CLI calls this handler for it.)"""
 
     interrupted = False
+    run_dir = ""  # where the run stands once interrupted (``resume_hint``)
+    deadline = None  # under `ray job stop`: the driver's own exit before Ray's SIGKILL
 
     def _register_sigint_handler(self, controller) -> None:
         def interrupt(signum, frame) -> None:
@@ -278,6 +281,7 @@ class _Trainer(TorchTrainer):
             self.interrupted = True
             log.warning("interrupted: stopping the run (Ctrl-C again to exit at once)")
             controller.abort.remote()
+            self.deadline = stopping.exit_before_sigkill(lambda: resume_hint(self.run_dir))
 
         signal.signal(signal.SIGINT, interrupt)
 
@@ -298,8 +302,10 @@ def resume_hint(run_dir: str) -> str:
 def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Result:
     """Ray Train's run of the loop, with the validation actor beside it. Interrupted (Ctrl-C),
     it raises ``Interrupted`` saying where the run can resume."""
-    # the run's state (workers, attempts, checkpoints) on the dashboard's Train page
-    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
+    # the run's state (workers, attempts, checkpoints) on the dashboard's Train page; a local
+    # Ray without its dashboard has no such page, and no state API its tracking could ask
+    if runtime.has_state_api():
+        os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     validator, callbacks = validation.start(job, family, loop.run_dir)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGINT) if main else None
@@ -317,9 +323,15 @@ def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Resul
             callbacks=callbacks,
         ),
     )
+    trainer.run_dir = loop.run_dir
+    stopping.warn_if_short()
+    workers = job.scaling.workers
+    workers = "-".join(map(str, workers)) if isinstance(workers, list) else str(workers)
+    log.info("run %s: starting %s training worker(s) (%s)", name, workers, job.scaling.strategy)
     completed = False
     try:
-        result = trainer.fit()
+        with starting.waiting_for_workers(name, workers):
+            result = trainer.fit()
         completed = not trainer.interrupted
     except BaseException as e:  # the aborted controller's death, or a Ctrl-C before it started
         if trainer.interrupted or isinstance(e, KeyboardInterrupt):
@@ -329,6 +341,8 @@ def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Resul
         if main:  # Ray leaves its handler in place after fit
             signal.signal(signal.SIGINT, previous)
         validation.finish(validator, completed)
+        if trainer.deadline is not None:  # stopped in time: the CLI says where it stands
+            trainer.deadline.cancel()
     if trainer.interrupted:  # aborted after the last step: the export may be missing
         raise Interrupted(resume_hint(loop.run_dir))
     return result
