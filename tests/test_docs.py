@@ -89,6 +89,41 @@ def test_the_readme_is_short_and_lists_every_page_of_the_docs():
     assert not unlisted, f"README.md links to no {unlisted}: add them to its Documentation list"
 
 
+def _submits(text: str) -> list[str]:
+    """Each `ray job submit` command a text shows, its continuation lines joined (``# `` of a
+    comment and ``\\`` line ends dropped)."""
+    lines = [re.sub(r"^\s*#\s?", "", line) for line in text.splitlines()]
+    commands, current = [], None
+    for line in lines:
+        if current is None and re.search(r"ray job submit --", line) and "`ray job" not in line:
+            current = line
+        elif current is not None:
+            current += " " + line.strip()
+        if current is not None and not current.rstrip().endswith("\\"):
+            commands.append(current)
+            current = None
+    return commands
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_ray_job_submit_shown_takes_the_runtime_env_and_token_auth(doc):
+    """A `ray job submit` copied from a doc or a job file's header runs as the tests run it:
+    with jobs/runtime_env.yaml (the working dir, what the driver needs: the dashboard's Train
+    page, `ray job stop`'s wait) against a cluster with token auth, `RAY_AUTH_MODE=token` said
+    in the same file (without it: a 49-line traceback)."""
+    text = (REPO / doc).read_text()
+    for command in _submits(text):
+        assert "--runtime-env jobs/runtime_env.yaml" in command, f"{doc}: {command}"
+        assert "RAY_AUTH_MODE=token" in text, f"{doc} never says RAY_AUTH_MODE=token: {command}"
+
+
+def test_the_readme_says_a_cluster_needs_token_auth():
+    """README step 5 (a cluster): `ray start --head` turns token auth on, and a client without
+    RAY_AUTH_MODE=token gets a 49-line traceback."""
+    step = (REPO / "README.md").read_text().split("**5. On a cluster.**")[1].split("**6.")[0]
+    assert "export RAY_AUTH_MODE=token" in step
+
+
 def test_version_names_raytuner_and_what_it_runs_on(capsys):
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert cli.main(["--version"]) == 0
