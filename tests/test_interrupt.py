@@ -129,3 +129,37 @@ def test_sigterm_as_ray_job_stop_sends_it_says_where_to_resume_and_exits_130(job
         err.splitlines()[-1],
     ), err[-3000:]
     assert seconds < 30
+
+
+def test_a_job_driver_given_3_s_says_where_the_run_stands_and_exits_before_the_sigkill():
+    """`ray job stop` of a job submitted without jobs/runtime_env.yaml: Ray SIGKILLs the driver
+    3 s after its SIGTERM (RAY_JOB_STOP_WAIT_TIME_S unset), too soon for the workers to stop.
+    The driver warns of it when training starts, and once interrupted prints where the run
+    stands and exits 130 1.5 s later, before the SIGKILL. A driver given 60 s waits on."""
+    code = (
+        "import logging, time\n"
+        "from raytuner.train import stopping\n"
+        "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+        "stopping.warn_if_short()\n"
+        "stopping.exit_before_sigkill(lambda: 'the newest complete checkpoint is step 8 (x)')\n"
+        "time.sleep(4)\n"
+        "print('still here', flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_JOB_STOP_WAIT_TIME_S"}
+    env["RAY_JOB_CONFIG_JSON_ENV_VAR"] = "{}"  # what Ray's job supervisor sets for its driver
+    short = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert short.returncode == 130, short.stderr
+    assert "gives this driver 3 s before Ray kills it" in short.stderr
+    assert short.stderr.splitlines()[-1].startswith(
+        "raytuner: train interrupted: the newest complete checkpoint is step 8 (x) (the workers "
+        "did not stop within 1.5 s of `ray job stop`"
+    ), short.stderr
+    assert "still here" not in short.stdout  # gone before its 4 s were up
+    env["RAY_JOB_STOP_WAIT_TIME_S"] = "60"
+    long = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert long.returncode == 0 and "still here" in long.stdout, long.stderr
+    assert "gives this driver" not in long.stderr
