@@ -62,12 +62,13 @@ def load_device(device: torch.device, memory, float8: bool = False) -> torch.dev
     return torch.device("cpu") if memory.blocks_to_swap or float8 else device
 
 
-def memory_format(denoiser: nn.Module, family, device) -> None:
+def memory_format(denoiser: nn.Module, family, device, wanted: bool = True) -> None:
     """The UNets' convolutions in channels-last format on GPUs (the family's
-    ``channels_last``): cuDNN's NHWC kernels under bfloat16, no layout change around each
-    convolution. An unsharded model only (a sharded one keeps its rows as they are)."""
+    ``channels_last``, unless ``train.channels_last = false``): cuDNN's NHWC kernels under
+    bfloat16, no layout change around each convolution. An unsharded model only (a sharded one
+    keeps its rows as they are)."""
     sharded = any(sharding.is_sharded(p) for p in denoiser.parameters())
-    if family.channels_last and torch.device(device).type == "cuda" and not sharded:
+    if wanted and family.channels_last and torch.device(device).type == "cuda" and not sharded:
         denoiser.to(memory_format=torch.channels_last)
 
 

@@ -85,9 +85,12 @@ class TrainStep:
     amp: torch.dtype | None = None  # autocast dtype
     offload: bool = False  # memory.activation_offload
     text: object = None  # train.text_lora.TextLora (lora.text_encoder), else None
-    # FLOPs of forward and backward (recompute included) of one sample, per latent shape
+    # FLOPs of one sample, per latent shape: the hardware's (forward, backward and the forward
+    # gradient checkpointing recomputes) and the model's (without the recompute)
     per_sample: dict = field(default_factory=dict)
-    flops: float = 0.0  # of the last step (this rank's slice)
+    model_per_sample: dict = field(default_factory=dict)
+    flops: float = 0.0  # the hardware's, of the last step (this rank's slice)
+    model_flops: float = 0.0  # the model's, of the last step
 
     def __call__(self, batch: Slice) -> torch.Tensor:
         shape = tuple(batch.tensors["latent"].shape[1:])
@@ -99,7 +102,9 @@ class TrainStep:
             )  # fmt: skip
         if counting:
             self.per_sample[shape] = counter.get_total_flops() / len(batch.seeds)
+            self.model_per_sample[shape] = counter.model / len(batch.seeds)
         self.flops = self.per_sample[shape] * len(batch.seeds)
+        self.model_flops = self.model_per_sample[shape] * len(batch.seeds)
         if self.text is not None:  # not DDP-wrapped: averaged over the workers here
             self.text.average_gradients()
         torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)

@@ -40,11 +40,22 @@ def autocast_dtype(precision: str, device: torch.device, frozen: torch.dtype):
     return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
 
 
-def attention_backends(device: torch.device) -> None:
-    """Keep cuDNN's fused attention out of training: its backward failed on an H100 (torch
-    2.11, Flux at 1024 px: "mha_graph.execute ... is_good()"), where flash attention runs."""
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
+def attention_backends(device: torch.device, choice: str = "auto") -> None:
+    """The attention kernels training may use on a GPU (``train.attention``): ``auto`` keeps
+    cuDNN's fused attention out (its backward failed on an H100, torch 2.11, Flux at 1024 px:
+    "mha_graph.execute ... is_good()", where flash attention runs) and lets torch choose among
+    the rest; any other choice is that kernel alone, so a shape it cannot run fails loudly
+    rather than falling back to another (a bench compares the kernel it names)."""
+    if device.type != "cuda":
+        return
+    b = torch.backends.cuda
+    if choice == "auto":
+        b.enable_cudnn_sdp(False)
+        return
+    b.enable_flash_sdp(choice == "flash")
+    b.enable_mem_efficient_sdp(choice == "efficient")
+    b.enable_cudnn_sdp(choice == "cudnn")
+    b.enable_math_sdp(choice == "math")
 
 
 class Weights:
@@ -276,7 +287,7 @@ def trainable_model(
     source = source or parts.model_source(model, device)
     if train.mode == "full":
         source = dataclasses.replace(source, dtype=trainable)
-    attention_backends(device)
+    attention_backends(device, train.attention)
     amp = autocast_dtype(train.mixed_precision, device, source.dtype)
     float8, place = model.dtype == parts.FLOAT8, None
     if device.type == "meta":
@@ -310,7 +321,7 @@ def trainable_model(
     )
     placed = placement.DenoiserPlacement(denoiser, family, device, swapped, memory.swap_ring)
     placed.average(weights.ema)
-    placement.memory_format(denoiser, family, device)
+    placement.memory_format(denoiser, family, device, train.channels_last)
     if train.compile and device.type != "meta":
         compile_blocks(denoiser, family)
     return Trainable(denoiser, weights, source, amp, placed)

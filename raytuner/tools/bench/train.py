@@ -152,6 +152,7 @@ def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int =
     keys = ("samples_per_s", "data_wait_fraction", "step_time_s", "tflops_per_s")
     median = {k: statistics.median(m[k] for m in metrics) for k in keys}
     mfu = [m["mfu"] for m in metrics if m["mfu"] is not None]
+    hfu = [m["hfu"] for m in metrics if m.get("hfu") is not None]
     bare_rate = statistics.median(rates["bare"])
     result = {
         "samples_per_s": round(median["samples_per_s"], 2),
@@ -159,13 +160,15 @@ def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int =
         "ratio": round(median["samples_per_s"] / bare_rate, 3),
         "data_wait_fraction": round(median["data_wait_fraction"], 4),
         "step_time_s": round(median["step_time_s"], 4),
-        # the worker's counted work: TFLOP/s, and MFU against the GPU's peak (None: unknown)
+        # the worker's counted work (the model's: no recompute): TFLOP/s, MFU and HFU against
+        # the GPU's peak (None: unknown)
         "tflops_per_s": float(f"{median['tflops_per_s']:.4g}"),
         "tflops_per_sample": float(f"{median['tflops_per_s'] / median['samples_per_s']:.4g}"),
         "bare_tflops_per_s": float(
             f"{median['tflops_per_s'] / median['samples_per_s'] * bare_rate:.4g}"
         ),
         "mfu": round(statistics.median(mfu), 4) if mfu else None,
+        "hfu": round(statistics.median(hfu), 4) if hfu else None,
         "global_batch_size": job.train.global_batch_size,
         "measured_steps": steps,
         "threads": threads[0],
