@@ -51,8 +51,10 @@ def inputs(tensor: torch.Tensor, device, dtype=None) -> torch.Tensor:
 
 
 def batch(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    """A training batch on the compute device (asynchronously from pinned host memory)."""
-    return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+    """A training batch on the compute device (asynchronously from pinned host memory), its
+    floating-point tensors made float32 there (the feed reads them in the cache's dtype)."""
+    moved = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+    return {k: v.float() if v.is_floating_point() else v for k, v in moved.items()}
 
 
 def load_device(device: torch.device, memory, float8: bool = False) -> torch.device:
@@ -172,8 +174,9 @@ class DenoiserPlacement:
     def distributed(self, prepare):
         """The denoiser wrapped for data parallel training by ``prepare`` (Ray Train's
         ``prepare_model``): frozen parameters are on DDP's ignore list (no broadcast of frozen
-        weights at start, no bucket for them, streamed ones may be on either side), and the
-        model is not moved again. A sharded denoiser (``sharding``) is distributed already."""
+        weights at start, no bucket for them, streamed ones may be on either side), gradients
+        are views of DDP's buckets, the graph is static, and the model is not moved again. A
+        sharded denoiser (``sharding``) is distributed already."""
         from torch.nn.parallel import DistributedDataParallel
 
         if any(sharding.is_sharded(p) for p in self.denoiser.parameters()):
@@ -182,7 +185,10 @@ class DenoiserPlacement:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             self.denoiser, self.frozen_names()
         )
-        return prepare(self.denoiser, move_to_device=False)
+        # gradients written into DDP's buckets (no second copy of them); the same parameters
+        # take part in every step, so DDP need not search the graph for unused ones
+        options = {"gradient_as_bucket_view": True, "static_graph": True}
+        return prepare(self.denoiser, move_to_device=False, parallel_strategy_kwargs=options)
 
     def release(self) -> None:
         """Stop streaming: every swapped block's frozen weights bound to their host copy (to

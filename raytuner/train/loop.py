@@ -144,7 +144,8 @@ class Worker:
         self.step = train_step(trained, model, loss_fn, opt, sched, t, cfg.memory, device, world)
         pin = device.type == "cuda"
         where = (cfg.cache, cfg.fingerprint, cfg.manifest)
-        self.feed = open_feed(t, *where, self.rank, world, pin, trained.weights.text)
+        text = trained.weights.text
+        self.feed = open_feed(t, *where, self.rank, world, pin, text, loss_fn.draw)
         self.feed.start(self.state.epoch, self.state.index)
         run_dir = cfg.run_dir if t.sample_log else None
         self.samples = SampleLog(run_dir, attempt_id(), self.rank, world)

@@ -54,6 +54,7 @@ def forward_backward(
         last = a + size >= n
         no_sync = getattr(model, "no_sync", None)
         sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
+        # the samples' own generators, for a loss whose batch lacks the feed's draws
         generators = [torch.Generator().manual_seed(s) for s in batch.seeds[a : a + size]]
         with sync, placement.activations(offload, device):
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):

@@ -116,7 +116,8 @@ class Weights:
         if ema_decay:
             from diffusers.training_utils import EMAModel
 
-            self.ema = EMAModel(self.params, decay=ema_decay)
+            # one update for every tensor (foreach); a sharded run's rows one by one
+            self.ema = EMAModel(self.params, decay=ema_decay, foreach=not self.sharded)
 
     @property
     def sharded(self) -> bool:
@@ -319,12 +320,27 @@ def trainable_model(
         place=place,
         text=text,
     )
+    if amp is not None:  # the LoRA layers' inputs left in the compute dtype (see _no_casts)
+        _no_casts(denoiser)
+        for encoder in text.encoder.encoders if text is not None else []:
+            _no_casts(encoder)
     placed = placement.DenoiserPlacement(denoiser, family, device, swapped, memory.swap_ring)
     placed.average(weights.ema)
     placement.memory_format(denoiser, family, device, train.channels_last)
     if train.compile and device.type != "meta":
         compile_blocks(denoiser, family)
     return Trainable(denoiser, weights, source, amp, placed)
+
+
+def _no_casts(module: nn.Module) -> None:
+    """peft casts each LoRA layer's input to the LoRA's float32 and autocast casts it back to
+    the compute dtype for the matmul: under autocast the first cast only copies (the same
+    values reach the matmul), so it is turned off."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for m in module.modules():
+        if isinstance(m, BaseTunerLayer):
+            m.cast_input_dtype_enabled = False
 
 
 def compile_blocks(denoiser: nn.Module, family) -> int:

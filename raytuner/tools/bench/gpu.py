@@ -138,7 +138,7 @@ def smoke() -> dict:
 
 
 def _checked(check) -> str:
-    """"ok", or the exception a check raised (the rows that need it will fail the same way)."""
+    """ "ok", or the exception a check raised (the rows that need it will fail the same way)."""
     try:
         check()
     except Exception as e:  # recorded in the smoke row; the rows that need it are still run

@@ -113,12 +113,38 @@ def _memory(families: list[str], jobs: str) -> list[Row]:
         return []
     full = ('train.mode="full"',)
     return [
-        _step("sdxl", jobs, "step sdxl full ddp", "memory", *full, micro=2, steps=5,
-              plan=True, rate=3.0),  # fmt: skip
-        _step("sdxl", jobs, "step sdxl full fsdp", "memory", *full, 'scaling.strategy="fsdp"',
-              micro=2, steps=5, plan=True, rate=2.5),  # fmt: skip
-        _step("sdxl", jobs, "step sdxl text-encoder lora", "memory", "lora.text_encoder=true",
-              plan=True, rate=3.8),  # fmt: skip
+        _step(
+            "sdxl",
+            jobs,
+            "step sdxl full ddp",
+            "memory",
+            *full,
+            micro=2,
+            steps=5,
+            plan=True,
+            rate=3.0,
+        ),  # fmt: skip
+        _step(
+            "sdxl",
+            jobs,
+            "step sdxl full fsdp",
+            "memory",
+            *full,
+            'scaling.strategy="fsdp"',
+            micro=2,
+            steps=5,
+            plan=True,
+            rate=2.5,
+        ),  # fmt: skip
+        _step(
+            "sdxl",
+            jobs,
+            "step sdxl text-encoder lora",
+            "memory",
+            "lora.text_encoder=true",
+            plan=True,
+            rate=3.8,
+        ),  # fmt: skip
     ]
 
 
@@ -182,7 +208,6 @@ def select(items: list[Row], only: list[str]) -> list[Row]:
     unknown = [n for n in only if n not in known]
     if unknown:
         raise ValueError(
-            f"--only {','.join(unknown)}: not a group or a row; groups: "
-            + ", ".join(groups(items))
+            f"--only {','.join(unknown)}: not a group or a row; groups: " + ", ".join(groups(items))
         )
     return [i for i in items if i.group in only or i.name in only]

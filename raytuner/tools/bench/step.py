@@ -56,6 +56,9 @@ def bench_step(
     batch = family.example_batch(shapes, micro, size, device, torch.float32)
     if (text := trained.weights.text) is not None:  # lora.text_encoder: the token ids instead
         batch = text.example(batch, device)
+    generators = [torch.Generator().manual_seed(i) for i in range(micro)]
+    drawn = loss_fn.draw(tuple(batch["latent"].shape), generators)  # as the feed makes them
+    batch |= {k: v.to(device) for k, v in drawn.items()}
 
     def run(i: int) -> None:  # the training step itself, on one micro-batch of random inputs
         train_step(RankSlice(0, i, 1, batch, [i * micro + j for j in range(micro)], []))

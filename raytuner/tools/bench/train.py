@@ -65,6 +65,9 @@ def _batches(job: JobConfig, family, count: int) -> list[tuple[dict, list[int]]]
         text = text_lora.build(family, source, torch.device("meta"), job.lora, t, torch.float32)
     fp = fingerprint(job.model, job.preprocess)
     data = open_dataset(job.data.cache, fp, computed=text.outputs if text else ())
+    # the objective's draws made with the batch and pinned, as the worker's feed does
+    objective = job.objective.for_family(family)
+    draw = family.loss(parts.model_source(job.model, "cpu"), objective).draw
     feed = Feed(
         data,
         seed=t.seed,
@@ -73,9 +76,10 @@ def _batches(job: JobConfig, family, count: int) -> list[tuple[dict, list[int]]]
         rank=0,
         world=1,
         prefetch=1,
-        pin=False,
+        pin=torch.cuda.is_available(),
         caption_dropout=t.caption_dropout,
         tokenize=text.tokens if text else None,
+        draw=draw,
     )
     out, epoch = [], 0
     while len(out) < count:
