@@ -48,8 +48,9 @@ class TrainConfig:
     prior_loss_weight: float = 1.0  # the loss weight of regularization images (kohya's)
     ema_decay: float = 0.0  # > 0: keep an EMA of the trained weights; exports use it
     gradient_checkpointing: bool = False
-    # torch.compile each of the denoiser's repeated blocks (the family's compile_blocks) once
-    compile: bool = False
+    # torch.compile each of the denoiser's repeated blocks (the family's compile_blocks) once;
+    # "auto": on GPU workers, for the families whose compiled blocks were measured faster
+    compile: bool | str = "auto"
     # the UNets' convolutions in channels-last memory format on GPUs (false: as stored, NCHW)
     channels_last: bool = True
     # the scaled-dot-product attention kernel on GPUs: auto (torch's choice, cuDNN's left out)
@@ -87,6 +88,8 @@ class TrainConfig:
         one_of("train.mode", self.mode, ("lora", "full"))
         one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
         one_of("train.attention", self.attention, ATTENTION)
+        if isinstance(self.compile, str) and self.compile != "auto":
+            raise ConfigError(f"train.compile = {self.compile!r}: must be true, false or \"auto\"")
         for key in ("ema_decay", "caption_dropout"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)}: must be in [0, 1)")
