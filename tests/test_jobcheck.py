@@ -392,3 +392,28 @@ def test_auto_compiles_on_gpus_where_it_was_measured_faster():
     assert not compiles("auto", FAMILIES["flux"], cuda, swapped=8)  # hooks dynamo cannot hold
     assert compiles(True, FAMILIES["sd15"], cpu) and not compiles(False, FAMILIES["flux"], cuda)
     assert not compiles(True, FAMILIES["flux"], torch.device("meta"))
+
+
+@pytest.mark.parametrize(
+    "family, overrides, shown",
+    [
+        ("flux", [], "scaling.use_gpu = false: CPU workers have no FP8"),
+        ("sdxl", ["scaling.use_gpu=true"], "allowed for flux, sana"),
+        ("flux", ["scaling.use_gpu=true", 'model.dtype="float8"'], "stored in float8 already"),
+        ("flux", ["scaling.use_gpu=true", 'scaling.strategy="fsdp"'], "sharded weights"),
+        ("flux", ["scaling.use_gpu=true", 'train.mode="full"'], "only frozen base weights"),
+        (
+            "flux",
+            ["scaling.use_gpu=true", "memory.blocks_to_swap=2"]
+            + ["train.gradient_checkpointing=true"],
+            "streamed blocks",
+        ),
+    ],
+)
+def test_float8_matmul_is_refused_where_it_cannot_run(tmp_path, capsys, family, overrides, shown):
+    err = refused(tmp_path, capsys, "train.float8_matmul=true", *overrides, family=family)
+    assert "train.float8_matmul = true" in err and shown in err
+
+
+def test_float8_matmul_passes_for_a_transformer_family_on_gpus(tmp_path, capsys):
+    accepted(tmp_path, capsys, "train.float8_matmul=true", "scaling.use_gpu=true", family="sana")

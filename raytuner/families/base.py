@@ -88,6 +88,9 @@ class Family(Protocol):
     # eager, or the error the compiled step failed with there; ``train.compile = "auto"``
     # compiles on GPUs where this is a speed-up of more than 5 %
     compiled_on_gpu: float | str
+    # its blocks' frozen base linears may multiply in float8 (train.float8_matmul): the
+    # transformer families
+    float8_matmul: bool
     # its denoiser's convolutions run in channels-last memory format on GPUs (the UNets)
     channels_last: bool
     objective_kind: str  # "ddpm" or "flow": the [objective.<kind>] settings its loss takes

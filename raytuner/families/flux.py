@@ -189,6 +189,7 @@ class Flux:
     shard_inner: tuple[str, ...] = ()
     compile_blocks: tuple[str, ...] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     compiled_on_gpu: float | str = 1.38  # H100 2026-11-26: 1.68 vs 1.22 samples/s
+    float8_matmul: bool = True
     channels_last: bool = False
     objective_kind: str = "flow"
     guidance_embedding: bool = True

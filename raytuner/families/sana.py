@@ -86,6 +86,7 @@ class Sana:
     compiled_on_gpu: float | str = (  # H100, torch 2.11, 2026-11-26: the first compiled step
         "RuntimeError: (*bias): last dimension must be contiguous"
     )
+    float8_matmul: bool = True
     channels_last: bool = False
     objective_kind: str = "flow"
     guidance_embedding: bool = False

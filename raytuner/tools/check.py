@@ -76,7 +76,7 @@ from raytuner.config import (
 from raytuner.config.objective import KINDS
 from raytuner.families import parts
 from raytuner.observe import tracking
-from raytuner.train import text_lora
+from raytuner.train import float8_matmul, text_lora
 from raytuner.train.optim import missing_package
 
 log = logging.getLogger("raytuner")
@@ -97,6 +97,7 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
     _objective_kind(job.objective, family)
     _sharding(job)
     _compile(job, family)
+    _float8_matmul(job, family)
     _init_from(job)
     text_lora.check(job.lora, family)
     if runs:
@@ -264,13 +265,30 @@ def _image_folders(data: DataConfig) -> None:
 
 
 def _packages(job: JobConfig) -> None:
-    """The optimizer's and the trackers' packages are installed."""
+    """The optimizer's, the float8 matmuls' and the trackers' packages are installed."""
     if package := missing_package(job.train.optimizer):
         raise ConfigError(
             f"train.optimizer = {job.train.optimizer!r} needs the {package} package: "
             "pip install 'raytuner[lowvram]', or use adamw or adafactor"
         )
+    if job.train.float8_matmul and float8_matmul.missing_package():
+        raise ConfigError(
+            "train.float8_matmul = true needs the torchao package: pip install "
+            "'raytuner[fp8]', or set train.float8_matmul = false"
+        )
     _trackers(job.tracking)
+
+
+def _float8_matmul(job: JobConfig, family) -> None:
+    """Float8 matrix products are for the transformer families' blocks."""
+    if job.train.float8_matmul and not family.float8_matmul:
+        from raytuner.families import FAMILIES
+
+        able = ", ".join(n for n, f in FAMILIES.items() if f.float8_matmul)
+        raise ConfigError(
+            f"train.float8_matmul = true: the {family.name} denoiser's linears are not made "
+            f"for float8 here (allowed for {able}); set train.float8_matmul = false"
+        )
 
 
 def _model_file(model: ModelConfig, family) -> None:

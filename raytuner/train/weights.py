@@ -25,7 +25,7 @@ from raytuner.lora import export, kohya
 from raytuner.lora import init_from as lora_init
 from raytuner.placement import sharding
 from raytuner.runs import KOHYA_FILE, LORA_DIR
-from raytuner.train import text_lora
+from raytuner.train import float8_matmul, text_lora
 
 log = logging.getLogger("raytuner.train")
 
@@ -331,6 +331,9 @@ def trainable_model(
     placed = placement.DenoiserPlacement(denoiser, family, device, swapped, memory.swap_ring)
     placed.average(weights.ema)
     placement.memory_format(denoiser, family, device, train.channels_last)
+    if train.float8_matmul and device.type != "meta":  # frozen base linears in float8
+        float8_matmul.refuse_device(device)
+        float8_matmul.convert(denoiser, family)
     compiled = compiles(train.compile, family, device, swapped)
     if compiled:
         compile_blocks(denoiser, family)

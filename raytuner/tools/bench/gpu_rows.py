@@ -94,6 +94,8 @@ def _kernels(families: list[str], jobs: str) -> list[Row]:
         for kernel in ("cudnn", "efficient"):
             out.append(_step("flux", jobs, f"step flux attention {kernel}", "kernels",
                              f'train.attention="{kernel}"', eager))  # fmt: skip
+        out.append(_step("flux", jobs, "step flux float8 matmul", "kernels",
+                         "train.float8_matmul=true", eager))  # fmt: skip
         out.append(_step("flux", jobs, "step flux checkpointing off", "kernels",
                          "train.gradient_checkpointing=false", eager, rate=1.7))  # fmt: skip
     if "sdxl" in families:
