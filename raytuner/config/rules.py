@@ -36,6 +36,16 @@ def memory_needs(memory, train, model) -> None:
         )
 
 
+def gpu_needs(train, scaling) -> None:
+    """Settings that choose a GPU kernel: refused for CPU workers, which have none of them."""
+    if train.attention != "auto" and not scaling.use_gpu:
+        raise ConfigError(
+            f'train.attention = "{train.attention}" picks a GPU attention kernel, but '
+            'scaling.use_gpu = false: CPU workers run torch\'s own; set train.attention = '
+            '"auto" or scaling.use_gpu = true'
+        )
+
+
 def text_encoder_needs(lora, train, scaling, memory) -> None:
     """What ``lora.text_encoder`` (a LoRA on the text encoders, trained beside the denoiser's)
     cannot be combined with; the family's side is checked where the family is known

@@ -11,6 +11,7 @@ from raytuner.config.loader import ConfigError, one_of
 from raytuner.config.ranges import RESOURCE_STEP, SEED_MAX, ranged
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
+ATTENTION = ("auto", "flash", "efficient", "cudnn", "math")  # train.attention
 STRATEGIES = ("ddp", "fsdp")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
 SAVE_DTYPES = ("float16", "bfloat16", "float32")  # lora.save_dtype
@@ -73,6 +74,11 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     # torch.compile each of the denoiser's repeated blocks (the family's compile_blocks) once
     compile: bool = False
+    # the UNets' convolutions in channels-last memory format on GPUs (false: as stored, NCHW)
+    channels_last: bool = True
+    # the scaled-dot-product attention kernel on GPUs: auto (torch's choice, cuDNN's left out)
+    # | flash | efficient (memory-efficient) | cudnn | math
+    attention: str = "auto"
     mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
     tensorboard: bool = True  # event files under <run>/tensorboard (local outputs)
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes) | adafactor | prodigy
@@ -93,6 +99,7 @@ class TrainConfig:
         one_of("train.remainder", self.remainder, ("drop", "pad"))
         one_of("train.mode", self.mode, ("lora", "full"))
         one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
+        one_of("train.attention", self.attention, ATTENTION)
 
     def for_epochs(self, steps_per_epoch: int) -> TrainConfig:
         """With ``train.epochs`` set: the same section with ``max_steps`` = epochs x
