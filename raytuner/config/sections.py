@@ -72,8 +72,9 @@ class TrainConfig:
     # > 0: keep an EMA of the trained weights; exports use it
     ema_decay: float = ranged(0.0, 0, 1, high_open=True)
     gradient_checkpointing: bool = False
-    # torch.compile each of the denoiser's repeated blocks (the family's compile_blocks) once
-    compile: bool = False
+    # torch.compile each of the denoiser's repeated blocks (the family's compile_blocks) once;
+    # "auto": on GPU workers, for the families whose compiled blocks were measured faster
+    compile: bool | str = "auto"
     # the UNets' convolutions in channels-last memory format on GPUs (false: as stored, NCHW)
     channels_last: bool = True
     # the scaled-dot-product attention kernel on GPUs: auto (torch's choice, cuDNN's left out)
@@ -100,6 +101,8 @@ class TrainConfig:
         one_of("train.mode", self.mode, ("lora", "full"))
         one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
         one_of("train.attention", self.attention, ATTENTION)
+        if isinstance(self.compile, str) and self.compile != "auto":
+            raise ConfigError(f"train.compile = {self.compile!r}: must be true, false or \"auto\"")
 
     def for_epochs(self, steps_per_epoch: int) -> TrainConfig:
         """With ``train.epochs`` set: the same section with ``max_steps`` = epochs x

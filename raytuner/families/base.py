@@ -84,6 +84,10 @@ class Family(Protocol):
     # class names of the repeated blocks ``train.compile`` compiles, each on its own (regional
     # compilation: diffusers' ``_repeated_blocks`` where the model has them)
     compile_blocks: tuple[str, ...]
+    # what compiling those blocks did on a GPU (``raytuner bench gpu``): samples/s compiled over
+    # eager, or the error the compiled step failed with there; ``train.compile = "auto"``
+    # compiles on GPUs where this is a speed-up of more than 5 %
+    compiled_on_gpu: float | str
     # its denoiser's convolutions run in channels-last memory format on GPUs (the UNets)
     channels_last: bool
     objective_kind: str  # "ddpm" or "flow": the [objective.<kind>] settings its loss takes

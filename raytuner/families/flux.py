@@ -188,6 +188,7 @@ class Flux:
     shard_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
     shard_inner: tuple[str, ...] = ()
     compile_blocks: tuple[str, ...] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+    compiled_on_gpu: float | str = 1.38  # H100 2026-11-26: 1.68 vs 1.22 samples/s
     channels_last: bool = False
     objective_kind: str = "flow"
     guidance_embedding: bool = True

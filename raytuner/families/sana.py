@@ -83,6 +83,9 @@ class Sana:
     shard_blocks: tuple[str, ...] = ("transformer_blocks",)
     shard_inner: tuple[str, ...] = ()
     compile_blocks: tuple[str, ...] = ("SanaTransformerBlock",)
+    compiled_on_gpu: float | str = (  # H100, torch 2.11, 2026-11-26: the first compiled step
+        "RuntimeError: (*bias): last dimension must be contiguous"
+    )
     channels_last: bool = False
     objective_kind: str = "flow"
     guidance_embedding: bool = False

@@ -49,6 +49,7 @@ class SD15:
     shard_blocks: tuple[str, ...] = ("down_blocks", "mid_block", "up_blocks")
     shard_inner: tuple[str, ...] = ("ResnetBlock2D", "BasicTransformerBlock")
     compile_blocks: tuple[str, ...] = ("BasicTransformerBlock",)
+    compiled_on_gpu: float | str = 0.98  # H100 2026-11-26: 58.2 vs 59.6 samples/s
     channels_last: bool = True
     objective_kind: str = "ddpm"
     guidance_embedding: bool = False

@@ -109,6 +109,7 @@ class SDXL:
     shard_blocks: tuple[str, ...] = ("down_blocks", "mid_block", "up_blocks")
     shard_inner: tuple[str, ...] = ("ResnetBlock2D", "BasicTransformerBlock")
     compile_blocks: tuple[str, ...] = ("BasicTransformerBlock",)
+    compiled_on_gpu: float | str = 1.27  # H100 2026-11-26: 5.68 vs 4.48 samples/s
     channels_last: bool = True
     objective_kind: str = "ddpm"
     guidance_embedding: bool = False

@@ -10,7 +10,8 @@ same jobs. A job's own sections checked their values and each other when it was 
 - a ``[memory]`` section the family's denoiser cannot run (``placement.check``);
 - ``scaling.strategy = "fsdp"`` with what cannot take sharded weights: block swap, float8
   storage, the 8-bit AdamW, Adafactor and Prodigy (their states are not a weight's rows);
-- ``train.compile`` with block swap;
+- ``train.compile = true`` with block swap, or on GPU workers for a family whose compiled
+  blocks failed on a GPU;
 - a single-file ``model.pretrained`` that is missing or that its family cannot load;
 - a validation prompts file that is missing, or a line the family cannot render (``--n``
   without negative prompts, ``--g`` without a guidance embedding, sizes off its grid);
@@ -99,7 +100,7 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
     _bucket_sizes(job.preprocess, family)
     _objective_kind(job.objective, family)
     _sharding(job)
-    _compile(job)
+    _compile(job, family)
     check_lora.init_from(job)
     text_lora.check(job.lora, family)
     if runs:
@@ -149,14 +150,22 @@ def _sharding(job: JobConfig) -> None:
         )
 
 
-def _compile(job: JobConfig) -> None:
-    """``train.compile`` compiles each repeated block once; a streamed block's weights are
-    swapped in by hooks inside the compiled call, which dynamo cannot trace."""
-    if job.train.compile and job.memory.blocks_to_swap:
+def _compile(job: JobConfig, family) -> None:
+    """``train.compile = true`` compiles each repeated block once; a streamed block's weights
+    are swapped in by hooks inside the compiled call, which dynamo cannot trace; and a family
+    whose compiled step failed on a GPU is refused it on GPU workers (``"auto"`` leaves it
+    eager there)."""
+    if job.train.compile is True and job.memory.blocks_to_swap:
         raise ConfigError(
             f"train.compile = true with memory.blocks_to_swap = {job.memory.blocks_to_swap}: "
             "a streamed block's weights arrive through hooks the compiled block cannot hold; "
-            "set train.compile = false or memory.blocks_to_swap = 0"
+            'set train.compile = false (or "auto") or memory.blocks_to_swap = 0'
+        )
+    failed = family.compiled_on_gpu
+    if job.train.compile is True and job.scaling.use_gpu and isinstance(failed, str):
+        raise ConfigError(
+            f"train.compile = true: the {family.name} denoiser's compiled blocks failed on a GPU "
+            f"({failed}); set train.compile = false or \"auto\" (which leaves them eager)"
         )
 
 

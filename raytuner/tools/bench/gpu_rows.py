@@ -71,7 +71,7 @@ def rows(families: list[str], jobs: str, workdir: str) -> list[Row]:
     """Every row, group by group, in the order they run."""
     out: list[Row] = []
     for f in families:  # MFU of each family at the micro-batch of 2026-11-23, eager
-        out.append(_step(f, jobs, f"step {f}", "mfu"))
+        out.append(_step(f, jobs, f"step {f}", "mfu", "train.compile=false"))
     for f in families:
         extra = BASE[f][3]
         out.append(_step(f, jobs, f"step {f} compiled", "compile", "train.compile=true",
@@ -86,23 +86,23 @@ def rows(families: list[str], jobs: str, workdir: str) -> list[Row]:
 def _kernels(families: list[str], jobs: str) -> list[Row]:
     """channels-last off for the UNets, the attention kernels, checkpointing off, and the
     shipped jobs' own micro-batches."""
-    out = []
+    out, eager = [], "train.compile=false"  # against the eager rows of the mfu group
     for f in (f for f in ("sdxl", "sd15") if f in families):
         out.append(_step(f, jobs, f"step {f} channels-last off", "kernels",
-                         "train.channels_last=false"))  # fmt: skip
+                         "train.channels_last=false", eager))  # fmt: skip
     if "flux" in families:
         for kernel in ("cudnn", "efficient"):
             out.append(_step("flux", jobs, f"step flux attention {kernel}", "kernels",
-                             f'train.attention="{kernel}"'))  # fmt: skip
+                             f'train.attention="{kernel}"', eager))  # fmt: skip
         out.append(_step("flux", jobs, "step flux checkpointing off", "kernels",
-                         "train.gradient_checkpointing=false", rate=1.7))  # fmt: skip
+                         "train.gradient_checkpointing=false", eager, rate=1.7))  # fmt: skip
     if "sdxl" in families:
         out.append(_step("sdxl", jobs, "step sdxl checkpointing off", "kernels",
-                         "train.gradient_checkpointing=false", rate=8.45))  # fmt: skip
+                         "train.gradient_checkpointing=false", eager, rate=8.45))  # fmt: skip
     for f in (f for f in ("sdxl", "sana", "sd15") if f in families):
         micro = SHIPPED_MICRO[f]
-        out.append(_step(f, jobs, f"step {f} at {micro}", "shipped", micro=micro, steps=5,
-                         warmup=2))  # fmt: skip
+        out.append(_step(f, jobs, f"step {f} at {micro}", "shipped", eager, micro=micro,
+                         steps=5, warmup=2))  # fmt: skip
     return out
 
 
@@ -111,7 +111,7 @@ def _memory(families: list[str], jobs: str) -> list[Row]:
     replicated and sharded (a process group of one), the text encoders' LoRA."""
     if "sdxl" not in families:
         return []
-    full = ('train.mode="full"',)
+    full = ('train.mode="full"', "train.compile=false")
     return [
         _step(
             "sdxl",

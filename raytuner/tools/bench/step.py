@@ -92,7 +92,7 @@ def bench_step(
         "micro_batch": micro,
         "gradient_checkpointing": checkpointing,
         "strategy": strategy,
-        "compile": job.train.compile,
+        "compile": trained.compiled,
         "channels_last": job.train.channels_last and family.channels_last and device.type == "cuda",
         "attention": job.train.attention,
         "steps": steps,
@@ -100,8 +100,8 @@ def bench_step(
         "load_s": round(load_s, 1),
         "warmup_s": round(warmup_s, 1),
         # compiled blocks: graphs dynamo made in the warm-up, and again while timed (0: none)
-        "compiled_graphs": graphs if job.train.compile else None,
-        "recompiles_timed": compiled_graphs() - graphs if job.train.compile else None,
+        "compiled_graphs": graphs if trained.compiled else None,
+        "recompiles_timed": compiled_graphs() - graphs if trained.compiled else None,
         "samples_per_s": round(steps * micro / seconds, 3),
         "step_s": round(seconds / steps, 4),
         # counted: the model's (forward, backward) and the hardware's (with the recompute)
