@@ -361,19 +361,26 @@ def main(argv: list[str] | None = None) -> int:
         where = f": {e}" if str(e) else ""
         print(f"raytuner: {args.command} interrupted{where}", file=sys.stderr, flush=True)
         return 130
-    except ConfigError as e:
-        where = getattr(args, "job", None)  # the job file, named once in front of the message
-        text = str(e) if not where or str(e).startswith(where) else f"{where}: {e}"
-        print(f"raytuner: config error: {text}", file=sys.stderr)
-        return 2
-    except Exception as e:  # the one place that turns any failure into exit 1 + a reason
-        if os.environ.get("RAYTUNER_DEBUG"):
-            raise
-        from raytuner.errors import root_line
-
-        print(f"raytuner: {args.command} failed: {root_line(e)}", file=sys.stderr)
-        return 1
+    except Exception as e:  # the one place that turns any failure into exit 2 or 1 + a reason
+        return failed(args.command, getattr(args, "job", None), e)
     return code
+
+
+def failed(command: str, job_file: str | None, error: Exception) -> int:
+    """Print the one line of a failed command and return its exit code: 2 for a bad job
+    (a ConfigError, wherever it was raised: here, or in a Ray task, actor or training worker),
+    naming ``job_file`` once in front; else 1 with the exception that started it."""
+    from raytuner.errors import config_error, root_line
+
+    if (message := config_error(error)) is not None:
+        if job_file and not message.startswith(job_file):
+            message = f"{job_file}: {message}"
+        print(f"raytuner: config error: {message}", file=sys.stderr)
+        return 2
+    if os.environ.get("RAYTUNER_DEBUG"):
+        raise error
+    print(f"raytuner: {command} failed: {root_line(error)}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ same jobs. A job's own sections checked their values and each other when it was 
 - a single-file ``model.pretrained`` that is missing or that its family cannot load;
 - a validation prompts file that is missing, or a line the family cannot render (``--n``
   without negative prompts, ``--g`` without a guidance embedding, sizes off its grid);
-- a ``lora.init_from`` file that is not there, or set for a run that trains no LoRA;
+- a ``lora.init_from`` file that is not there, or set for a run that trains no LoRA, or
+  whose LoRA does not fit the job's adapter (rank, alpha, modules, shapes: read from its
+  header), and LoRA target modules that reach no module, or that the family's kohya layout
+  has no name for (``check_lora``: the model built on the meta device);
+- ``validation.width`` / ``height`` off the model's pixel grid;
 - ``lora.text_encoder`` for a family whose text encoders raytuner does not train;
 - a relative ``data.cache`` or ``train.output`` when the command runs in Ray's temporary copy of
   a job's working dir (``ray job submit --working-dir``, a runtime_env ``working_dir``), where
@@ -42,9 +46,8 @@ the model, still is.
 What needs the cache, the run folder or the cluster is refused where they are read, before any
 worker starts: a bucket too small for one global batch and a resume of a run trained on other
 settings (``train/trainer.py``), a worker group larger than the cluster can hold within
-``scaling.resource_wait_s`` (``runtime.wait_for_resources``). The LoRA targets the family's
-kohya layout has no name for, and the content of a ``lora.init_from`` file, are refused when
-the worker builds its adapter (the model must exist for both).
+``scaling.resource_wait_s`` (``runtime.wait_for_resources``). What a worker or actor still
+refuses (docs/reliability.md lists it) reaches the user as the same exit 2 and one line.
 
 The family says what it is (``pixel_grid``, ``pixel_multiple``, ``objective_kind``,
 ``guidance_embedding``, ``single_file_parts``, ``text_encoder_loras``); nothing here asks which
@@ -76,6 +79,7 @@ from raytuner.config import (
 from raytuner.config.objective import KINDS
 from raytuner.families import parts
 from raytuner.observe import tracking
+from raytuner.tools import check_lora
 from raytuner.train import float8_matmul, text_lora
 from raytuner.train.optim import missing_package
 
@@ -98,7 +102,7 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
     _sharding(job)
     _compile(job, family)
     _float8_matmul(job, family)
-    _init_from(job)
+    check_lora.init_from(job)
     text_lora.check(job.lora, family)
     if runs:
         _packages(job)
@@ -106,6 +110,7 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
     _validation_prompts(job.validation, family)
     # a released repo: its architecture from the package, no download
     placement.check(job.memory, family, parts.model_source(job.model, "cpu"))
+    check_lora.adapter(job, family)  # builds the model on the meta device when needed
     if runs:
         _outputs_outside_ray_working_dir(job)
     if runs and reads_images:
@@ -397,6 +402,11 @@ def _validation_prompts(v: ValidationConfig, family) -> None:
             f"validation.negative_prompt = {v.negative_prompt!r}: {family.name}'s pipeline takes "
             "no negative prompt (no classifier-free guidance); remove the key"
         )
+    try:
+        for key in ("width", "height"):
+            prompts.on_grid(f"validation.{key} =", getattr(v, key), family)
+    except prompts.PromptsError as e:
+        raise ConfigError(f"{e}; 0 renders at the job's resolution") from None
     if not v.prompts_file:
         return
     try:
@@ -404,21 +414,3 @@ def _validation_prompts(v: ValidationConfig, family) -> None:
             prompts.check_line(line, family)
     except prompts.PromptsError as e:
         raise ConfigError(f"validation.prompts_file = {v.prompts_file!r}: {e}") from None
-
-
-def _init_from(job: JobConfig) -> None:
-    """A LoRA to start from: for a LoRA run, and (a local path) there. A URI is read when the
-    workers start."""
-    path = job.lora.init_from
-    if not path:
-        return
-    if job.train.mode != "lora":
-        raise ConfigError(
-            f"lora.init_from = {path!r}: train.mode = {job.train.mode!r} trains no LoRA; "
-            'remove the key or set train.mode = "lora"'
-        )
-    if "://" not in path and not os.path.isfile(os.path.expanduser(path)):
-        raise ConfigError(
-            f"lora.init_from = {path!r}: no such file (a relative path is from the working "
-            f"directory, {os.getcwd()})"
-        )

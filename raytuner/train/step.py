@@ -81,7 +81,7 @@ class TrainStep:
     sched: object  # the learning-rate schedule, stepped after each optimizer step
     device: torch.device
     micro_batch_size: int  # train.micro_batch_size
-    max_grad_norm: float  # train.max_grad_norm
+    max_grad_norm: float  # train.max_grad_norm; 0: no clipping
     scale: float  # world / global batch size: the update is the global batch's mean
     amp: torch.dtype | None = None  # autocast dtype
     offload: bool = False  # memory.activation_offload
@@ -108,7 +108,8 @@ class TrainStep:
         self.model_flops = self.model_per_sample[shape] * len(batch.seeds)
         if self.text is not None:  # not DDP-wrapped: averaged over the workers here
             self.text.average_gradients()
-        torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)
+        if self.max_grad_norm:  # 0: no clipping (what sd-scripts and SimpleTuner read in 0)
+            torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
