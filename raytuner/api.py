@@ -112,6 +112,7 @@ def sample(
         raise ConfigError(f"prompts file {prompts_file}: {e}") from None
     if not lines:
         raise ConfigError("sample: give at least one prompt or a prompts file")
+    _sample_options(family, seeds, steps, width, height)
     v = job.validation  # its negative prompt and guidance scale apply here too
     side_w, side_h = default_size(job, family)
     defaults = prompt_lines.Defaults(
@@ -122,6 +123,25 @@ def sample(
         negative_prompt=v.negative_prompt,
     )
     return render_sample(job, family, checkpoint, lines, defaults, out)
+
+
+def _sample_options(family, seeds, steps, width, height) -> None:
+    """`raytuner sample`'s ``--seed``, ``--steps``, ``--width``, ``--height`` in the ranges of
+    the prompt-line options they stand for (``--d``, ``--s``, ``--w``, ``--h``), sizes on the
+    family's pixel grid."""
+    from raytuner.render import prompts as prompt_lines
+
+    sides = [("--width", "w", width), ("--height", "h", height)]
+    options = [("--seed", "d", seed) for seed in seeds]
+    options += [("--steps", "s", steps)] if steps is not None else []  # None: the pipeline's
+    options += [side for side in sides if side[2]]  # 0: the job's resolution
+    try:
+        for flag, letter, value in options:
+            prompt_lines.in_range(flag, letter, value)
+        for flag, _, value in sides:
+            prompt_lines.on_grid(flag, value, family)
+    except prompt_lines.PromptsError as e:
+        raise ConfigError(f"sample: {e}") from None
 
 
 def plan(job: JobConfig, gpu_memory: str = "80GiB") -> dict:

@@ -138,6 +138,12 @@ def _bench_parsers(sub) -> None:
     cmd["preprocess"].add_argument("--images", type=int, default=192, help="synthetic image count")
     cmd["train"].add_argument("--steps", type=int, default=100, help="measured steps")
     cmd["step"].add_argument("--steps", type=int, default=10, help="measured steps")
+    cmd["step"].add_argument(
+        "--warmup", type=_positive_int, default=3, help="steps run before timing (default 3)"
+    )
+    cmd["step"].add_argument(
+        "--no-plan", action="store_true", help="skip plan's trace of the same step (speed only)"
+    )
     _feed_args(cmd["feed"])
     for action in ("preprocess", "train"):
         cmd[action].add_argument(
@@ -151,10 +157,24 @@ def _bench_parsers(sub) -> None:
 
 def _gpu_args(gpu: argparse.ArgumentParser) -> None:
     gpu.add_argument("--families", default="sd15,sdxl,flux,sana", help="comma-separated")
+    gpu.add_argument(
+        "--only",
+        default="",
+        help="comma-separated groups (mfu, compile, kernels, shipped, memory, swap, swap-more, "
+        "train, train-2, preprocess) or row names; default: every row",
+    )
     gpu.add_argument("--jobs", default="jobs", help="the folder of the shipped job files")
     gpu.add_argument("--out", default=".", help="where the JSON and the Markdown rows go")
-    gpu.add_argument("--budget-s", type=float, default=1200.0, help="stop starting new ones after")
-    gpu.add_argument("--dry-run", action="store_true", help="list the commands, run nothing")
+    gpu.add_argument(
+        "--workdir", default="", help="images, caches and runs (default: under the temp dir)"
+    )
+    gpu.add_argument(
+        "--budget-s",
+        type=float,
+        default=480.0,
+        help="seconds for all rows (default 480: one group inside a 10-minute command)",
+    )
+    gpu.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -269,7 +289,7 @@ def do_bench(job: JobConfig, family, args: argparse.Namespace) -> None:
     else:
         from raytuner.tools.bench.step import bench_step
 
-        bench_step(job, family, args.steps, args.json)
+        bench_step(job, family, args.steps, args.json, args.warmup, not args.no_plan)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -284,7 +304,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from raytuner.tools.bench.gpu import bench_gpu
 
         families = [f for f in args.families.split(",") if f]
-        return bench_gpu(families, args.jobs, args.out, args.budget_s, args.dry_run)
+        only = [n for n in args.only.split(",") if n]
+        return bench_gpu(
+            families, args.jobs, args.out, args.budget_s, args.dry_run, only, args.workdir
+        )
     job = load_job(args.job, args.overrides)
     if args.command == "check":
         api.check(job)
@@ -352,19 +375,26 @@ def main(argv: list[str] | None = None) -> int:
         where = f": {e}" if str(e) else ""
         print(f"raytuner: {args.command} interrupted{where}", file=sys.stderr, flush=True)
         return 130
-    except ConfigError as e:
-        where = getattr(args, "job", None)  # the job file, named once in front of the message
-        text = str(e) if not where or str(e).startswith(where) else f"{where}: {e}"
-        print(f"raytuner: config error: {text}", file=sys.stderr)
-        return 2
-    except Exception as e:  # the one place that turns any failure into exit 1 + a reason
-        if os.environ.get("RAYTUNER_DEBUG"):
-            raise
-        from raytuner.errors import root_line
-
-        print(f"raytuner: {args.command} failed: {root_line(e)}", file=sys.stderr)
-        return 1
+    except Exception as e:  # the one place that turns any failure into exit 2 or 1 + a reason
+        return failed(args.command, getattr(args, "job", None), e)
     return code
+
+
+def failed(command: str, job_file: str | None, error: Exception) -> int:
+    """Print the one line of a failed command and return its exit code: 2 for a bad job
+    (a ConfigError, wherever it was raised: here, or in a Ray task, actor or training worker),
+    naming ``job_file`` once in front; else 1 with the exception that started it."""
+    from raytuner.errors import config_error, root_line
+
+    if (message := config_error(error)) is not None:
+        if job_file and not message.startswith(job_file):
+            message = f"{job_file}: {message}"
+        print(f"raytuner: config error: {message}", file=sys.stderr)
+        return 2
+    if os.environ.get("RAYTUNER_DEBUG"):
+        raise error
+    print(f"raytuner: {command} failed: {root_line(error)}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

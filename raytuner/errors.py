@@ -1,6 +1,7 @@
 """The one line a failed command prints: the real exception and its message, also when it was
 raised inside a Ray task, actor or training worker (where the user sees a wrapper such as
-``RayTaskError(UserCodeException)`` around a traceback held only as text)."""
+``RayTaskError(UserCodeException)`` around a traceback held only as text); and whether it was
+a ``ConfigError`` (exit 2) wherever it was raised."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def _chain(error: BaseException) -> list[BaseException]:
             continue
         seen.add(id(e))
         out.append(e)
-        inner = [getattr(e, "cause", None), e.__cause__]
+        # Ray's ``cause``; Ray Train's UserExceptionWithTraceback keeps a worker's in _base_exc
+        inner = [getattr(e, "cause", None), getattr(e, "_base_exc", None), e.__cause__]
         inner += list((getattr(e, "worker_failures", None) or {}).values())
         todo += [i for i in inner if isinstance(i, BaseException)]
     return out
@@ -41,6 +43,19 @@ def root_line(error: BaseException) -> str:
     inner = next((e for e in reversed(chain) if str(e).strip()), chain[-1])
     text = str(inner).strip().splitlines()
     return f"{type(inner).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def config_error(error: BaseException) -> str | None:
+    """The message of the ``ConfigError`` a failure started with, raised in this process or in
+    a Ray task, actor or training worker (a job the user must change: exit 2 however deep it
+    was found), else None."""
+    from raytuner.config.loader import ConfigError
+
+    for e in _chain(error):
+        if isinstance(e, ConfigError) and not type(e).__name__.startswith(_WRAPPERS):
+            return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    name, _, message = root_line(error).partition(": ")
+    return message if name == ConfigError.__name__ else None
 
 
 class Interrupted(KeyboardInterrupt):

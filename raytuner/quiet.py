@@ -49,6 +49,18 @@ DROPPED: tuple[tuple[str, str], ...] = (
         "diffusers.loaders.lora_base",
         r"No LoRA keys associated to \w+ found with the prefix='text_encoder(_\d+)?'",
     ),
+    # torchao (the fp8 extra: train.float8_matmul), imported by diffusers' quantizer module
+    # whenever it is installed: its own CUDA kernel libraries, which a CPU torch or another
+    # torch build cannot load (the float8 matrix products raytuner runs are torch's own
+    # _scaled_mm, not these); its Enum registrations torch now calls deprecated; and diffusers'
+    # loader of torchao-quantized checkpoints, which raytuner never loads
+    ("torchao", r"Failed to load \S+\.so: Could not load this library"),
+    ("torchao.kernel.intmm", r"Warning: Detected no triton"),  # its int8 kernels: unused
+    ("torch.utils._pytree", r"<enum '\w+'> is an Enum subclass and is now natively supported"),
+    (
+        "diffusers.quantizers.torchao.torchao_quantizer",
+        r"Unable to import `torchao` Tensor objects",
+    ),
     # Ray Data's answer to raytuner's own setting (``runtime.connect``): its per-operator bars
     # flood a job's log, raytuner prints one progress line instead (preprocess/progress.py)
     ("ray.data._internal.progress", r"Progress bars disabled\. To enable, set"),

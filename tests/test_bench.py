@@ -145,10 +145,9 @@ def test_bench_step_shards_over_a_process_group_of_one():
     assert figures["planned_bytes"] > 0
 
 
-def test_bench_gpu_says_it_needs_a_gpu_and_lists_what_it_would_run(capsys):
-    """Without CUDA, `bench gpu` refuses in one line (exit 2); `--dry-run` prints every
-    measurement's command: each family's step (eager and compiled) and train, the Flux
-    block-swap table, the SDXL encoder pool."""
+def test_bench_gpu_says_it_needs_a_gpu(capsys):
+    """Without CUDA, `bench gpu` refuses in one line (exit 2), and an unknown family is named
+    (the plan and the runner: tests/test_bench_gpu.py)."""
     from raytuner.cli import main
 
     assert main(["bench", "gpu"]) == 2
@@ -156,11 +155,3 @@ def test_bench_gpu_says_it_needs_a_gpu_and_lists_what_it_would_run(capsys):
     assert "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
     assert main(["bench", "gpu", "--families", "sd15,nope"]) == 2
     assert "unknown families ['nope']" in capsys.readouterr().err
-    assert main(["bench", "gpu", "--dry-run"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    names = [item["name"] for item in report["items"]]
-    for family in ("sd15", "sdxl", "flux", "sana"):
-        assert {f"step {family}", f"step {family} compiled", f"train {family}"} <= set(names)
-    assert len([n for n in names if n.startswith("swap flux")]) == 10
-    assert "preprocess sdxl" in names and report["device"] is None
-    assert all(item["command"][:2] == ["raytuner", "bench"] for item in report["items"])

@@ -80,3 +80,46 @@ def test_mfu_is_unknown_on_a_cpu_and_for_an_unknown_peak():
     assert flops.mfu(100.0, None) is None
     assert flops.device_peak(torch.device("cpu"), given=400.0) == 400.0
     assert flops.mfu(100.0, 400.0) == 0.25
+
+
+def test_model_flops_leave_out_the_recompute_hardware_flops_keep_it():
+    """MFU counts the model's work, HFU what the hardware did: under gradient checkpointing
+    (either torch implementation) the model's FLOPs are the plain step's, the total has the
+    forward once more."""
+    for reentrant in (False, True):
+        model, image = Tiny(), _inputs().requires_grad_(reentrant)
+        with flops.counted() as counter:
+            checkpoint(model, image, use_reentrant=reentrant).backward()
+        extra = 2 * B * D * S * S * C * 9 if reentrant else 0  # the image's gradient then
+        assert counter.model == by_hand() + extra, reentrant
+        assert counter.get_total_flops() == by_hand(recompute=True) + extra
+
+
+def test_mfu_and_hfu_of_a_window_of_known_work(monkeypatch):
+    """The training metrics: 3 steps of 2e12 model FLOPs (3e12 with the recompute) in 2 s on a
+    100 TFLOP/s device are 3 TFLOP/s, MFU 3 % and HFU 4.5 %."""
+    from raytuner.train import loop
+
+    clock = iter([100.0, 102.0, 102.0])  # the window opens, closes, the next opens
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
+    meter = loop.Meter(torch.device("cpu"), peak=100.0)
+    for _ in range(3):
+        meter.add(torch.tensor(1.0), flops=3e12, model_flops=2e12)
+    m = meter.flush(global_batch_size=4, wait_s=0.0)
+    assert m["tflops_per_s"] == 3.0 and m["hardware_tflops_per_s"] == 4.5
+    assert m["mfu"] == 0.03 and m["hfu"] == 0.045
+
+
+def test_the_peak_table_names_each_gpu_and_refuses_to_guess():
+    """Longer names first (an H200 NVL is not an H200 SXM); a MIG slice has a share of the GPU's
+    peak, so unknown; a GPU the table lacks is unknown."""
+    assert flops.peak_of("NVIDIA H100 80GB HBM3") == 989.4
+    assert flops.peak_of("NVIDIA H100 PCIe") == 756.0
+    assert flops.peak_of("NVIDIA H100 NVL") == 835.0
+    assert flops.peak_of("NVIDIA H200") == 989.4
+    assert flops.peak_of("NVIDIA H200 NVL") == 835.0
+    assert flops.peak_of("NVIDIA GH200 480GB") == 989.4
+    assert flops.peak_of("NVIDIA H100 80GB HBM3 MIG 1g.10gb") is None
+    assert flops.peak_of("NVIDIA A100-SXM4-80GB MIG 3g.40gb") is None
+    assert flops.peak_of("NVIDIA L40S") == 362.1 and flops.peak_of("NVIDIA L40") == 181.0
+    assert flops.peak_of("Some Future GPU") is None

@@ -9,7 +9,7 @@ from run_checks import lora_changes_the_pipeline
 
 from raytuner.config import FlowObjective, LoraConfig
 from raytuner.families import FAMILIES
-from raytuner.families.base import flow_sigmas
+from raytuner.families.base import flow_draw
 from raytuner.families.parts import Source
 from raytuner.train.weights import Weights
 
@@ -65,12 +65,15 @@ def test_loss_is_per_sample_reproducible_and_uses_the_guidance_embedding(batch):
 
 def test_noise_levels_follow_the_density_and_shift_up_with_resolution():
     gens = lambda: [torch.Generator().manual_seed(i) for i in range(256)]  # noqa: E731
-    small = flow_sigmas(FlowObjective(), gens(), image_tokens=256, device="cpu")
-    large = flow_sigmas(FlowObjective(), gens(), image_tokens=4096, device="cpu")
+
+    def sigmas(objective, tokens):
+        return flow_draw(objective, lambda shape: tokens)((256, 4, 2, 2), gens())["sigma"]
+
+    small, large = sigmas(FlowObjective(), 256), sigmas(FlowObjective(), 4096)
     assert ((small > 0) & (small < 1)).all()
     assert (large > small).all()  # same draws, shifted towards noise for a larger image
     fixed = FlowObjective(resolution_shift=False, shift=1.0, timestep_sampling="uniform")
-    uniform = flow_sigmas(fixed, gens(), image_tokens=4096, device="cpu")
+    uniform = sigmas(fixed, 4096)
     assert abs(uniform.mean().item() - 0.5) < 0.06  # no shift: uniform draws stay uniform
 
 

@@ -355,3 +355,65 @@ def test_relative_outputs_outside_a_ray_working_dir_pass(tmp_path, capsys, monke
     job = tmp_path / "runtime_resources" / "job.toml"
     job.write_text(JOB.format(family="sdxl", root=".").replace('"./', '"'))
     assert main(["check", str(job)]) == 0, capsys.readouterr().err
+
+
+# --- issue 37: GPU switches -------------------------------------------------------------------
+
+
+def test_gpu_kernel_choices_are_refused_for_cpu_workers(tmp_path, capsys):
+    err = refused(tmp_path, capsys, 'train.attention="flash"')
+    assert 'train.attention = "flash"' in err and "scaling.use_gpu = false" in err
+    accepted(tmp_path, capsys, 'train.attention="flash"', "scaling.use_gpu=true")
+    err = refused(tmp_path, capsys, 'train.attention="fa9"', "scaling.use_gpu=true")
+    assert "must be one of auto, flash, efficient, cudnn, math" in err
+
+
+def test_compile_is_true_false_or_auto_and_refused_where_it_failed_on_a_gpu(tmp_path, capsys):
+    """Sana's compiled blocks failed on an H100: `true` is refused for GPU workers (naming the
+    error), `auto` leaves it eager; on CPU workers it compiles as asked."""
+    err = refused(tmp_path, capsys, 'train.compile="yes"')
+    assert 'must be true, false or "auto"' in err
+    err = refused(tmp_path, capsys, "train.compile=true", "scaling.use_gpu=true", family="sana")
+    assert "failed on a GPU" in err and "last dimension must be contiguous" in err
+    accepted(tmp_path, capsys, "scaling.use_gpu=true", family="sana")  # auto
+    accepted(tmp_path, capsys, "train.compile=true", family="sana")  # CPU workers
+
+
+def test_auto_compiles_on_gpus_where_it_was_measured_faster():
+    import torch
+
+    from raytuner.families import FAMILIES
+    from raytuner.train.weights import compiles
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto = {name: compiles("auto", f, cuda) for name, f in FAMILIES.items()}
+    assert auto == {"flux": True, "sdxl": True, "sd15": False, "sana": False}
+    assert not compiles("auto", FAMILIES["flux"], cpu)
+    assert not compiles("auto", FAMILIES["flux"], cuda, swapped=8)  # hooks dynamo cannot hold
+    assert compiles(True, FAMILIES["sd15"], cpu) and not compiles(False, FAMILIES["flux"], cuda)
+    assert not compiles(True, FAMILIES["flux"], torch.device("meta"))
+
+
+@pytest.mark.parametrize(
+    "family, overrides, shown",
+    [
+        ("flux", [], "scaling.use_gpu = false: CPU workers have no FP8"),
+        ("sdxl", ["scaling.use_gpu=true"], "allowed for flux, sana"),
+        ("flux", ["scaling.use_gpu=true", 'model.dtype="float8"'], "stored in float8 already"),
+        ("flux", ["scaling.use_gpu=true", 'scaling.strategy="fsdp"'], "sharded weights"),
+        ("flux", ["scaling.use_gpu=true", 'train.mode="full"'], "only frozen base weights"),
+        (
+            "flux",
+            ["scaling.use_gpu=true", "memory.blocks_to_swap=2"]
+            + ["train.gradient_checkpointing=true"],
+            "streamed blocks",
+        ),
+    ],
+)
+def test_float8_matmul_is_refused_where_it_cannot_run(tmp_path, capsys, family, overrides, shown):
+    err = refused(tmp_path, capsys, "train.float8_matmul=true", *overrides, family=family)
+    assert "train.float8_matmul = true" in err and shown in err
+
+
+def test_float8_matmul_passes_for_a_transformer_family_on_gpus(tmp_path, capsys):
+    accepted(tmp_path, capsys, "train.float8_matmul=true", "scaling.use_gpu=true", family="sana")

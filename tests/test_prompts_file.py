@@ -99,8 +99,14 @@ def test_a_sampler_line_is_read_and_noted_once(caplog):
         ("a --cn control.png", "line 1: --cn (a ControlNet image"),
         ("--w 512 --h 512", "line 1: no prompt before its options"),
         ("a --n", "line 1: --n needs a value"),
-        ("a --s 0", "line 1: --s 0: must be at least 1"),
-        ("a --l nan", "line 1: --l nan: must be a number >= 0"),
+        ("a --s 0", "line 1: --s 0: must be an integer >= 1 and <= 1000"),
+        ("a --s 1001", "line 1: --s 1001: must be an integer >= 1 and <= 1000"),
+        ("a --l nan", "line 1: --l nan: must be a finite number >= 0 and <= 100"),
+        ("a --g inf", "line 1: --g inf: must be a finite number >= 0 and <= 100"),
+        ("a --w 8200", "line 1: --w 8200: must be an integer >= 8 and <= 8192"),
+        ("a --h 4", "line 1: --h 4: must be an integer >= 8 and <= 8192"),
+        ("a --d -1", "line 1: --d -1: must be an integer >= 0 and <= 9223372036854775807"),
+        ("a\n\nb --d 99999999999999999999", "line 3: --d 99999999999999999999: must be an"),
         ("# only\n\n", "no prompts in it"),
     ],
 )
@@ -174,6 +180,38 @@ def test_check_refuses_a_bad_prompts_file(tmp_path, capsys, family, overrides, s
     assert main(args) == 2
     err = capsys.readouterr().err
     assert shown in err and len(err.strip().splitlines()) == 1, err
+
+
+BIG_SEED = "a cat\n# a comment\na dog --d 99999999999999999999\n"
+
+
+def test_check_refuses_a_prompts_file_line_out_of_range_naming_file_and_line(tmp_path, capsys):
+    """Before, `check` took the line and `sample` failed at the render, naming no line."""
+    (tmp_path / "big.txt").write_text(BIG_SEED)
+    job = _job(tmp_path)
+    assert main(["check", str(job), "--set", f"validation.prompts_file={tmp_path}/big.txt"]) == 2
+    err = capsys.readouterr().err
+    assert f"validation.prompts_file = '{tmp_path}/big.txt': line 3: --d 9999" in err, err
+    assert "must be an integer >= 0 and <= 9223372036854775807 (seed)" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["--prompts-file", "{root}/big.txt"], "prompts file {root}/big.txt: line 3: --d 9999"),
+        (["--prompt", "a", "--seed", "-1"], "sample: --seed -1: must be an integer >= 0"),
+        (["--prompt", "a", "--steps", "0"], "sample: --steps 0: must be an integer >= 1"),
+        (["--prompt", "a", "--width", "100"], "sample: --width 100: sd15 renders sides that"),
+        (["--prompt", "a", "--height", "9000"], "sample: --height 9000: must be an integer"),
+    ],
+)
+def test_sample_refuses_options_out_of_range_before_rendering(tmp_path, capsys, args, shown):
+    (tmp_path / "big.txt").write_text(BIG_SEED)
+    args = [a.format(root=tmp_path) for a in args]
+    assert main(["sample", str(_job(tmp_path)), *args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert shown.format(root=tmp_path) in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
 
 
 def _rendered(images: list[np.ndarray], lines: list[dict]) -> None:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from raytuner.config.loader import ConfigError, one_of, positive
+from raytuner.config.loader import ConfigError, one_of
+from raytuner.config.ranges import RESOURCE_STEP, SEED_MAX, ranged
+
+RESOURCE_HINT = f"Ray counts resources in steps of {RESOURCE_STEP}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +49,7 @@ class SourceConfig:
     """One image folder of the dataset (``[[data.sources]]``)."""
 
     path: str
-    repeats: int = 1
+    repeats: int = ranged(1, 1, 10_000)
     caption_extension: str = ".txt"
     caption_fallback: str = "stem"
     caption_errors: str = "replace"
@@ -59,7 +62,6 @@ class SourceConfig:
     mask: str = ""  # none | alpha | file (<stem>-masklabel.png); "": data.mask
 
     def __post_init__(self) -> None:
-        positive("data.sources.repeats", self.repeats)
         one_of("data.sources.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
         one_of("data.sources.caption_errors", self.caption_errors, ("replace", "skip"))
         one_of("data.sources.flip", self.flip, ("", *FLIPS))
@@ -123,42 +125,38 @@ class DataConfig:
 class PreprocessConfig:
     """The Ray Data encode job: bucketing, cropping and the encoder actor pools."""
 
-    resolution: int = 0  # 0: the family's default
-    bucket_step: int = 0  # 0: the family's pixel multiple
-    min_aspect: float = 0.5
-    max_aspect: float = 2.0
+    # 0: the family's default; a multiple of the bucket step (tools/check)
+    resolution: int = ranged(0, 64, 8192, zero="the family's default")
+    # 0: the family's pixel multiple; a multiple of its pixel grid (tools/check)
+    bucket_step: int = ranged(0, 8, 1024, zero="the family's pixel multiple")
+    min_aspect: float = ranged(0.5, 0, 1, low_open=True)
+    max_aspect: float = ranged(2.0, 1)
     crop: str = "center"
     dtype: str = "bfloat16"
-    batch_size: int = 8
-    min_actors: int = 1
-    max_actors: int = 1
-    gpus_per_actor: float = 0.0
-    cpus_per_actor: float = 0.5  # reserved: with 1 each, 2 actors on 2 CPUs starved the decode
-    seed: int = 0
+    batch_size: int = ranged(8, 1, 1024)
+    min_actors: int = ranged(1, 1)
+    max_actors: int = ranged(1, 1)  # >= min_actors
+    gpus_per_actor: float = ranged(
+        0.0, RESOURCE_STEP, 1, zero="none", hint="an actor encodes on one GPU; a fraction shares it"
+    )
+    # reserved: with 1 each, 2 actors on 2 CPUs starved the decode
+    cpus_per_actor: float = ranged(0.5, RESOURCE_STEP, hint=RESOURCE_HINT)
+    seed: int = ranged(0, 0, SEED_MAX)
     aspect_policy: str = "clamp"  # images outside [min_aspect, max_aspect]: clamp or skip
-    min_size: int = 64  # skip images whose short side is smaller (pixels)
-    max_pixels: int = 178_956_970  # decompression-bomb limit (width * height)
-    background: list[int] = field(default_factory=lambda: [255, 255, 255])  # under alpha
+    min_size: int = ranged(64, 0)  # skip images whose short side is smaller (pixels)
+    max_pixels: int = ranged(178_956_970, 1)  # decompression-bomb limit (width * height)
+    background: list[int] = ranged([255, 255, 255], 0, 255)  # [r, g, b] under alpha
     store_std: bool = False  # also store the VAE posterior std, so training can resample
-    max_restarts: int = 2  # an encoder actor that dies is restarted this often, then it fails
-    resource_wait_s: float = 600.0  # how long the first encoder actors may wait for resources
+    # an encoder actor that dies is restarted this often, then it fails
+    max_restarts: int = ranged(2, 0)
+    # how long the first encoder actors may wait for resources
+    resource_wait_s: float = ranged(600.0, 0)
 
     def __post_init__(self) -> None:
         one_of("preprocess.crop", self.crop, ("center", "random", "none"))
         one_of("preprocess.aspect_policy", self.aspect_policy, ("clamp", "skip"))
-        positive("preprocess.max_pixels", self.max_pixels)
-        if len(self.background) != 3 or not all(0 <= c <= 255 for c in self.background):
+        if len(self.background) != 3:
             raise ConfigError(f"preprocess.background = {self.background}: use [r, g, b] 0..255")
         one_of("preprocess.dtype", self.dtype, ("bfloat16", "float16", "float32"))
-        positive("preprocess.resolution", self.resolution, zero_ok=True)
-        positive("preprocess.bucket_step", self.bucket_step, zero_ok=True)
-        positive("preprocess.batch_size", self.batch_size)
-        positive("preprocess.min_actors", self.min_actors)
-        positive("preprocess.max_restarts", self.max_restarts, zero_ok=True)
-        positive("preprocess.resource_wait_s", self.resource_wait_s, zero_ok=True)
-        positive("preprocess.gpus_per_actor", self.gpus_per_actor, zero_ok=True)
-        positive("preprocess.cpus_per_actor", self.cpus_per_actor)
         if self.max_actors < self.min_actors:
             raise ConfigError("preprocess.max_actors must be >= preprocess.min_actors")
-        if not 0 < self.min_aspect <= 1 <= self.max_aspect:
-            raise ConfigError("preprocess.min_aspect must be in (0, 1] and max_aspect >= 1")

@@ -62,6 +62,7 @@ class JobConfig:
             )
         rules.memory_needs(self.memory, self.train, self.model)
         rules.text_encoder_needs(self.lora, self.train, self.scaling, self.memory)
+        rules.gpu_needs(self.train, self.scaling, self.model, self.memory)
         rules.regularization(self.data, self.train)
         rules.run_name(self.train.name)
         rules.paths_apart(self.data, self.train)

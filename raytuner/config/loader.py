@@ -1,6 +1,7 @@
-"""TOML tables into frozen dataclasses: unknown keys and wrong types are rejected with where they
-came from (the file, or the ``--set`` override), the dotted key, the nearest known name and what
-is allowed; ``--set`` overrides are parsed as TOML values."""
+"""TOML tables into frozen dataclasses: unknown keys, wrong types and numbers outside their key's
+range (``config/ranges.py``) are rejected with where they came from (the file, or the ``--set``
+override), the dotted key, the nearest known name and what is allowed; ``--set`` overrides are
+parsed as TOML values."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import types
 import typing
 from typing import Any
 
+from raytuner.config import ranges
+
 
 class ConfigError(ValueError):
     """A job file or override the user must change (CLI exit code 2)."""
@@ -20,12 +23,6 @@ def one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     """A value check of a section's ``__post_init__``: ``value`` is one of ``allowed``."""
     if value not in allowed:
         raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(allowed)}")
-
-
-def positive(key: str, value: float, *, zero_ok: bool = False) -> None:
-    """A value check of a section's ``__post_init__``: ``value`` > 0 (or >= 0)."""
-    if value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(f"{key} = {value}: must be {'>= 0' if zero_ok else '> 0'}")
 
 
 def did_you_mean(name: str, known: list[str]) -> str:
@@ -130,6 +127,8 @@ def build_section(cls: type, values: Any, where: str, section: str) -> Any:
                 f"expected {_type_name(hints[key])}"
             )
         kwargs[key] = _convert(value, hints[key], where, f"{section}.{key}")
+    if out_of_range := ranges.problem(cls, values, section):
+        raise ConfigError(f"{where}: {out_of_range}")
     missing = [
         f.name
         for f in dataclasses.fields(cls)

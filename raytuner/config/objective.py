@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from raytuner.config.loader import ConfigError, one_of, positive
+from raytuner.config.loader import ConfigError, one_of
+from raytuner.config.ranges import ranged
 
 DENSITIES = ("uniform", "logit_normal", "mode")
 
@@ -21,13 +22,11 @@ class DdpmObjective:
     """DDPM families: timesteps drawn uniformly, the target from the scheduler's config."""
 
     weighting: str = "none"  # none | min_snr
-    min_snr_gamma: float = 5.0
-    noise_offset: float = 0.0  # per-channel offset added to the noise
+    min_snr_gamma: float = ranged(5.0, 0, low_open=True)
+    noise_offset: float = ranged(0.0, 0, 1)  # per-channel offset added to the noise
 
     def __post_init__(self) -> None:
         one_of("objective.ddpm.weighting", self.weighting, ("none", "min_snr"))
-        positive("objective.ddpm.min_snr_gamma", self.min_snr_gamma)
-        positive("objective.ddpm.noise_offset", self.noise_offset, zero_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,19 +34,20 @@ class FlowObjective:
     """Flow-matching families: a noise-level density, a shift and a loss weighting."""
 
     timestep_sampling: str = "logit_normal"  # uniform | logit_normal | mode
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    mode_scale: float = 1.29
+    logit_mean: float = ranged(0.0, -10, 10)
+    logit_std: float = ranged(1.0, 0, 10, low_open=True)
+    # the mode density maps [0, 1] onto itself, monotonically, for these scales only
+    mode_scale: float = ranged(1.29, -1, 1.75)
     resolution_shift: bool = True  # shift noise levels up for larger images
-    shift: float = 1.0  # a fixed shift (used when resolution_shift is off)
+    # a fixed shift (used when resolution_shift is off)
+    shift: float = ranged(1.0, 0, 100, low_open=True)
     weighting: str = "none"  # none | sigma_sqrt | cosmap
-    guidance: float = 1.0  # guidance embedding for guidance-distilled checkpoints (Flux dev)
+    # guidance embedding for guidance-distilled checkpoints (Flux dev)
+    guidance: float = ranged(1.0, 0, 100)
 
     def __post_init__(self) -> None:
         one_of("objective.flow.timestep_sampling", self.timestep_sampling, DENSITIES)
         one_of("objective.flow.weighting", self.weighting, ("none", "sigma_sqrt", "cosmap"))
-        positive("objective.flow.logit_std", self.logit_std)
-        positive("objective.flow.shift", self.shift)
 
 
 @dataclass(frozen=True, kw_only=True)

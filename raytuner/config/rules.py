@@ -36,6 +36,33 @@ def memory_needs(memory, train, model) -> None:
         )
 
 
+def gpu_needs(train, scaling, model=None, memory=None) -> None:
+    """Settings that choose a GPU kernel: refused for CPU workers, which have none of them;
+    float8 matrix products refused beside what they were not made for."""
+    if train.attention != "auto" and not scaling.use_gpu:
+        raise ConfigError(
+            f'train.attention = "{train.attention}" picks a GPU attention kernel, but '
+            'scaling.use_gpu = false: CPU workers run torch\'s own; set train.attention = '
+            '"auto" or scaling.use_gpu = true'
+        )
+    if not train.float8_matmul:
+        return
+    fix = "set train.float8_matmul = false"
+    clashes = [
+        (not scaling.use_gpu, "scaling.use_gpu = false: CPU workers have no FP8 tensor cores"),
+        (model is not None and model.dtype == "float8",
+         'model.dtype = "float8": the weights are stored in float8 already'),
+        (memory is not None and memory.blocks_to_swap > 0,
+         "memory.blocks_to_swap: streamed blocks' weights are untried with the float8 casts"),
+        (scaling.strategy == "fsdp",
+         'scaling.strategy = "fsdp": sharded weights are untried with the float8 casts'),
+        (train.mode != "lora", 'train.mode = "full": only frozen base weights multiply in float8'),
+    ]  # fmt: skip
+    for clash, why in clashes:
+        if clash:
+            raise ConfigError(f"train.float8_matmul = true with {why}; {fix}")
+
+
 def text_encoder_needs(lora, train, scaling, memory) -> None:
     """What ``lora.text_encoder`` (a LoRA on the text encoders, trained beside the denoiser's)
     cannot be combined with; the family's side is checked where the family is known

@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from raytuner.config.loader import ConfigError, one_of, positive
+from raytuner.config.loader import ConfigError, one_of
+from raytuner.config.ranges import RESOURCE_STEP, SEED_MAX, ranged
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
+ATTENTION = ("auto", "flash", "efficient", "cudnn", "math")  # train.attention
 STRATEGIES = ("ddp", "fsdp")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
 SAVE_DTYPES = ("float16", "bfloat16", "float32")  # lora.save_dtype
@@ -21,6 +23,20 @@ TEXT_ENCODER_KEYS = (
     "text_encoder_target_modules",
 )
 DEFAULT_STEPS = 100  # train.max_steps when neither it nor train.epochs is set
+# lora.rank: above the width of every family's attention layers (Flux, Sana: 3072; a LoRA's
+# rank beyond its layer's width adds nothing)
+MAX_RANK = 4096
+MAX_LR = 10.0  # train.learning_rate: Prodigy's multiplier is about 1, AdamW's rates far below
+MAX_RENDER_STEPS = 1000  # validation.steps, a prompt line's --s: sd-scripts clamps to 1..1000
+MAX_SIDE = 8192  # validation.width/height, preprocess.resolution: pixels
+MAX_GUIDANCE = 100.0  # validation.guidance_scale
+RESOURCE_HINT = f"Ray counts resources in steps of {RESOURCE_STEP}"
+GPU_HINT = "a worker or actor computes on one GPU; a fraction shares it"
+
+
+def steps_hint(other: str) -> str:
+    """train.max_steps' and train.epochs': 0 leaves the run's length to the other."""
+    return f"0 unsets it for train.{other}; leave both out for {DEFAULT_STEPS} steps"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,36 +45,52 @@ class TrainConfig:
 
     output: str
     name: str = ""  # run name; "" means the job file's stem
-    max_steps: int = 0  # optimizer steps; 0: DEFAULT_STEPS, unless epochs is set
-    epochs: int = 0  # instead of max_steps: epochs of the global schedule (steps set at train)
-    global_batch_size: int = 4
-    learning_rate: float = 1e-4
-    weight_decay: float = 1e-2
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    seed: int = 0
+    # optimizer steps; 0: DEFAULT_STEPS, unless epochs is set
+    max_steps: int = ranged(0, 1, zero="unset", zero_needs="epochs", hint=steps_hint("epochs"))
+    # instead of max_steps: epochs of the global schedule (steps set at train)
+    epochs: int = ranged(0, 1, zero="unset", zero_needs="max_steps", hint=steps_hint("max_steps"))
+    global_batch_size: int = ranged(4, 1)
+    learning_rate: float = ranged(1e-4, 0, MAX_LR, low_open=True)
+    weight_decay: float = ranged(1e-2, 0, 1)
+    warmup_steps: int = ranged(0, 0)
+    # 0: no clipping (sd-scripts' and SimpleTuner's meaning)
+    max_grad_norm: float = ranged(1.0, 0, low_open=True, zero="no clipping")
+    seed: int = ranged(0, 0, SEED_MAX)
     remainder: str = "drop"
-    micro_batch_size: int = 0  # 0: a rank's whole slice in one pass; else gradient accumulation
-    prefetch: int = 2  # batches a worker assembles ahead of the step
-    log_every: int = 10
+    # 0: a rank's whole slice in one pass; else gradient accumulation
+    micro_batch_size: int = ranged(0, 1, zero="a rank's whole slice at once")
+    prefetch: int = ranged(2, 1, 64)  # batches a worker assembles ahead of the step
+    log_every: int = ranged(10, 1)
     sample_log: bool = False  # write the cache rows of every step under <run>/samples/
     mode: str = "lora"  # lora: a peft adapter on the denoiser; full: the whole denoiser
-    caption_dropout: float = 0.0  # share of samples trained with the empty caption
-    prior_loss_weight: float = 1.0  # the loss weight of regularization images (kohya's)
-    ema_decay: float = 0.0  # > 0: keep an EMA of the trained weights; exports use it
+    # share of samples trained with the empty caption
+    caption_dropout: float = ranged(0.0, 0, 1, high_open=True)
+    # the loss weight of regularization images (kohya's)
+    prior_loss_weight: float = ranged(
+        1.0, 0, low_open=True, hint="0 would train them for nothing: leave their source out"
+    )
+    # > 0: keep an EMA of the trained weights; exports use it
+    ema_decay: float = ranged(0.0, 0, 1, high_open=True)
     gradient_checkpointing: bool = False
-    # torch.compile each of the denoiser's repeated blocks (the family's compile_blocks) once
-    compile: bool = False
+    # torch.compile each of the denoiser's repeated blocks (the family's compile_blocks) once;
+    # "auto": on GPU workers, for the families whose compiled blocks were measured faster
+    compile: bool | str = "auto"
+    # the UNets' convolutions in channels-last memory format on GPUs (false: as stored, NCHW)
+    channels_last: bool = True
+    # the scaled-dot-product attention kernel on GPUs: auto (torch's choice, cuDNN's left out)
+    # | flash | efficient (memory-efficient) | cudnn | math
+    attention: str = "auto"
+    # the frozen base linears of a transformer family's blocks multiply in float8 (torchao) on
+    # GPUs with FP8 tensor cores; the LoRA stays in the compute dtype
+    float8_matmul: bool = False
     mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
     tensorboard: bool = True  # event files under <run>/tensorboard (local outputs)
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes) | adafactor | prodigy
     lr_scheduler: str = "constant"  # after train.warmup_steps: constant | linear | cosine | ...
-    lr_cycles: int = 1  # cosine_with_restarts: how many restarts
-    lr_power: float = 1.0  # polynomial: the decay's power
+    lr_cycles: int = ranged(1, 1)  # cosine_with_restarts: how many restarts
+    lr_power: float = ranged(1.0, 0, low_open=True)  # polynomial: the decay's power
 
     def __post_init__(self) -> None:
-        positive("train.max_steps", self.max_steps, zero_ok=True)
-        positive("train.epochs", self.epochs, zero_ok=True)
         if self.max_steps and self.epochs:
             raise ConfigError(
                 f"train.max_steps = {self.max_steps} and train.epochs = {self.epochs}: set one of "
@@ -68,21 +100,12 @@ class TrainConfig:
             object.__setattr__(self, "max_steps", DEFAULT_STEPS)
         one_of("train.optimizer", self.optimizer, OPTIMIZERS)
         one_of("train.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
-        positive("train.lr_cycles", self.lr_cycles)
-        positive("train.lr_power", self.lr_power)
-        positive("train.micro_batch_size", self.micro_batch_size, zero_ok=True)
-        positive("train.prefetch", self.prefetch)
-        positive("train.global_batch_size", self.global_batch_size)
-        positive("train.learning_rate", self.learning_rate)
-        positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
-        positive("train.log_every", self.log_every)
-        positive("train.prior_loss_weight", self.prior_loss_weight, zero_ok=True)
         one_of("train.remainder", self.remainder, ("drop", "pad"))
         one_of("train.mode", self.mode, ("lora", "full"))
         one_of("train.mixed_precision", self.mixed_precision, ("bf16", "no"))
-        for key in ("ema_decay", "caption_dropout"):
-            if not 0 <= getattr(self, key) < 1:
-                raise ConfigError(f"train.{key} = {getattr(self, key)}: must be in [0, 1)")
+        one_of("train.attention", self.attention, ATTENTION)
+        if isinstance(self.compile, str) and self.compile != "auto":
+            raise ConfigError(f"train.compile = {self.compile!r}: must be true, false or \"auto\"")
 
     def for_epochs(self, steps_per_epoch: int) -> TrainConfig:
         """With ``train.epochs`` set: the same section with ``max_steps`` = epochs x
@@ -94,9 +117,12 @@ class TrainConfig:
 class LoraConfig:
     """LoRA adapter on the denoiser (and with ``text_encoder``, on the text encoders)."""
 
-    rank: int = 16
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = ranged(16, 1, MAX_RANK)
+    alpha: float = ranged(
+        16.0, 0, 4 * MAX_RANK, low_open=True,
+        hint="sd-scripts reads alpha 0 as alpha = rank: write that value",
+    )  # fmt: skip
+    dropout: float = ranged(0.0, 0, 1, high_open=True)
     target_modules: list[str] = field(default_factory=list)  # empty: the family's default
     init_from: str = ""  # a LoRA file (diffusers or kohya keys) training starts from
     # the dtype of the exported LoRA files (training keeps model.trainable_dtype); float16: what
@@ -105,22 +131,17 @@ class LoraConfig:
     # a LoRA on every text encoder of the family too (kohya's default for SD1.5 and SDXL): the
     # captions are then encoded in the worker at every step, not read from the cache
     text_encoder: bool = False
-    text_encoder_rank: int = 0  # 0: rank
-    text_encoder_alpha: float = 0.0  # 0: alpha
-    text_encoder_lr: float = 0.0  # 0: train.learning_rate (kohya's --text_encoder_lr)
+    text_encoder_rank: int = ranged(0, 1, MAX_RANK, zero="lora.rank")
+    text_encoder_alpha: float = ranged(0.0, 0, 4 * MAX_RANK, low_open=True, zero="lora.alpha")
+    # kohya's --text_encoder_lr
+    text_encoder_lr: float = ranged(0.0, 0, MAX_LR, low_open=True, zero="train.learning_rate")
     # peft target modules on the text encoders; empty: the family's (CLIP's q/k/v/out_proj)
     text_encoder_target_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        positive("lora.rank", self.rank)
         one_of("lora.save_dtype", self.save_dtype, SAVE_DTYPES)
-        positive("lora.alpha", self.alpha)
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"lora.dropout = {self.dropout}: must be in [0, 1)")
         for key in TEXT_ENCODER_KEYS:
             value = getattr(self, key)
-            if key != "text_encoder_target_modules":
-                positive(f"lora.{key}", value, zero_ok=True)
             if value and not self.text_encoder:
                 raise ConfigError(
                     f"lora.{key} = {value!r} is read only when the text encoders are trained, "
@@ -151,42 +172,39 @@ class MemoryConfig:
 
     # the denoiser's last N blocks keep their frozen weights in pinned CPU memory and stream to
     # the GPU just before they run (LoRA, transformer families, gradient checkpointing)
-    blocks_to_swap: int = 0
-    swap_ring: int = 2  # streamed blocks resident at once (the one running + the next)
+    blocks_to_swap: int = ranged(0, 0)  # at most the family's blocks - 1 (tools/check)
+    # streamed blocks resident at once (the one running + the next)
+    swap_ring: int = ranged(2, 1)
     activation_offload: bool = False  # the checkpointed blocks' inputs wait in pinned CPU memory
-
-    def __post_init__(self) -> None:
-        positive("memory.blocks_to_swap", self.blocks_to_swap, zero_ok=True)
-        positive("memory.swap_ring", self.swap_ring)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScalingConfig:
     """Training world: an int, or [min, max] for elastic training."""
 
-    workers: int | list[int] = 1
+    workers: int | list[int] = ranged(1, 1)
     # ddp: every worker holds the whole denoiser (replicated); fsdp: its weights, gradients,
     # optimizer state and EMA are sharded over the workers (FSDP2), a block gathered as it runs
     strategy: str = "ddp"
     use_gpu: bool = False
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
-    elastic_resize_interval_s: float = 60.0  # how often a running elastic group may resize
+    cpus_per_worker: float = ranged(1.0, RESOURCE_STEP, hint=RESOURCE_HINT)
+    # a worker computes on one GPU: a fraction shares one
+    gpus_per_worker: float = ranged(0.0, RESOURCE_STEP, 1, zero="one GPU a worker", hint=GPU_HINT)
+    # how often a running elastic group may resize
+    elastic_resize_interval_s: float = ranged(60.0, 0)
     # the GPU's dense bfloat16 peak in TFLOP/s for MFU; 0: from the device's name (a table),
     # unknown where it is not listed
-    peak_tflops: float = 0.0
-    resource_wait_s: float = 600.0  # how long training waits for its workers' resources
+    peak_tflops: float = ranged(0.0, 0)
+    # how long training waits for its workers' resources
+    resource_wait_s: float = ranged(600.0, 0)
 
     def __post_init__(self) -> None:
         bounds = self.workers if isinstance(self.workers, list) else [self.workers]
-        if len(bounds) not in (1, 2) or min(bounds) < 1 or bounds != sorted(bounds):
+        if len(bounds) not in (1, 2) or bounds != sorted(bounds):
             raise ConfigError(
                 f"scaling.workers = {self.workers}: use an int >= 1 or [min, max] with min <= max"
             )
         one_of("scaling.strategy", self.strategy, STRATEGIES)
-        positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s, zero_ok=True)
-        positive("scaling.resource_wait_s", self.resource_wait_s, zero_ok=True)
-        positive("scaling.peak_tflops", self.peak_tflops, zero_ok=True)
         if self.gpus_per_worker > 0 and not self.use_gpu:
             raise ConfigError(
                 f"scaling.gpus_per_worker = {self.gpus_per_worker} with scaling.use_gpu = false: "
@@ -207,24 +225,23 @@ class ScalingConfig:
 class ValidationConfig:
     """Images rendered from checkpoints while training runs, by a Ray actor beside the workers."""
 
-    every_steps: int = 0  # 0: no validation; else a checkpoint and a render every N steps
+    # 0: no validation; else a checkpoint and a render every N steps
+    every_steps: int = ranged(0, 1, zero="no validation")
     prompts: list[str] = field(default_factory=list)
-    seeds: list[int] = field(default_factory=lambda: [0])
-    steps: int = 20  # denoising steps per image
-    width: int = 0  # 0: the job's resolution
-    height: int = 0
+    seeds: list[int] = ranged([0], 0, SEED_MAX)
+    steps: int = ranged(20, 1, MAX_RENDER_STEPS)  # denoising steps per image
+    # pixels, multiples of the family's pixel grid (tools/check); 0: the job's resolution
+    width: int = ranged(0, 8, MAX_SIDE, zero="the job's resolution")
+    height: int = ranged(0, 8, MAX_SIDE, zero="the job's resolution")
     prompts_file: str = ""  # one prompt per line, kohya style: "a cat --w 512 --s 20 --n ugly"
     negative_prompt: str = ""
-    guidance_scale: float = 0.0  # classifier-free guidance; 0: the family's default
-    cpus: float = 0.0  # resources the validation actor reserves (0: none, it shares)
-    gpus: float = 0.0
+    # classifier-free guidance; 0: the family's default
+    guidance_scale: float = ranged(0.0, 0, MAX_GUIDANCE, low_open=True, zero="the family's default")
+    # resources the validation actor reserves (0: none, it shares)
+    cpus: float = ranged(0.0, RESOURCE_STEP, zero="none", hint=RESOURCE_HINT)
+    gpus: float = ranged(0.0, RESOURCE_STEP, 1, zero="none", hint=GPU_HINT)
 
     def __post_init__(self) -> None:
-        positive("validation.every_steps", self.every_steps, zero_ok=True)
-        positive("validation.steps", self.steps)
-        positive("validation.cpus", self.cpus, zero_ok=True)
-        positive("validation.gpus", self.gpus, zero_ok=True)
-        positive("validation.guidance_scale", self.guidance_scale, zero_ok=True)
         if self.every_steps and not ((self.prompts or self.prompts_file) and self.seeds):
             raise ConfigError(
                 "validation.every_steps > 0 needs validation.prompts (or prompts_file) and seeds"
@@ -248,18 +265,13 @@ class TrackingConfig:
 class CheckpointConfig:
     """Checkpoints through ray.train.report."""
 
-    every_steps: int = 50
-    keep: int = 2
-    max_failures: int = 0
+    every_steps: int = ranged(50, 1)
+    keep: int = ranged(2, 1)
+    max_failures: int = ranged(0, 0)
     resume: bool = True
-    preemption_check_every: int = 10  # steps between checks for an announced preemption; 0: never
-    max_preemption_failures: int = 20  # node preemptions a run recovers from (Ray: no limit)
-    controller_failure_limit: int = 3  # Ray Train controller failures tolerated (Ray: no limit)
-
-    def __post_init__(self) -> None:
-        positive("checkpoint.every_steps", self.every_steps)
-        positive("checkpoint.max_preemption_failures", self.max_preemption_failures, zero_ok=True)
-        positive("checkpoint.controller_failure_limit", self.controller_failure_limit, zero_ok=True)
-        positive("checkpoint.keep", self.keep)
-        positive("checkpoint.max_failures", self.max_failures, zero_ok=True)
-        positive("checkpoint.preemption_check_every", self.preemption_check_every, zero_ok=True)
+    # steps between checks for an announced preemption; 0: never
+    preemption_check_every: int = ranged(10, 1, zero="never")
+    # node preemptions a run recovers from (Ray: no limit)
+    max_preemption_failures: int = ranged(20, 0)
+    # Ray Train controller failures tolerated (Ray: no limit)
+    controller_failure_limit: int = ranged(3, 0)

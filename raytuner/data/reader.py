@@ -128,10 +128,12 @@ class RangeReader:
         self._files.clear()
 
 
-def _stacked(cells: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The cells as one [B, ...] tensor of ``dtype``: one copy, converting as it goes, in one
-    call (a Python loop over the rows held the GIL the training step wanted)."""
-    out = torch.empty((len(cells), *cells[0].shape), dtype=dtype)
+def _stacked(cells: list[torch.Tensor], dtype: torch.dtype | None, pin: bool = False):
+    """The cells as one [B, ...] tensor of ``dtype`` (None: the cells' own), in pinned memory
+    when ``pin``: one copy, converting as it goes, in one call (a Python loop over the rows held
+    the GIL the training step wanted)."""
+    dtype = dtype or cells[0].dtype
+    out = torch.empty((len(cells), *cells[0].shape), dtype=dtype, pin_memory=pin)
     return torch.stack(cells, out=out)
 
 
@@ -287,10 +289,13 @@ class CachedDataset:
                 out[j] = torch.flip(mask, dims=[-1]) if flips[j] else mask
         return out
 
-    def batch(self, indices: list[int], dtype=torch.float32, empty_caption=None, flipped=None):
-        """The rows' tensors; ``empty_caption[j]``: row j takes the empty caption's embedding
-        (caption dropout) instead of its own; ``flipped[j]``: row j takes its mirror image's
-        latent, its mask mirrored and the crop's corner as seen in the mirror image."""
+    def batch(
+        self, indices: list[int], dtype=torch.float32, empty_caption=None, flipped=None, pin=False
+    ):
+        """The rows' tensors in ``dtype`` (None: as cached); ``empty_caption[j]``: row j takes
+        the empty caption's embedding (caption dropout) instead of its own; ``flipped[j]``: row
+        j takes its mirror image's latent, its mask mirrored and the crop's corner as seen in the
+        mirror image; ``pin``: the latents and text tensors stacked into pinned memory."""
         drops = empty_caption or [False] * len(indices)
         flips = flipped or [False] * len(indices)
         if any(drops) and self.tensors and self._empty is None:
@@ -315,16 +320,18 @@ class CachedDataset:
         ]
         cells = self._cells(latents + masks + text)
         n, k = len(indices), len(latents)
-        out = {"latent": _stacked(cells[:n], dtype)}
+        out = {"latent": _stacked(cells[:n], dtype, pin)}
         if self._has_std:
-            out["latent_std"] = _stacked(cells[n : 2 * n], dtype)
+            out["latent_std"] = _stacked(cells[n : 2 * n], dtype, pin)
         if self.masked:
-            out["mask"] = self._masks(cells[k : k + len(masks)], indices, flips, dtype)
+            out["mask"] = self._masks(
+                cells[k : k + len(masks)], indices, flips, dtype or torch.float32
+            )
         text_cells, m = cells[k + len(masks) :], len(distinct)
         row_of = {c: j for j, c in enumerate(distinct)}
         for t, name in enumerate(self.tensors):
             mine = text_cells[t * m : (t + 1) * m]
-            out[name] = _stacked([mine[row_of[c]] for c in captions], dtype)
+            out[name] = _stacked([mine[row_of[c]] for c in captions], dtype, pin)
         return out | self._conditioning(indices, flips)
 
     def captions(self, indices: list[int], empty_caption=None) -> list[str]:

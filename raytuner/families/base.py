@@ -27,8 +27,29 @@ from raytuner.families.text import TextEncoder, TextEncoderLora
 Batch = dict[str, torch.Tensor]
 # pixels [B,3,H,W] in [-1,1] -> (latent mean, latent std), both in the denoiser's latent scale
 ImageEncoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# (denoiser, batch, one generator per sample) -> per-sample loss [B]
+# (denoiser, batch, one generator per sample) -> per-sample loss [B]: an ``Objective``
 Loss = Callable[[nn.Module, Batch, Sequence[torch.Generator]], torch.Tensor]
+# the latent batch's shape, one generator per sample -> the step's random inputs (CPU tensors)
+Draw = Callable[[tuple[int, ...], Sequence[torch.Generator]], dict[str, torch.Tensor]]
+DRAWN = ("noise", "timestep", "sigma")  # the batch keys an Objective's draw may fill
+
+
+class Objective:
+    """A family's training loss, split in two: ``draw`` makes a step's random inputs (each
+    sample's noise and timestep or noise level) on the CPU from each sample's own generator, and
+    the loss reads them from the batch. The training feed calls ``draw`` in its thread and hands
+    the draws over pinned, so the step never waits on a host-to-device copy; called with
+    generators and a batch without them, the loss draws them itself, the same way."""
+
+    def __init__(self, draw: Draw, loss: Callable[[nn.Module, Batch], torch.Tensor]) -> None:
+        self.draw, self._loss = draw, loss
+
+    def __call__(self, denoiser: nn.Module, batch: Batch, generators=None) -> torch.Tensor:
+        if not any(k in batch for k in DRAWN):
+            latent = batch["latent"]
+            drawn = self.draw(tuple(latent.shape), generators)
+            batch = batch | {k: v.to(latent.device) for k, v in drawn.items()}
+        return self._loss(denoiser, batch)
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,13 @@ class Family(Protocol):
     # class names of the repeated blocks ``train.compile`` compiles, each on its own (regional
     # compilation: diffusers' ``_repeated_blocks`` where the model has them)
     compile_blocks: tuple[str, ...]
+    # what compiling those blocks did on a GPU (``raytuner bench gpu``): samples/s compiled over
+    # eager, or the error the compiled step failed with there; ``train.compile = "auto"``
+    # compiles on GPUs where this is a speed-up of more than 5 %
+    compiled_on_gpu: float | str
+    # its blocks' frozen base linears may multiply in float8 (train.float8_matmul): the
+    # transformer families
+    float8_matmul: bool
     # its denoiser's convolutions run in channels-last memory format on GPUs (the UNets)
     channels_last: bool
     objective_kind: str  # "ddpm" or "flow": the [objective.<kind>] settings its loss takes
@@ -167,18 +195,11 @@ def save_lora(
     pipeline_cls.save_lora_weights(directory, **kwargs)
 
 
-def per_sample_noise(like: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Noise drawn per sample from its own generator: independent of how the batch is split."""
-    shape = like.shape[1:]
-    noise = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
-    return torch.stack(noise).to(like.device, like.dtype)
-
-
-def per_sample_timesteps(
-    num_train_timesteps: int, generators: Sequence[torch.Generator], device
-) -> torch.Tensor:
-    steps = [torch.randint(0, num_train_timesteps, (1,), generator=g) for g in generators]
-    return torch.cat(steps).to(device)
+def per_sample_noise(shape: tuple[int, ...], generators: Sequence[torch.Generator]):
+    """Noise drawn per sample from its own generator (float32, on the CPU): independent of how
+    the batch is split."""
+    noise = [torch.randn(shape[1:], generator=g, dtype=torch.float32) for g in generators]
+    return torch.stack(noise)
 
 
 def ddpm_target(scheduler, latents, noise, timesteps) -> torch.Tensor:
@@ -243,18 +264,30 @@ def objective_of_kind(family, objective):
     return objective
 
 
+def ddpm_draw(num_train_timesteps: int, objective: DdpmObjective) -> Draw:
+    """A DDPM step's random inputs: each sample's noise (plus ``objective.noise_offset`` times a
+    per-channel draw) and timestep, in that order from the sample's generator."""
+
+    def draw(shape: tuple[int, ...], generators) -> dict[str, torch.Tensor]:
+        noise = per_sample_noise(shape, generators)
+        if objective.noise_offset:
+            offsets = torch.stack([torch.randn(shape[1], generator=g) for g in generators])
+            noise = noise + objective.noise_offset * offsets[:, :, None, None]
+        steps = [torch.randint(0, num_train_timesteps, (1,), generator=g) for g in generators]
+        return {"noise": noise, "timestep": torch.cat(steps)}
+
+    return draw
+
+
 def ddpm_loss(
-    scheduler, objective: DdpmObjective, latents: torch.Tensor, generators, predict, mask=None
+    scheduler, objective: DdpmObjective, batch: Batch, predict, mask=None
 ) -> torch.Tensor:
     """Per-sample MSE of ``predict(noisy latents, timesteps)`` against the scheduler's target
-    (each latent pixel weighted by ``mask``, the batch's "mask" if it has one), with each
-    sample's noise (plus ``objective.noise_offset``) and timestep drawn from its own generator,
-    min-SNR weighted when ``objective.weighting = "min_snr"``."""
-    noise = per_sample_noise(latents, generators)
-    if objective.noise_offset:
-        offsets = [torch.randn(latents.shape[1], generator=g) for g in generators]
-        noise = noise + objective.noise_offset * torch.stack(offsets).to(noise)[:, :, None, None]
-    steps = per_sample_timesteps(scheduler.config.num_train_timesteps, generators, latents.device)
+    (each latent pixel weighted by ``mask``, the batch's "mask" if it has one), with the batch's
+    drawn noise and timesteps (``ddpm_draw``), min-SNR weighted when ``objective.weighting =
+    "min_snr"``."""
+    latents, steps = batch["latent"], batch["timestep"]
+    noise = batch["noise"].to(latents.dtype)
     noisy = scheduler.add_noise(latents, noise, steps)
     target = ddpm_target(scheduler, latents, noise, steps)
     loss = mse_per_sample(predict(noisy, steps), target, mask)
@@ -266,6 +299,11 @@ def ddpm_loss(
         v = scheduler.config.prediction_type == "v_prediction"
         loss = loss * clipped / (snr + 1 if v else snr)
     return loss
+
+
+def ddpm_objective(scheduler, objective: DdpmObjective, loss) -> Objective:
+    """A UNet family's Objective: ``loss(denoiser, batch)`` with the DDPM draws."""
+    return Objective(ddpm_draw(scheduler.config.num_train_timesteps, objective), loss)
 
 
 def ddpm_scheduler(source: Source):
@@ -287,48 +325,48 @@ def hub_kwargs(source: Source) -> dict:
 # --- flow-matching families (Flux, Sana) ------------------------------------------------------
 
 
-def flow_sigmas(objective: FlowObjective, generators, image_tokens: int, device) -> torch.Tensor:
-    """One noise level in (0, 1) per sample from its generator: the objective's density
-    (``diffusers.training_utils``), then shifted towards noise, by the image's token count
-    (Flux's resolution-dependent shift) or by the fixed ``objective.shift``."""
+def flow_draw(objective: FlowObjective, image_tokens: Callable[[tuple[int, ...]], int]) -> Draw:
+    """A flow-matching step's random inputs: each sample's noise, then its noise level in
+    (0, 1) from the objective's density (``diffusers.training_utils``), shifted towards noise
+    by the image's token count (``image_tokens(latent shape)``: Flux's resolution-dependent
+    shift) or by the fixed ``objective.shift``."""
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
-    u = torch.cat(
-        [
-            compute_density_for_timestep_sampling(
-                objective.timestep_sampling,
-                1,
-                logit_mean=objective.logit_mean,
-                logit_std=objective.logit_std,
-                mode_scale=objective.mode_scale,
-                generator=g,
-            )
-            for g in generators
-        ]
-    ).clamp(1e-3, 1 - 1e-3)
-    if objective.resolution_shift:
-        # the line through (256 tokens, 0.5) and (4096 tokens, 1.15), as Flux's sampler uses
-        shift = math.exp(0.5 + (image_tokens - 256) * (1.15 - 0.5) / (4096 - 256))
-    else:
-        shift = objective.shift
-    return (shift * u / (1 + (shift - 1) * u)).to(device)
+    def draw(shape: tuple[int, ...], generators) -> dict[str, torch.Tensor]:
+        noise = per_sample_noise(shape, generators)
+        u = torch.cat(
+            [
+                compute_density_for_timestep_sampling(
+                    objective.timestep_sampling,
+                    1,
+                    logit_mean=objective.logit_mean,
+                    logit_std=objective.logit_std,
+                    mode_scale=objective.mode_scale,
+                    generator=g,
+                )
+                for g in generators
+            ]
+        ).clamp(1e-3, 1 - 1e-3)
+        if objective.resolution_shift:
+            # the line through (256 tokens, 0.5) and (4096 tokens, 1.15), as Flux's sampler uses
+            tokens = image_tokens(shape)
+            shift = math.exp(0.5 + (tokens - 256) * (1.15 - 0.5) / (4096 - 256))
+        else:
+            shift = objective.shift
+        return {"noise": noise, "sigma": shift * u / (1 + (shift - 1) * u)}
+
+    return draw
 
 
-def flow_loss(
-    objective: FlowObjective,
-    latents: torch.Tensor,
-    generators,
-    predict,
-    image_tokens: int,
-    mask=None,
-):
-    """Rectified-flow loss per sample: x_t = (1 - s) x_0 + s noise, target noise - x_0, each
-    latent pixel weighted by ``mask`` (the batch's "mask" if it has one), the sample by the
-    objective's scheme; ``predict(noisy, sigmas)``."""
+def flow_loss(objective: FlowObjective, batch: Batch, predict, mask=None):
+    """Rectified-flow loss per sample: x_t = (1 - s) x_0 + s noise, target noise - x_0, with
+    the batch's drawn noise and levels (``flow_draw``), each latent pixel weighted by ``mask``
+    (the batch's "mask" if it has one), the sample by the objective's scheme;
+    ``predict(noisy, sigmas)``."""
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-    noise = per_sample_noise(latents, generators)
-    sigmas = flow_sigmas(objective, generators, image_tokens, latents.device)
+    latents, sigmas = batch["latent"], batch["sigma"]
+    noise = batch["noise"].to(latents.dtype)
     s = sigmas.to(latents.dtype)[:, None, None, None]
     noisy = (1 - s) * latents + s * noise
     err = mse_per_sample(predict(noisy, sigmas), noise - latents, mask)

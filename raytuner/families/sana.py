@@ -4,7 +4,6 @@ downsampling), conditioned on Gemma-2 hidden states with their attention mask.""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +83,10 @@ class Sana:
     shard_blocks: tuple[str, ...] = ("transformer_blocks",)
     shard_inner: tuple[str, ...] = ()
     compile_blocks: tuple[str, ...] = ("SanaTransformerBlock",)
+    compiled_on_gpu: float | str = (  # H100, torch 2.11, 2026-11-26: the first compiled step
+        "RuntimeError: (*bias): last dimension must be contiguous"
+    )
+    float8_matmul: bool = True
     channels_last: bool = False
     objective_kind: str = "flow"
     guidance_embedding: bool = False
@@ -145,7 +148,7 @@ class Sana:
     def loss(self, source: parts.Source, objective):
         objective = base.objective_of_kind(self, objective)
 
-        def sana_loss(denoiser, batch, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        def sana_loss(denoiser, batch) -> torch.Tensor:
             latents = batch["latent"]
 
             def predict(noisy, sigmas):
@@ -157,12 +160,12 @@ class Sana:
                     timestep=sigmas.to(latents.dtype) * 1000,
                 ).sample
 
-            tokens = latents.shape[2] * latents.shape[3]
-            return base.flow_loss(
-                objective, latents, generators, predict, tokens, batch.get("mask")
-            )
+            return base.flow_loss(objective, batch, predict, batch.get("mask"))
 
-        return sana_loss
+        def tokens(shape: tuple[int, ...]) -> int:  # a token a latent pixel
+            return shape[2] * shape[3]
+
+        return base.Objective(base.flow_draw(objective, tokens), sana_loss)
 
     def save_lora(
         self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +109,8 @@ class SDXL:
     shard_blocks: tuple[str, ...] = ("down_blocks", "mid_block", "up_blocks")
     shard_inner: tuple[str, ...] = ("ResnetBlock2D", "BasicTransformerBlock")
     compile_blocks: tuple[str, ...] = ("BasicTransformerBlock",)
+    compiled_on_gpu: float | str = 1.27  # H100 2026-11-26: 5.68 vs 4.48 samples/s
+    float8_matmul: bool = False
     channels_last: bool = True
     objective_kind: str = "ddpm"
     guidance_embedding: bool = False
@@ -171,7 +172,7 @@ class SDXL:
         objective = base.objective_of_kind(self, objective)
         scheduler = base.ddpm_scheduler(source)
 
-        def sdxl_loss(denoiser, batch, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        def sdxl_loss(denoiser, batch) -> torch.Tensor:
             time_ids = torch.cat(
                 [batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1
             ).to(batch["latent"].dtype)
@@ -183,10 +184,9 @@ class SDXL:
                     noisy, steps, encoder_hidden_states=hidden, added_cond_kwargs=cond
                 ).sample
 
-            latents, mask = batch["latent"], batch.get("mask")
-            return base.ddpm_loss(scheduler, objective, latents, generators, predict, mask)
+            return base.ddpm_loss(scheduler, objective, batch, predict, batch.get("mask"))
 
-        return sdxl_loss
+        return base.ddpm_objective(scheduler, objective, sdxl_loss)
 
     def save_lora(
         self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None

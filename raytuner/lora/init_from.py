@@ -22,6 +22,7 @@ from safetensors.torch import load as load_tensors
 from raytuner import storage
 from raytuner.config import ConfigError
 from raytuner.lora import export, kohya
+from raytuner.lora.header import Header
 
 ADAPTER_KEY = "lora_adapter_metadata"  # the peft config diffusers' save_lora_weights stores
 # what the export keeps of the file's own metadata (sd-scripts' dataset keys are long)
@@ -90,8 +91,9 @@ def _alpha(tensors: dict, adapter: dict, part: str, module: str, rank: int) -> f
     return float(patterns[0] if patterns else adapter["alpha"])
 
 
-def file_modules(tensors: dict, meta: dict, family, denoiser) -> dict:
-    """The file's LoRA per module of the denoiser: {module: (down, up, alpha)}."""
+def file_modules(tensors: dict, meta: dict, family, denoiser, load=None) -> dict:
+    """The file's LoRA per module of the denoiser: {module: (down, up, alpha)}. ``load``: a
+    tensor's values when ``tensors`` are the header's (``check_file``)."""
     dims = export.out_dims(denoiser)
     if not any(k.endswith(".lora_down.weight") for k in tensors):
         return from_diffusers(tensors, meta, family.denoiser_part)
@@ -101,6 +103,9 @@ def file_modules(tensors: dict, meta: dict, family, denoiser) -> dict:
     # diffusers' convert_state_dict_to_kohya (raytuner's earlier exports) names the part
     part = f"lora_{family.denoiser_part}_"
     table = {part + m.replace(".", "_"): (m,) for m in dims} | table
+    if load is not None:  # how a fused linear's LoRA splits depends on its up's values
+        fused = {f"{name}.lora_up.weight" for name, pieces in table.items() if len(pieces) > 1}
+        tensors = {k: load(v) if k in fused else v for k, v in tensors.items()}
     return kohya.from_kohya(tensors, table, dims)
 
 
@@ -112,15 +117,17 @@ class Shape(NamedTuple):
     keys: tuple[str, str, str] = ("lora.rank", "lora.alpha", "lora.target_modules")
 
 
-def _match(found: dict, adapted: set[str], known: set[str], shape: Shape) -> dict:
-    """peft state of the adapter from the file's modules; ValueError where they disagree."""
+def _match(found: dict, adapted: set[str], known: set[str], shape: Shape, load=None) -> dict:
+    """peft state of the adapter from the file's modules; ValueError where they disagree.
+    ``load``: a tensor's values when ``found`` holds the header's (``check_file``)."""
     rank_key, alpha_key, targets_key = shape.keys
     if unknown := sorted(m for m in found if m not in known):
         raise ValueError(
             f"it has a LoRA on {len(unknown)} modules this model does not have "
             f"(e.g. {', '.join(unknown[:4])}): a LoRA of another model"
         )
-    extra = [m for m, (_, up, _) in found.items() if m not in adapted and up.any()]
+    values = load or (lambda t: t)
+    extra = [m for m, (_, up, _) in found.items() if m not in adapted and values(up).any()]
     if extra:
         raise ValueError(
             f"it has a LoRA on {len(extra)} modules {targets_key} does not reach "
@@ -189,7 +196,7 @@ def _untrained(texts: dict, family, text) -> None:
         )
 
 
-def _text_state(tensors: dict, meta: dict, spec, encoder, lora) -> dict[str, torch.Tensor]:
+def _text_state(tensors: dict, meta: dict, spec, encoder, lora, load) -> dict:
     """A text encoder's LoRA in the file (its keys only) as the adapter's checkpoint names
     (``<part>.<peft name>``): sd-scripts' names or diffusers' (from the CLIP's ``text_model``,
     or the model's own module names)."""
@@ -203,7 +210,8 @@ def _text_state(tensors: dict, meta: dict, spec, encoder, lora) -> dict[str, tor
     current = get_peft_model_state_dict(encoder)
     keys = ("lora.text_encoder_rank", "lora.text_encoder_alpha", "lora.text_encoder_target_modules")
     shape = Shape(lora.text_rank, lora.text_alpha, keys)
-    state = _checked(_match(found, set(kohya.modules_of(current)), set(dims), shape), current)
+    adapted = set(kohya.modules_of(current))
+    state = _checked(_match(found, adapted, set(dims), shape, load), current)
     return {f"{spec.part}.{k}": v for k, v in state.items()}
 
 
@@ -214,20 +222,7 @@ def start_from(denoiser, path: str, lora, family, text=()) -> tuple[dict, dict, 
     under their checkpoint names (``<part>.<peft name>``, none where the file has none), and
     the provenance the export keeps. The caller puts them into the adapters (sharded or not)."""
     tensors, meta, sha = read(path)
-    current = get_peft_model_state_dict(denoiser)
-    adapted = set(kohya.modules_of(current))
-    texts = {}
-    try:
-        tensors, by_part = _text_tensors(tensors, family)
-        found = file_modules(tensors, meta, family, denoiser) if tensors else {}
-        shape = Shape(lora.rank, lora.alpha)
-        state = _checked(_match(found, adapted, set(export.out_dims(denoiser)), shape), current)
-        _untrained(by_part, family, text)
-        for spec, encoder in text:
-            if spec.part in by_part:
-                texts |= _text_state(by_part[spec.part], meta, spec, encoder, lora)
-    except (KeyError, ValueError) as e:
-        raise ConfigError(f"lora.init_from = {path!r}: {e}") from None
+    state, texts = _states(tensors, meta, denoiser, path, lora, family, text)
     source = {
         k: v for k, v in meta.items() if k.startswith(SOURCE_PREFIXES) and k not in SOURCE_SKIP
     }
@@ -241,3 +236,45 @@ def start_from(denoiser, path: str, lora, family, text=()) -> tuple[dict, dict, 
             "raytuner.init_from_metadata": json.dumps(source, sort_keys=True),
         },
     )
+
+
+def _states(tensors, meta, denoiser, path, lora, family, text, load=None) -> tuple[dict, dict]:
+    """The file's tensors as the peft states of the denoiser's adapter and of the text
+    encoders' (``start_from``); ConfigError naming ``lora.init_from`` where they do not fit."""
+    current = get_peft_model_state_dict(denoiser)
+    adapted = set(kohya.modules_of(current))
+    texts = {}
+    try:
+        tensors, by_part = _text_tensors(dict(tensors), family)
+        found = file_modules(tensors, meta, family, denoiser, load) if tensors else {}
+        shape = Shape(lora.rank, lora.alpha)
+        known = set(export.out_dims(denoiser))
+        state = _checked(_match(found, adapted, known, shape, load), current)
+        _untrained(by_part, family, text)
+        for spec, encoder in text:
+            if spec.part in by_part:
+                texts |= _text_state(by_part[spec.part], meta, spec, encoder, lora, load)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"lora.init_from = {path!r}: {e}") from None
+    return state, texts
+
+
+def check_file(denoiser, path: str, lora, family, text=()) -> None:
+    """Refuse what ``start_from`` would refuse of ``path``, from the file's header (its keys,
+    ranks and shapes): the weights are not read but for its alphas and where the layout hangs
+    on their values (the up of a fused kohya linear, one of a module the job's targets do not
+    reach). ``denoiser`` (and the encoders of ``text``) may be on the meta device, their
+    adapters in place: `raytuner check` refuses a file that would fail every worker."""
+    try:
+        file = Header(path)
+    except OSError as e:
+        raise ConfigError(f"lora.init_from = {path!r}: cannot read it ({e})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"lora.init_from = {path!r}: not a safetensors file ({e})") from None
+    tensors = file.tensors()
+    names = {id(t): name for name, t in tensors.items()}
+
+    def load(t: torch.Tensor) -> torch.Tensor:
+        return file.load(names[id(t)]) if t.is_meta else t
+
+    _states(tensors, file.metadata, denoiser, path, lora, family, text, load)

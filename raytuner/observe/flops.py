@@ -9,9 +9,13 @@ device (``raytuner plan`` counts its traced step). It is a dispatch mode of its 
 torch's ``FlopCounterMode``, whose module tracking keeps tensors alive and would change what
 ``raytuner plan`` measures of the same step's memory.
 
-MFU = achieved FLOP/s / the device's dense (not 2:4 sparse) bfloat16 peak from ``PEAKS`` (vendor
-data sheets), or the peak given (``scaling.peak_tflops``, ``--peak-tflops``); a device the table
-does not know, and every CPU, has MFU "unknown" rather than a number against a wrong peak.
+Two utilisations, named as such: **MFU** (model FLOPs utilisation) counts the model's work
+alone, forward and backward, and **HFU** (hardware FLOPs utilisation) adds what the step does
+again, the forward that gradient checkpointing recomputes in backward. Both are achieved FLOP/s
+over the device's dense (not 2:4 sparse) bfloat16 peak from ``PEAKS`` (vendor data sheets), or
+the peak given (``scaling.peak_tflops``); a device the table does not know, a MIG slice (a share
+of a GPU whose peak is not the whole GPU's) and every CPU have "unknown" rather than a number
+against a wrong peak.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ PEAKS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756.0),
     ("H100 NVL", 835.0),
     ("H100", 989.4),  # SXM (HBM3)
-    ("H200", 989.4),
+    ("H200 NVL", 835.0),
+    ("GH200", 989.4),
+    ("H200", 989.4),  # SXM
     ("H20", 148.0),
     ("B200", 2250.0),
     ("A100", 312.0),
@@ -66,11 +72,15 @@ def _custom() -> dict:
 
 
 class Counter(TorchDispatchMode):
-    """The FLOPs of every op with a formula, added up; it keeps no reference to any tensor."""
+    """The FLOPs of every op with a formula, added up (``total``), and of those the forward
+    ops that ran again inside backward (``recompute``: gradient checkpointing's, which runs them
+    with gradients on while autograd's own backward formulas run with them off); it keeps no
+    reference to any tensor."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.recompute = 0
         custom = {op: shape_wrapper(f) for op, f in _custom().items()}
         self.formulas = flop_registry | custom
 
@@ -79,11 +89,19 @@ class Counter(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = self.formulas.get(func._overloadpacket)
         if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
+            n = formula(*args, **kwargs, out_val=out)
+            self.total += n
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+                self.recompute += n
         return out
 
     def get_total_flops(self) -> int:
         return self.total
+
+    @property
+    def model(self) -> int:
+        """The model's FLOPs: forward and backward, without the recompute."""
+        return self.total - self.recompute
 
 
 @contextlib.contextmanager
@@ -105,10 +123,18 @@ def device_peak(device: torch.device, given: float = 0.0) -> float | None:
         return given
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_of(torch.cuda.get_device_name(device))
+
+
+def peak_of(name: str) -> float | None:
+    """The dense bfloat16 peak of the GPU torch names ``name``; None for one the table does not
+    list and for a MIG slice ("... MIG 1g.10gb"), which has a fraction of the GPU's peak."""
+    if "MIG" in name.split():
+        return None
     return next((peak for part, peak in PEAKS if part in name), None)
 
 
 def mfu(tflop_per_s: float, peak: float | None) -> float | None:
-    """The share of the peak the achieved TFLOP/s are; None when the peak is unknown."""
+    """The share of the peak the achieved TFLOP/s are; None when the peak is unknown. Given the
+    model's TFLOP/s it is the MFU, given the hardware's (recompute included) the HFU."""
     return None if not peak else tflop_per_s / peak

@@ -16,8 +16,12 @@ GAUGES = {
     "raytuner_train_step_time_s": "seconds per optimizer step",
     "raytuner_train_data_wait_fraction": "share of step time rank 0 waited for its batch",
     "raytuner_train_step": "optimizer steps done",
-    "raytuner_train_tflops_per_s": "achieved TFLOP/s of a training worker (counted FLOPs)",
-    "raytuner_train_mfu": "TFLOP/s over the GPU's dense bfloat16 peak (where it is known)",
+    "raytuner_train_tflops_per_s": "the model's TFLOP/s a training worker achieved (counted "
+    "FLOPs of forward and backward, without gradient checkpointing's recompute)",
+    "raytuner_train_mfu": "model FLOPs utilisation: the model's TFLOP/s over the GPU's dense "
+    "bfloat16 peak (where it is known)",
+    "raytuner_train_hfu": "hardware FLOPs utilisation: the TFLOP/s of everything computed, "
+    "the recompute included, over the same peak",
     "raytuner_checkpoint_time_s": "seconds rank 0 spent writing and reporting a checkpoint",
     "raytuner_images_encoded_per_s": "images per second through the VAE encoder pool",
     "raytuner_validation_time_s": "seconds the last validation render took",

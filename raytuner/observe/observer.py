@@ -22,6 +22,7 @@ TRAIN_GAUGES = {  # window metric -> its dashboard gauge (declared in raytuner.o
     "data_wait_fraction": "raytuner_train_data_wait_fraction",
     "tflops_per_s": "raytuner_train_tflops_per_s",
     "mfu": "raytuner_train_mfu",  # absent where the device's peak is unknown
+    "hfu": "raytuner_train_hfu",
 }
 
 
@@ -87,12 +88,14 @@ class Observer:
 
     def window(self, step: int, m: dict[str, float | None], lr: float) -> None:
         eta = datetime.timedelta(seconds=round((self.max_steps - step) * m["step_time_s"]))
-        mfu = "unknown" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
+        use = "unknown" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
+        if m.get("hfu") is not None and m["hfu"] != m["mfu"]:  # checkpointing recomputes
+            use += f", HFU {100 * m['hfu']:.1f}%"
         log.info(
             "step %d/%d loss %.4f lr %.2e %.1f samples/s %.3g TFLOP/s (MFU %s) data wait "
             "%.1f%% ETA %s",
             *(step, self.max_steps, m["loss"], lr, m["samples_per_s"], m.get("tflops_per_s", 0.0)),
-            mfu,
+            use,
             *(100 * m["data_wait_fraction"], eta),
         )
         known = {key: m[key] for key in TRAIN_GAUGES if m.get(key) is not None}

@@ -51,8 +51,10 @@ def inputs(tensor: torch.Tensor, device, dtype=None) -> torch.Tensor:
 
 
 def batch(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    """A training batch on the compute device (asynchronously from pinned host memory)."""
-    return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+    """A training batch on the compute device (asynchronously from pinned host memory), its
+    floating-point tensors made float32 there (the feed reads them in the cache's dtype)."""
+    moved = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+    return {k: v.float() if v.is_floating_point() else v for k, v in moved.items()}
 
 
 def load_device(device: torch.device, memory, float8: bool = False) -> torch.device:
@@ -62,12 +64,13 @@ def load_device(device: torch.device, memory, float8: bool = False) -> torch.dev
     return torch.device("cpu") if memory.blocks_to_swap or float8 else device
 
 
-def memory_format(denoiser: nn.Module, family, device) -> None:
+def memory_format(denoiser: nn.Module, family, device, wanted: bool = True) -> None:
     """The UNets' convolutions in channels-last format on GPUs (the family's
-    ``channels_last``): cuDNN's NHWC kernels under bfloat16, no layout change around each
-    convolution. An unsharded model only (a sharded one keeps its rows as they are)."""
+    ``channels_last``, unless ``train.channels_last = false``): cuDNN's NHWC kernels under
+    bfloat16, no layout change around each convolution. An unsharded model only (a sharded one
+    keeps its rows as they are)."""
     sharded = any(sharding.is_sharded(p) for p in denoiser.parameters())
-    if family.channels_last and torch.device(device).type == "cuda" and not sharded:
+    if wanted and family.channels_last and torch.device(device).type == "cuda" and not sharded:
         denoiser.to(memory_format=torch.channels_last)
 
 
@@ -171,8 +174,9 @@ class DenoiserPlacement:
     def distributed(self, prepare):
         """The denoiser wrapped for data parallel training by ``prepare`` (Ray Train's
         ``prepare_model``): frozen parameters are on DDP's ignore list (no broadcast of frozen
-        weights at start, no bucket for them, streamed ones may be on either side), and the
-        model is not moved again. A sharded denoiser (``sharding``) is distributed already."""
+        weights at start, no bucket for them, streamed ones may be on either side), gradients
+        are views of DDP's buckets, the graph is static, and the model is not moved again. A
+        sharded denoiser (``sharding``) is distributed already."""
         from torch.nn.parallel import DistributedDataParallel
 
         if any(sharding.is_sharded(p) for p in self.denoiser.parameters()):
@@ -181,7 +185,10 @@ class DenoiserPlacement:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             self.denoiser, self.frozen_names()
         )
-        return prepare(self.denoiser, move_to_device=False)
+        # gradients written into DDP's buckets (no second copy of them); the same parameters
+        # take part in every step, so DDP need not search the graph for unused ones
+        options = {"gradient_as_bucket_view": True, "static_graph": True}
+        return prepare(self.denoiser, move_to_device=False, parallel_strategy_kwargs=options)
 
     def release(self) -> None:
         """Stop streaming: every swapped block's frozen weights bound to their host copy (to

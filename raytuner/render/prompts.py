@@ -13,10 +13,11 @@ scheduler renders. Pure: no torch, no pipeline.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import asdict, dataclass
 
 from raytuner import storage
+from raytuner.config.ranges import SEED_MAX, Range
+from raytuner.config.sections import MAX_GUIDANCE, MAX_RENDER_STEPS, MAX_SIDE
 
 # kohya's option letter -> (PromptLine field, what it is)
 OPTIONS = {
@@ -36,7 +37,16 @@ UNSUPPORTED = {
     "rcfg": "a CFG renormalisation",
     "fs": "a flow shift: the pipeline's scheduler sets it",
 }
-MAX_STEPS = 1000  # sd-scripts clamps --s to 1..1000
+# what a number option allows (a size must also be a multiple of the family's pixel grid):
+# the ranges of the job's keys each sets (validation.width/height/steps/seeds/guidance_scale)
+RANGES = {
+    "w": Range(8, MAX_SIDE),
+    "h": Range(8, MAX_SIDE),
+    "s": Range(1, MAX_RENDER_STEPS),  # sd-scripts clamps --s to 1..1000
+    "d": Range(0, SEED_MAX),
+    "l": Range(0, MAX_GUIDANCE),
+    "g": Range(0, MAX_GUIDANCE),
+}
 log = logging.getLogger("raytuner.prompts")
 
 
@@ -107,15 +117,17 @@ def _value(letter: str, text: str, where: str):
         value = float(text) if letter in "lg" else int(text, 10)
     except ValueError:
         raise PromptsError(f"{where}: --{letter} {text!r} is not a number ({what})") from None
-    if letter in "lg" and not (math.isfinite(value) and value >= 0):
-        raise PromptsError(f"{where}: --{letter} {text}: must be a number >= 0")
-    if letter in "whs" and value < 1:
-        raise PromptsError(f"{where}: --{letter} {text}: must be at least 1")
-    if letter == "s" and value > MAX_STEPS:
-        raise PromptsError(f"{where}: --s {text}: at most {MAX_STEPS} steps")
-    if letter == "d" and value < 0:
-        raise PromptsError(f"{where}: --d {text}: a seed is >= 0")
+    in_range(f"{where}: --{letter}", letter, value)
     return value
+
+
+def in_range(option: str, letter: str, value: float) -> None:
+    """Refuse a number option's ``value`` outside its range (``RANGES``), naming ``option``
+    (``line 3: --d``, or `raytuner sample`'s ``--seed``)."""
+    rng = RANGES[letter]
+    if not rng.allows(value):
+        what = OPTIONS[letter][1]
+        raise PromptsError(f"{option} {value}: must be {rng.text(letter in 'whsd')} ({what})")
 
 
 def parse_line(text: str, number: int = 0) -> PromptLine | None:
@@ -199,11 +211,17 @@ def check_line(p: PromptLine, family) -> None:
             "classifier-free guidance scale is --l"
         )
     for letter, side in (("w", p.width), ("h", p.height)):
-        if side is not None and side % family.pixel_grid:
-            raise PromptsError(
-                f"{where}: --{letter} {side}: {family.name} renders sides that are multiples of "
-                f"{family.pixel_grid} pixels"
-            )
+        on_grid(f"{where}: --{letter}", side, family)
+
+
+def on_grid(option: str, side: int | None, family) -> None:
+    """Refuse an image side (``option``: ``line 3: --w``, ``--width``, ``validation.width =``)
+    that is not a multiple of the family's pixel grid; None and 0 (the default) pass."""
+    if side and side % family.pixel_grid:
+        raise PromptsError(
+            f"{option} {side}: {family.name} renders sides that are multiples of "
+            f"{family.pixel_grid} pixels"
+        )
 
 
 def resolve(lines: list[PromptLine], family, defaults: Defaults) -> list[Render]:

@@ -10,11 +10,16 @@ same jobs. A job's own sections checked their values and each other when it was 
 - a ``[memory]`` section the family's denoiser cannot run (``placement.check``);
 - ``scaling.strategy = "fsdp"`` with what cannot take sharded weights: block swap, float8
   storage, the 8-bit AdamW, Adafactor and Prodigy (their states are not a weight's rows);
-- ``train.compile`` with block swap;
+- ``train.compile = true`` with block swap, or on GPU workers for a family whose compiled
+  blocks failed on a GPU;
 - a single-file ``model.pretrained`` that is missing or that its family cannot load;
 - a validation prompts file that is missing, or a line the family cannot render (``--n``
   without negative prompts, ``--g`` without a guidance embedding, sizes off its grid);
-- a ``lora.init_from`` file that is not there, or set for a run that trains no LoRA;
+- a ``lora.init_from`` file that is not there, or set for a run that trains no LoRA, or
+  whose LoRA does not fit the job's adapter (rank, alpha, modules, shapes: read from its
+  header), and LoRA target modules that reach no module, or that the family's kohya layout
+  has no name for (``check_lora``: the model built on the meta device);
+- ``validation.width`` / ``height`` off the model's pixel grid;
 - ``lora.text_encoder`` for a family whose text encoders raytuner does not train;
 - a relative ``data.cache`` or ``train.output`` when the command runs in Ray's temporary copy of
   a job's working dir (``ray job submit --working-dir``, a runtime_env ``working_dir``), where
@@ -41,9 +46,8 @@ the model, still is.
 What needs the cache, the run folder or the cluster is refused where they are read, before any
 worker starts: a bucket too small for one global batch and a resume of a run trained on other
 settings (``train/trainer.py``), a worker group larger than the cluster can hold within
-``scaling.resource_wait_s`` (``runtime.wait_for_resources``). The LoRA targets the family's
-kohya layout has no name for, and the content of a ``lora.init_from`` file, are refused when
-the worker builds its adapter (the model must exist for both).
+``scaling.resource_wait_s`` (``runtime.wait_for_resources``). What a worker or actor still
+refuses (docs/reliability.md lists it) reaches the user as the same exit 2 and one line.
 
 The family says what it is (``pixel_grid``, ``pixel_multiple``, ``objective_kind``,
 ``guidance_embedding``, ``single_file_parts``, ``text_encoder_loras``); nothing here asks which
@@ -75,7 +79,8 @@ from raytuner.config import (
 from raytuner.config.objective import KINDS
 from raytuner.families import parts
 from raytuner.observe import tracking
-from raytuner.train import text_lora
+from raytuner.tools import check_lora
+from raytuner.train import float8_matmul, text_lora
 from raytuner.train.optim import missing_package
 
 log = logging.getLogger("raytuner")
@@ -95,8 +100,9 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
     _bucket_sizes(job.preprocess, family)
     _objective_kind(job.objective, family)
     _sharding(job)
-    _compile(job)
-    _init_from(job)
+    _compile(job, family)
+    _float8_matmul(job, family)
+    check_lora.init_from(job)
     text_lora.check(job.lora, family)
     if runs:
         _packages(job)
@@ -104,6 +110,7 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
     _validation_prompts(job.validation, family)
     # a released repo: its architecture from the package, no download
     placement.check(job.memory, family, parts.model_source(job.model, "cpu"))
+    check_lora.adapter(job, family)  # builds the model on the meta device when needed
     if runs:
         _outputs_outside_ray_working_dir(job)
     if runs and reads_images:
@@ -144,14 +151,22 @@ def _sharding(job: JobConfig) -> None:
         )
 
 
-def _compile(job: JobConfig) -> None:
-    """``train.compile`` compiles each repeated block once; a streamed block's weights are
-    swapped in by hooks inside the compiled call, which dynamo cannot trace."""
-    if job.train.compile and job.memory.blocks_to_swap:
+def _compile(job: JobConfig, family) -> None:
+    """``train.compile = true`` compiles each repeated block once; a streamed block's weights
+    are swapped in by hooks inside the compiled call, which dynamo cannot trace; and a family
+    whose compiled step failed on a GPU is refused it on GPU workers (``"auto"`` leaves it
+    eager there)."""
+    if job.train.compile is True and job.memory.blocks_to_swap:
         raise ConfigError(
             f"train.compile = true with memory.blocks_to_swap = {job.memory.blocks_to_swap}: "
             "a streamed block's weights arrive through hooks the compiled block cannot hold; "
-            "set train.compile = false or memory.blocks_to_swap = 0"
+            'set train.compile = false (or "auto") or memory.blocks_to_swap = 0'
+        )
+    failed = family.compiled_on_gpu
+    if job.train.compile is True and job.scaling.use_gpu and isinstance(failed, str):
+        raise ConfigError(
+            f"train.compile = true: the {family.name} denoiser's compiled blocks failed on a GPU "
+            f"({failed}); set train.compile = false or \"auto\" (which leaves them eager)"
         )
 
 
@@ -255,13 +270,30 @@ def _image_folders(data: DataConfig) -> None:
 
 
 def _packages(job: JobConfig) -> None:
-    """The optimizer's and the trackers' packages are installed."""
+    """The optimizer's, the float8 matmuls' and the trackers' packages are installed."""
     if package := missing_package(job.train.optimizer):
         raise ConfigError(
             f"train.optimizer = {job.train.optimizer!r} needs the {package} package: "
             "pip install 'raytuner[lowvram]', or use adamw or adafactor"
         )
+    if job.train.float8_matmul and float8_matmul.missing_package():
+        raise ConfigError(
+            "train.float8_matmul = true needs the torchao package: pip install "
+            "'raytuner[fp8]', or set train.float8_matmul = false"
+        )
     _trackers(job.tracking)
+
+
+def _float8_matmul(job: JobConfig, family) -> None:
+    """Float8 matrix products are for the transformer families' blocks."""
+    if job.train.float8_matmul and not family.float8_matmul:
+        from raytuner.families import FAMILIES
+
+        able = ", ".join(n for n, f in FAMILIES.items() if f.float8_matmul)
+        raise ConfigError(
+            f"train.float8_matmul = true: the {family.name} denoiser's linears are not made "
+            f"for float8 here (allowed for {able}); set train.float8_matmul = false"
+        )
 
 
 def _model_file(model: ModelConfig, family) -> None:
@@ -370,6 +402,11 @@ def _validation_prompts(v: ValidationConfig, family) -> None:
             f"validation.negative_prompt = {v.negative_prompt!r}: {family.name}'s pipeline takes "
             "no negative prompt (no classifier-free guidance); remove the key"
         )
+    try:
+        for key in ("width", "height"):
+            prompts.on_grid(f"validation.{key} =", getattr(v, key), family)
+    except prompts.PromptsError as e:
+        raise ConfigError(f"{e}; 0 renders at the job's resolution") from None
     if not v.prompts_file:
         return
     try:
@@ -377,21 +414,3 @@ def _validation_prompts(v: ValidationConfig, family) -> None:
             prompts.check_line(line, family)
     except prompts.PromptsError as e:
         raise ConfigError(f"validation.prompts_file = {v.prompts_file!r}: {e}") from None
-
-
-def _init_from(job: JobConfig) -> None:
-    """A LoRA to start from: for a LoRA run, and (a local path) there. A URI is read when the
-    workers start."""
-    path = job.lora.init_from
-    if not path:
-        return
-    if job.train.mode != "lora":
-        raise ConfigError(
-            f"lora.init_from = {path!r}: train.mode = {job.train.mode!r} trains no LoRA; "
-            'remove the key or set train.mode = "lora"'
-        )
-    if "://" not in path and not os.path.isfile(os.path.expanduser(path)):
-        raise ConfigError(
-            f"lora.init_from = {path!r}: no such file (a relative path is from the working "
-            f"directory, {os.getcwd()})"
-        )

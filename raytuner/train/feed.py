@@ -4,8 +4,11 @@ The cursor (epoch, next global batch) is ours, not a data iterator's: Ray 2.60's
 restart at the epoch start after a failure, so resuming mid-epoch exactly needs our own. The
 thread walks the same deterministic schedule from the cursor, reads this rank's rows of each
 global batch from the cache (only those: ``CachedDataset.batch``) and stacks them into tensors
-(pinned when training on a GPU), at most ``prefetch`` batches ahead and as many at once, so the
-step only waits when the reads are slower than the step itself; that wait is measured.
+straight into pinned memory when training on a GPU, in the cache's dtype (the step makes them
+float32 on the device: half the bytes cross the bus), at most ``prefetch`` batches ahead and as
+many at once, so the step only waits when the reads are slower than the step itself; that wait
+is measured. With the objective's ``draw`` the thread also makes each sample's noise and
+timestep (or noise level) from its seed, so the step starts no host-to-device copy of its own.
 """
 
 from __future__ import annotations
@@ -32,14 +35,14 @@ from raytuner.train.schedule import (
 def latent_draw(mean: torch.Tensor, std: torch.Tensor, seeds: list[int]) -> torch.Tensor:
     """``mean + std * eps``: a draw from each sample's cached VAE posterior, ``eps`` from a
     stream of the sample's own seed (not its noise's): the same on any rank and after a
-    resume. Drawn in float32, returned in the cache's dtype."""
+    resume. Drawn and returned in float32."""
     eps = torch.stack(
         [
             torch.randn(mean.shape[1:], generator=torch.Generator().manual_seed(s ^ 0x5EED))
             for s in seeds
         ]
     )
-    return (mean.float() + std.float() * eps).to(mean.dtype)
+    return mean.float() + std.float() * eps
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,17 @@ class Feed:
         caption_dropout: float = 0.0,
         prior_loss_weight: float = 1.0,
         tokenize=None,
+        draw=None,
     ) -> None:
         """``tokenize``: captions -> token ids (``text_lora.TextLora.tokens``), for a step that
         encodes them itself (``lora.text_encoder``; ``data`` opened with its captions): each
-        batch then carries its rows' token ids, a dropped caption the empty one's."""
+        batch then carries its rows' token ids, a dropped caption the empty one's. ``draw``:
+        the objective's (``families.base.Objective.draw``): each batch then carries its samples'
+        noise and timesteps, drawn from their seeds as the loss would draw them."""
         self.data, self.seed, self.gbs, self.remainder = data, seed, global_batch_size, remainder
         self.caption_dropout, self.prior_loss_weight = caption_dropout, prior_loss_weight
         self.rank, self.world, self.pin, self.tokenize = rank, world, pin, tokenize
+        self.draw = draw
         # a source's repeats are repeated appearances of its rows in the schedule
         self.rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
         buckets = data.buckets
@@ -108,7 +115,7 @@ class Feed:
         rows = [self.rows[j] for j in mine]
         pairs = zip(rows, seeds, strict=True)
         flips = [bool(self.data.flippable[i]) and flipped(s) for i, s in pairs]
-        tensors = self.data.batch(rows, empty_caption=dropped, flipped=flips)
+        tensors = self.data.batch(rows, None, dropped, flips, pin=self.pin)
         if self.tokenize is not None:  # trained text encoders: the step encodes the captions
             tensors |= self.tokenize(self.data.captions(rows, dropped))
         if "latent_std" in tensors:  # preprocess.store_std: train on a draw, not the mean
@@ -117,8 +124,11 @@ class Feed:
             reg = self.data.regularization[rows]
             weights = [self.prior_loss_weight if r else 1.0 for r in reg]
             tensors["loss_weight"] = torch.tensor(weights, dtype=torch.float32)
-        if self.pin:
-            tensors = {k: v.pin_memory() for k, v in tensors.items()}
+        if self.draw is not None:  # from each sample's own generator, as the loss would
+            generators = [torch.Generator().manual_seed(s) for s in seeds]
+            tensors |= self.draw(tuple(tensors["latent"].shape), generators)
+        if self.pin:  # the rows read were stacked into pinned memory already
+            tensors = {k: v if v.is_pinned() else v.pin_memory() for k, v in tensors.items()}
         ids = [self.paths[j] for j in mine]
         return RankSlice(epoch, index, len(batches), tensors, seeds, ids, tuple(flips))
 
@@ -194,11 +204,13 @@ def open_feed(
     world: int,
     pin: bool,
     text=None,
+    draw=None,
 ) -> Feed:
     """The feed of one rank over the committed version ``fp`` as ``manifest`` describes it (the
     one the job started with); the caller starts it at its cursor and closes it and its data.
     ``text``: the trained text encoders' LoRA (``text_lora.TextLora``): the batches carry token
-    ids of the captions in place of the cached text tensors it computes."""
+    ids of the captions in place of the cached text tensors it computes; ``draw``: the
+    objective's, the batches carry each sample's noise and timesteps."""
     computed = text.outputs if text is not None else ()
     return Feed(
         open_dataset(cache, fp, manifest, computed),
@@ -212,4 +224,5 @@ def open_feed(
         caption_dropout=train.caption_dropout,
         prior_loss_weight=train.prior_loss_weight,
         tokenize=text.tokens if text is not None else None,
+        draw=draw,
     )

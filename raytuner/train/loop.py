@@ -66,20 +66,22 @@ class LoopConfig:
 class Meter:
     """Loss, throughput, work and data wait over the steps since the last flush. The loss stays
     on the device until the flush, so steps do not synchronise with the host to log it.
-    ``peak``: the device's dense bfloat16 TFLOP/s (None: MFU unknown)."""
+    ``peak``: the device's dense bfloat16 TFLOP/s (None: MFU and HFU unknown)."""
 
     def __init__(self, device: torch.device, peak: float | None = None) -> None:
         self.device, self.peak = device, peak
         self._reset()
 
     def _reset(self) -> None:
-        self.sums, self.steps = torch.zeros(2, dtype=torch.float64, device=self.device), 0
+        self.sums, self.steps = torch.zeros(3, dtype=torch.float64, device=self.device), 0
         self.tick = time.perf_counter()
 
-    def add(self, loss_sum: torch.Tensor, flops: float = 0.0) -> None:
-        """A step's loss sum and this rank's FLOPs of it."""
+    def add(self, loss_sum: torch.Tensor, flops: float = 0.0, model_flops: float = 0.0) -> None:
+        """A step's loss sum and this rank's FLOPs of it: the hardware's (recompute included)
+        and the model's."""
         self.sums[0] += loss_sum.detach()
         self.sums[1] += flops
+        self.sums[2] += model_flops
         self.steps += 1
 
     def flush(self, global_batch_size: int, wait_s: float) -> dict[str, float | None]:
@@ -90,16 +92,18 @@ class Meter:
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
             world = dist.get_world_size()
-        loss, work = total.tolist()
+        loss, work, model_work = total.tolist()
         samples = self.steps * global_batch_size
-        tflops = work / seconds / world / 1e12
+        tflops, model_tflops = (w / seconds / world / 1e12 for w in (work, model_work))
         out = {
             "loss": loss / samples,
             "samples_per_s": samples / seconds,
             "step_time_s": seconds / self.steps,
             "data_wait_fraction": wait_s / seconds,
-            "tflops_per_s": tflops,
-            "mfu": flops.mfu(tflops, self.peak),
+            "tflops_per_s": model_tflops,  # the model's work (no recompute) a second
+            "hardware_tflops_per_s": tflops,
+            "mfu": flops.mfu(model_tflops, self.peak),
+            "hfu": flops.mfu(tflops, self.peak),
         }
         self._reset()
         return out
@@ -143,7 +147,8 @@ class Worker:
         self.step = train_step(trained, model, loss_fn, opt, sched, t, cfg.memory, device, world)
         pin = device.type == "cuda"
         where = (cfg.cache, cfg.fingerprint, cfg.manifest)
-        self.feed = open_feed(t, *where, self.rank, world, pin, trained.weights.text)
+        text = trained.weights.text
+        self.feed = open_feed(t, *where, self.rank, world, pin, text, loss_fn.draw)
         self.feed.start(self.state.epoch, self.state.index)
         run_dir = cfg.run_dir if t.sample_log else None
         self.samples = SampleLog(run_dir, attempt_id(), self.rank, world)
@@ -197,7 +202,7 @@ class Worker:
         """Train this rank's slice of the next global batch; the step and cursor move past it."""
         st = self.state
         batch = self.feed.next(st.epoch, st.index)
-        self.meter.add(self.step(batch), self.step.flops)
+        self.meter.add(self.step(batch), self.step.flops, self.step.model_flops)
         st.step, (st.epoch, st.index) = st.step + 1, batch.after()
         self.samples.add(st.step, batch.epoch, batch.index, batch.ids)
 

@@ -54,6 +54,7 @@ def forward_backward(
         last = a + size >= n
         no_sync = getattr(model, "no_sync", None)
         sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
+        # the samples' own generators, for a loss whose batch lacks the feed's draws
         generators = [torch.Generator().manual_seed(s) for s in batch.seeds[a : a + size]]
         with sync, placement.activations(offload, device):
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
@@ -80,14 +81,17 @@ class TrainStep:
     sched: object  # the learning-rate schedule, stepped after each optimizer step
     device: torch.device
     micro_batch_size: int  # train.micro_batch_size
-    max_grad_norm: float  # train.max_grad_norm
+    max_grad_norm: float  # train.max_grad_norm; 0: no clipping
     scale: float  # world / global batch size: the update is the global batch's mean
     amp: torch.dtype | None = None  # autocast dtype
     offload: bool = False  # memory.activation_offload
     text: object = None  # train.text_lora.TextLora (lora.text_encoder), else None
-    # FLOPs of forward and backward (recompute included) of one sample, per latent shape
+    # FLOPs of one sample, per latent shape: the hardware's (forward, backward and the forward
+    # gradient checkpointing recomputes) and the model's (without the recompute)
     per_sample: dict = field(default_factory=dict)
-    flops: float = 0.0  # of the last step (this rank's slice)
+    model_per_sample: dict = field(default_factory=dict)
+    flops: float = 0.0  # the hardware's, of the last step (this rank's slice)
+    model_flops: float = 0.0  # the model's, of the last step
 
     def __call__(self, batch: Slice) -> torch.Tensor:
         shape = tuple(batch.tensors["latent"].shape[1:])
@@ -99,10 +103,13 @@ class TrainStep:
             )  # fmt: skip
         if counting:
             self.per_sample[shape] = counter.get_total_flops() / len(batch.seeds)
+            self.model_per_sample[shape] = counter.model / len(batch.seeds)
         self.flops = self.per_sample[shape] * len(batch.seeds)
+        self.model_flops = self.model_per_sample[shape] * len(batch.seeds)
         if self.text is not None:  # not DDP-wrapped: averaged over the workers here
             self.text.average_gradients()
-        torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)
+        if self.max_grad_norm:  # 0: no clipping (what sd-scripts and SimpleTuner read in 0)
+            torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)

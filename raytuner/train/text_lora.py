@@ -80,6 +80,7 @@ class TextLora:
         self.lr = lora.text_encoder_lr  # 0: train.learning_rate
         targets = list(lora.text_encoder_target_modules or family.text_encoder_lora_targets)
         self.names, self.params = [], []
+        self._trained: list[bool] | None = None  # which get a gradient (average_gradients)
         for spec, module in zip(self.specs, encoder.encoders, strict=True):
             config = PeftLoraConfig(
                 r=lora.text_rank,
@@ -174,24 +175,30 @@ class TextLora:
 
     def average_gradients(self) -> None:
         """Average the LoRA's gradients over the workers (sum / world, as DDP does for the
-        denoiser's): one all-reduce of every gradient and of whether a worker has one. A
-        parameter no worker has a gradient for (SDXL's CLIP-L last layer: its output is not
-        used) keeps none, as on a single worker, so the optimizer leaves it alone."""
+        denoiser's): one all-reduce of every gradient. A parameter no worker has a gradient for
+        (SDXL's CLIP-L last layer: its output is not used) keeps none, as on a single worker, so
+        the optimizer leaves it alone; which those are is worked out once, on the first step
+        (an all-reduce of whether each worker has one, read on the host), not at every step."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
+        if self._trained is None:
+            flags = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32)
+            flags = flags.to(self.params[0].device)
+            dist.all_reduce(flags)
+            self._trained = [bool(f) for f in flags.tolist()]
         grads = [
             p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
-            for p in self.params
+            for p, trained in zip(self.params, self._trained, strict=True)
+            if trained
         ]
-        flags = torch.tensor([p.grad is not None for p in self.params], dtype=grads[0].dtype)
-        flat = torch.cat([*grads, flags.to(grads[0].device)])
+        if not grads:
+            return
+        flat = torch.cat(grads)
         dist.all_reduce(flat)
         flat /= dist.get_world_size()
-        grads = flat[: -len(self.params)].split([p.numel() for p in self.params])
-        had = flat[-len(self.params) :].tolist()
-        for p, grad, any_grad in zip(self.params, grads, had, strict=True):
-            if any_grad:
-                p.grad = grad.view_as(p).clone()
+        mine = [p for p, trained in zip(self.params, self._trained, strict=True) if trained]
+        for p, grad in zip(mine, flat.split([p.numel() for p in mine]), strict=True):
+            p.grad = grad.view_as(p).clone()
 
 
 def build(family, source, device: torch.device, lora, train, dtype: torch.dtype) -> TextLora:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -24,7 +25,9 @@ from raytuner.lora import export, kohya
 from raytuner.lora import init_from as lora_init
 from raytuner.placement import sharding
 from raytuner.runs import KOHYA_FILE, LORA_DIR
-from raytuner.train import text_lora
+from raytuner.train import float8_matmul, text_lora
+
+log = logging.getLogger("raytuner.train")
 
 
 def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -40,11 +43,22 @@ def autocast_dtype(precision: str, device: torch.device, frozen: torch.dtype):
     return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
 
 
-def attention_backends(device: torch.device) -> None:
-    """Keep cuDNN's fused attention out of training: its backward failed on an H100 (torch
-    2.11, Flux at 1024 px: "mha_graph.execute ... is_good()"), where flash attention runs."""
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
+def attention_backends(device: torch.device, choice: str = "auto") -> None:
+    """The attention kernels training may use on a GPU (``train.attention``): ``auto`` keeps
+    cuDNN's fused attention out (its backward failed on an H100, torch 2.11, Flux at 1024 px:
+    "mha_graph.execute ... is_good()", where flash attention runs) and lets torch choose among
+    the rest; any other choice is that kernel alone, so a shape it cannot run fails loudly
+    rather than falling back to another (a bench compares the kernel it names)."""
+    if device.type != "cuda":
+        return
+    b = torch.backends.cuda
+    if choice == "auto":
+        b.enable_cudnn_sdp(False)
+        return
+    b.enable_flash_sdp(choice == "flash")
+    b.enable_mem_efficient_sdp(choice == "efficient")
+    b.enable_cudnn_sdp(choice == "cudnn")
+    b.enable_math_sdp(choice == "math")
 
 
 class Weights:
@@ -105,7 +119,8 @@ class Weights:
         if ema_decay:
             from diffusers.training_utils import EMAModel
 
-            self.ema = EMAModel(self.params, decay=ema_decay)
+            # one update for every tensor (foreach); a sharded run's rows one by one
+            self.ema = EMAModel(self.params, decay=ema_decay, foreach=not self.sharded)
 
     @property
     def sharded(self) -> bool:
@@ -250,6 +265,7 @@ class Trainable(NamedTuple):
     source: object  # parts.Source
     amp: torch.dtype | None
     placement: object  # raytuner.placement.DenoiserPlacement
+    compiled: bool = False  # its repeated blocks compiled (train.compile)
 
 
 def trainable_model(
@@ -276,7 +292,7 @@ def trainable_model(
     source = source or parts.model_source(model, device)
     if train.mode == "full":
         source = dataclasses.replace(source, dtype=trainable)
-    attention_backends(device)
+    attention_backends(device, train.attention)
     amp = autocast_dtype(train.mixed_precision, device, source.dtype)
     float8, place = model.dtype == parts.FLOAT8, None
     if device.type == "meta":
@@ -308,12 +324,43 @@ def trainable_model(
         place=place,
         text=text,
     )
+    if amp is not None:  # the LoRA layers' inputs left in the compute dtype (see _no_casts)
+        _no_casts(denoiser)
+        for encoder in text.encoder.encoders if text is not None else []:
+            _no_casts(encoder)
     placed = placement.DenoiserPlacement(denoiser, family, device, swapped, memory.swap_ring)
     placed.average(weights.ema)
-    placement.memory_format(denoiser, family, device)
-    if train.compile and device.type != "meta":
+    placement.memory_format(denoiser, family, device, train.channels_last)
+    if train.float8_matmul and device.type != "meta":  # frozen base linears in float8
+        float8_matmul.refuse_device(device)
+        float8_matmul.convert(denoiser, family)
+    compiled = compiles(train.compile, family, device, swapped)
+    if compiled:
         compile_blocks(denoiser, family)
-    return Trainable(denoiser, weights, source, amp, placed)
+    return Trainable(denoiser, weights, source, amp, placed, compiled)
+
+
+def compiles(setting: bool | str, family, device: torch.device, swapped: int = 0) -> bool:
+    """Whether ``train.compile`` compiles the blocks here: true or false as set; ``"auto"`` on
+    a GPU for a family whose compiled blocks were measured more than 5 % faster there
+    (``compiled_on_gpu``), never with blocks streamed (block swap) nor on the meta device."""
+    if device.type == "meta":
+        return False
+    if setting != "auto":
+        return bool(setting)
+    gain = family.compiled_on_gpu
+    return device.type == "cuda" and not swapped and not isinstance(gain, str) and gain > 1.05
+
+
+def _no_casts(module: nn.Module) -> None:
+    """peft casts each LoRA layer's input to the LoRA's float32 and autocast casts it back to
+    the compute dtype for the matmul: under autocast the first cast only copies (the same
+    values reach the matmul), so it is turned off."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for m in module.modules():
+        if isinstance(m, BaseTunerLayer):
+            m.cast_input_dtype_enabled = False
 
 
 def compile_blocks(denoiser: nn.Module, family) -> int:
@@ -330,6 +377,7 @@ def compile_blocks(denoiser: nn.Module, family) -> int:
             f"train.compile: the {family.name} denoiser has none of its repeated blocks "
             f"({', '.join(family.compile_blocks)})"
         )
+    log.info("train.compile: compiling %d %s blocks at their first steps", len(blocks), family.name)
     for block in blocks:
         block.compile()
     return len(blocks)

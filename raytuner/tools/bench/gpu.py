@@ -1,22 +1,17 @@
-"""`raytuner bench gpu`: every GPU figure the project records, measured in one go on a machine with
-a CUDA GPU, each model at full size with random weights (``model.pretrained = "random"``).
+"""`raytuner bench gpu`: the project's GPU figures, measured on a machine with a CUDA GPU, each
+model at full size with random weights (``model.pretrained = "random"``), made to return its
+figures from a short GPU window.
 
-Each measurement is one `raytuner bench …` command run as a process of its own (a clean GPU, its
-own peak memory; a failure, an out-of-memory included, is recorded and the next one runs), in
-this order, until ``--budget-s`` is spent (what is left is recorded as skipped):
-
-1. per family: ``bench step`` of the shipped job (plan against the measured peak; samples/s,
-   TFLOP a sample, TFLOP/s, MFU), then the same with ``train.compile = true``; for SDXL also a
-   full fine-tune replicated (``ddp``) and sharded (``fsdp``, a process group of one), and the
-   shipped job with ``lora.text_encoder = true``;
-2. the block-swap table: Flux with 0, 8, 16 and 28 blocks streamed, in bfloat16 and float8, and
-   float8 with 8-bit AdamW;
-3. per family: ``bench train`` (raytuner's Ray Train worker against the bare loop) on synthetic
-   images, one round;
-4. ``bench preprocess`` of the SDXL job (the VAE encoder pool against a bare loop, 512 images).
-
-It writes one JSON (every command, its figures or its error) and the Markdown rows of
-docs/figures.md beside it. Without a GPU it refuses, saying so; ``--dry-run`` lists the commands.
+A smoke check runs first (CUDA, a Triton kernel compiled, bitsandbytes' CUDA build; the versions
+of torch, CUDA, cuDNN, the driver, diffusers, peft, transformers): a broken image fails in
+seconds with the reason. Then the rows of ``gpu_rows.py``, group by group (``--only`` picks
+groups or rows), each a `raytuner bench …` command in a process of its own (a clean GPU, its
+own peak memory), each under a limit of its own and all under ``--budget-s``. The plan (every row
+and its estimate) is printed before anything runs. After every row the JSON and the Markdown
+rows of docs/figures.md are written again, so a window that ends mid-run keeps every row done.
+A row that fails, prints no figures or runs past its limit is recorded with the reason and the
+last 20 lines it wrote to stderr, and the next row runs. Without a GPU it refuses, saying so;
+``--dry-run`` prints the plan and runs nothing.
 """
 
 from __future__ import annotations
@@ -24,122 +19,224 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
+from raytuner.tools.bench.gpu_rows import FAMILIES, GROUP_LIMIT_S, Row, groups, rows, select
 
-FAMILIES = ("sd15", "sdxl", "flux", "sana")
-RANDOM = ["--set", 'model.pretrained="random"']
-SWAP = [(n, dtype) for dtype in ("bfloat16", "float8") for n in (0, 8, 16, 28)]
+STDERR_LINES = 20
 
 
-def measurements(families: list[str], jobs: str, workdir: str) -> list[dict]:
-    """What ``bench gpu`` runs, in order: a name and the `raytuner` command line of each."""
-    out = []
-
-    def add(name: str, *args: str) -> None:
-        out.append({"name": name, "command": ["raytuner", *args, "--json"]})
-
-    for f in families:
-        job = f"{jobs}/{f}.toml"
-        add(f"step {f}", "bench", "step", job, *RANDOM, "--steps", "10")
-        add(f"step {f} compiled", "bench", "step", job, *RANDOM, "--steps", "10", "--set",
-            "train.compile=true")  # fmt: skip
-    if "sdxl" in families:  # sharding against replication at world 1, the text encoders' LoRA
-        full = [*RANDOM, "--steps", "5", "--set", 'train.mode="full"', "--set",
-                "train.micro_batch_size=2"]  # fmt: skip
-        add("step sdxl full ddp", "bench", "step", f"{jobs}/sdxl.toml", *full)
-        add("step sdxl full fsdp", "bench", "step", f"{jobs}/sdxl.toml", *full, "--set",
-            'scaling.strategy="fsdp"')  # fmt: skip
-        add("step sdxl text-encoder lora", "bench", "step", f"{jobs}/sdxl.toml", *RANDOM,
-            "--steps", "10", "--set", "lora.text_encoder=true")  # fmt: skip
-    if "flux" in families:
-        for n, dtype in SWAP + [(16, "float8 adamw8bit"), (28, "float8 adamw8bit")]:
-            sets = [
-                "--set",
-                f"memory.blocks_to_swap={n}",
-                "--set",
-                "train.gradient_checkpointing=true",
-            ]
-            sets += ["--set", f'model.dtype="{dtype.split()[0]}"']
-            if "adamw8bit" in dtype:
-                sets += ["--set", 'train.optimizer="adamw8bit"']
-            add(f"swap flux {n} {dtype}", "bench", "step", f"{jobs}/flux.toml", *RANDOM, *sets,
-                "--steps", "5")  # fmt: skip
-    for f in families:
-        folders = [f"data.images={workdir}/images", f"data.cache={workdir}/cache-{f}",
-                   f"train.output={workdir}/runs-{f}", "scaling.workers=1"]  # fmt: skip
-        sets = [a for s in folders for a in ("--set", s)]
-        add(f"train {f}", "bench", "train", f"{jobs}/{f}.toml", *RANDOM, *sets, "--steps", "20",
-            "--rounds", "1")  # fmt: skip
-    add("preprocess sdxl", "bench", "preprocess", f"{jobs}/sdxl.toml", *RANDOM, "--images", "512",
-        "--rounds", "1")  # fmt: skip
-    return out
+def last_json(stdout: str) -> dict | None:
+    """The last line of ``stdout`` that is a JSON object (a bench's figures), or None: lines Ray
+    forwards late, progress and blank lines are passed over."""
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                return value
+    return None
 
 
-def _run(command: list[str], timeout: float) -> dict:
-    """One command in its own process: its last JSON line, or what went wrong."""
+def run_row(argv: list[str], limit_s: float) -> dict:
+    """One command in a process group of its own: its figures, or what went wrong (the exit
+    code or the limit, and the last lines of its stderr). Never raises for the child's sake."""
     started = time.monotonic()
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)  # fmt: skip
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "raytuner", *command[1:]],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        out, err = child.communicate(timeout=limit_s)
+        timed_out = False
     except subprocess.TimeoutExpired:
-        return {"error": f"did not finish in {timeout:.0f} s"}
+        os.killpg(child.pid, signal.SIGKILL)  # the row and whatever it started (Ray, compilers)
+        out, err = child.communicate()
+        timed_out = True
     seconds = round(time.monotonic() - started, 1)
-    if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1:], "seconds": seconds}
-    return json.loads(done.stdout.strip().splitlines()[-1]) | {"seconds": seconds}
+    tail = err.strip().splitlines()[-STDERR_LINES:]
+    figures = last_json(out)
+    if timed_out:
+        return {"error": f"did not finish in {limit_s:.0f} s", "seconds": seconds,
+                "stderr": tail}  # fmt: skip
+    if child.returncode != 0:
+        why = f"exit {child.returncode}"
+        if child.returncode < 0:
+            why += f" (killed by {signal.Signals(-child.returncode).name})"
+        return {"error": why, "seconds": seconds, "stderr": tail}
+    if figures is None:
+        return {"error": "printed no figures (no JSON line on stdout)", "seconds": seconds,
+                "stderr": tail}  # fmt: skip
+    return figures | {"seconds": seconds}
 
 
-def row(item: dict, date: str) -> str:
+def row_line(item: dict, date: str) -> str:
     """A Markdown row of docs/figures.md: what, the command, the date, the figure."""
     r = item.get("result") or {}
     if "error" in r or "skipped" in r:
-        figure = f"not measured: {r.get('error') or r.get('skipped')}"
+        why = r.get("error") or r.get("skipped")
+        last = (r.get("stderr") or [""])[-1]
+        figure = f"not measured: {why}" + (f" ({last[:200]})" if last else "")
     else:
-        keys = ("samples_per_s", "tflops_per_sample", "tflops_per_s", "mfu")
-        keys += ("planned_over_measured", "measured_peak_bytes", "ratio", "images_per_s")
+        keys = ("samples_per_s", "mfu", "hfu", "model_tflops_per_sample", "tflops_per_s",
+                "planned_over_measured", "measured_peak_bytes", "compiled_graphs",
+                "recompiles_timed", "ratio", "images_per_s", "seconds")  # fmt: skip
         figure = ", ".join(f"{k} {r[k]}" for k in keys if r.get(k) is not None)
-    return f"| {item['name']} | `{' '.join(item['command'])}` | {date} | {figure} |"
+    command = " ".join(item["command"])
+    return f"| {item['name']} | `{command}` | {date} | {figure} |"
 
 
-def bench_gpu(families: list[str], jobs: str, out: str, budget_s: float, dry_run: bool) -> int:
-    """Run (or, ``dry_run``, list) the measurements; returns the exit code."""
+def _write(report: dict, stem: Path) -> None:
+    """The JSON and the Markdown rows, each written whole (a temporary file, then renamed)."""
+    lines = [row_line(item, report["date"]) for item in report["items"]]
+    for path, text in ((stem.with_suffix(".json"), json.dumps(report, indent=2)),
+                       (stem.with_suffix(".md"), "\n".join(lines) + "\n")):  # fmt: skip
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+def print_plan(items: list[Row], budget_s: float) -> None:
+    total = sum(i.estimate_s for i in items)
+    print(f"bench gpu: {len(items)} rows, about {total / 60:.1f} min on an H100 "
+          f"(budget {budget_s / 60:.1f} min)", flush=True)  # fmt: skip
+    for group, seconds in groups(items).items():
+        print(f"  group {group}: about {seconds:.0f} s", flush=True)
+        for i in (i for i in items if i.group == group):
+            print(f"    {i.name}: about {i.estimate_s:.0f} s (limit {i.limit_s:.0f} s)",
+                  flush=True)  # fmt: skip
+
+
+def smoke() -> dict:
+    """What the measurements need of the machine, checked in seconds: CUDA and a matrix product,
+    a Triton kernel compiled by inductor, bitsandbytes' CUDA build, and the versions."""
+    import torch
+
+    out: dict = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if not torch.cuda.is_available():
+        return out | {"error": "torch sees no CUDA GPU"}
+    out["device"] = torch.cuda.get_device_name()
+    out["cudnn"] = torch.backends.cudnn.version()
+    out["driver"] = _driver()
+    for package in ("diffusers", "peft", "transformers", "ray", "bitsandbytes", "triton"):
+        out[package] = _version(package)
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    out["matmul_ok"] = bool(torch.isfinite(a @ a).all())
+    started = time.perf_counter()
+    out["triton_check"] = _checked(lambda: _compiled_sin(a.float()))  # the compile rows need it
+    out["compile_s"] = round(time.perf_counter() - started, 1)
+    out["bitsandbytes_check"] = _checked(_adamw8bit)  # the 8-bit AdamW rows need it
+    if not out["matmul_ok"]:
+        out["error"] = "a bfloat16 matrix product on the GPU gave non-finite values"
+    return out
+
+
+def _checked(check) -> str:
+    """ "ok", or the exception a check raised (the rows that need it will fail the same way)."""
+    try:
+        check()
+    except Exception as e:  # recorded in the smoke row; the rows that need it are still run
+        return f"failed: {type(e).__name__}: {e}"
+    return "ok"
+
+
+def _compiled_sin(x) -> None:
+    import torch
+
+    f = torch.compile(lambda t: torch.sin(t) * 2 + 1)
+    if not torch.allclose(f(x), torch.sin(x) * 2 + 1):
+        raise RuntimeError("the compiled function gave other values than eager")
+
+
+def _adamw8bit() -> None:
+    import bitsandbytes as bnb
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(4096, device="cuda"))
+    p.grad = torch.randn_like(p)
+    bnb.optim.AdamW8bit([p]).step()
+    if not torch.isfinite(p).all():
+        raise RuntimeError("8-bit AdamW made non-finite weights")
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _driver() -> str | None:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout else None
+
+
+def bench_gpu(families: list[str], jobs: str, out: str, budget_s: float, dry_run: bool,
+              only: list[str] | None = None, workdir: str = "") -> int:  # fmt: skip
+    """Run (or, ``dry_run``, plan) the measurements; returns the exit code."""
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         print(f"raytuner bench gpu: unknown families {unknown}; known: {', '.join(FAMILIES)}",
               file=sys.stderr)  # fmt: skip
         return 2
-    workdir = os.path.abspath(os.path.join(out, "bench-gpu-work"))
-    items = measurements(families, jobs, workdir)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    report = {"device": device, "date": datetime.date.today().isoformat(), "items": items}
+    workdir = os.path.abspath(workdir or os.path.join(tempfile.gettempdir(), "raytuner-bench-gpu"))
+    try:
+        items = select(rows(families, jobs, workdir), only or [])
+    except ValueError as e:
+        print(f"raytuner bench gpu: {e}", file=sys.stderr)
+        return 2
+    date = datetime.date.today().isoformat()
+    report = {"date": date, "workdir": workdir, "group_limit_s": GROUP_LIMIT_S,
+              "items": [{"name": i.name, "group": i.group, "command": i.command,
+                         "estimate_s": i.estimate_s} for i in items]}  # fmt: skip
     if dry_run:
+        print_plan(items, budget_s)
         print(json.dumps(report, indent=2))
         return 0
-    if device is None:
+    import torch
+
+    if not torch.cuda.is_available():  # NVML only: no CUDA context in this process
         print("raytuner bench gpu needs a CUDA GPU: torch sees none on this machine "
               f"(torch {torch.__version__}); `--dry-run` lists what it would run",
               file=sys.stderr)  # fmt: skip
         return 2
-    _synthetic_images(workdir)
-    deadline = time.monotonic() + budget_s
-    for item in items:
-        left = deadline - time.monotonic()
-        item["result"] = _run(item["command"], left) if left > 30 else {"skipped": "budget"}
-        print(row(item, report["date"]), flush=True)
+    print_plan(items, budget_s)
     os.makedirs(out, exist_ok=True)
-    stem = Path(out, f"bench-gpu-{report['date']}")
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    rows = [row(item, report["date"]) for item in items]
-    stem.with_suffix(".md").write_text("\n".join(rows) + "\n")
+    stem = Path(out, f"bench-gpu-{date}")
+    deadline = time.monotonic() + budget_s
+    python = [sys.executable, "-c", "import json; from raytuner.tools.bench.gpu import smoke; "
+              "print(json.dumps(smoke()))"]  # fmt: skip
+    report["smoke"] = run_row(python, 300)
+    _write(report, stem)
+    print(f"smoke: {json.dumps(report['smoke'])}", flush=True)
+    if "error" in report["smoke"]:
+        print(f"raytuner bench gpu: the smoke check failed: {report['smoke']['error']}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    if any(i.group.startswith("train") for i in items):
+        _synthetic_images(workdir)
+    for item, row in zip(report["items"], items, strict=True):
+        left = deadline - time.monotonic()
+        if left < row.estimate_s:  # it would not finish: a later, shorter row still may
+            item["result"] = {"skipped": f"{left:.0f} s of the budget left, about "
+                              f"{row.estimate_s:.0f} s needed"}  # fmt: skip
+        else:
+            argv = [sys.executable, "-m", "raytuner", *row.command[1:]]
+            item["result"] = run_row(argv, min(row.limit_s, left))
+        _write(report, stem)
+        print(row_line(item, date), flush=True)
     print(f"wrote {stem}.json and {stem}.md")
     return 0
 

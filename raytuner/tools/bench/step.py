@@ -24,7 +24,12 @@ from raytuner.train.feed import RankSlice
 from raytuner.train.weights import trainable_model
 
 
-def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
+def bench_step(
+    job: JobConfig, family, steps: int, as_json: bool, warmup: int = 3, planned: bool = True
+) -> dict:
+    """``warmup`` steps first (kernels chosen, optimizer state made, compiled blocks compiled),
+    then ``steps`` timed; ``planned``: also trace plan's step for the same settings (on the
+    CPU: seconds to minutes of a full-size model) and report it beside the measured peak."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = plan.largest_bucket(job, family)
     if job.model.pretrained == "random":  # the released shapes, no encoder trace needed
@@ -33,7 +38,7 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
         shapes = plan.trace_encoders(job, family, size)[1]
     micro = plan.micro_batch(job)
     checkpointing = job.train.gradient_checkpointing
-    planned_step = _planned(job, family, shapes, size, micro)
+    planned_step = _planned(job, family, shapes, size, micro) if planned else None
     strategy = job.scaling.strategy
     if strategy == "fsdp":
         sharding.single_process_group(device)
@@ -51,23 +56,31 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
     batch = family.example_batch(shapes, micro, size, device, torch.float32)
     if (text := trained.weights.text) is not None:  # lora.text_encoder: the token ids instead
         batch = text.example(batch, device)
+    generators = [torch.Generator().manual_seed(i) for i in range(micro)]
+    drawn = loss_fn.draw(tuple(batch["latent"].shape), generators)  # as the feed makes them
+    batch |= {k: v.to(device) for k, v in drawn.items()}
 
     def run(i: int) -> None:  # the training step itself, on one micro-batch of random inputs
         train_step(RankSlice(0, i, 1, batch, [i * micro + j for j in range(micro)], []))
 
-    for i in range(2):  # warm-up: kernels chosen, optimizer state made
+    started = time.perf_counter()
+    for i in range(warmup):  # kernels chosen, optimizer state made, compiled blocks compiled
         run(i)
+    _sync(device)
+    warmup_s = time.perf_counter() - started
     if device.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    graphs = compiled_graphs()
     started = time.perf_counter()
     for i in range(steps):
-        run(2 + i)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+        run(warmup + i)
+    _sync(device)
     seconds = time.perf_counter() - started
-    per_sample = train_step.per_sample[tuple(batch["latent"].shape[1:])] / 1e12
+    shape = tuple(batch["latent"].shape[1:])
+    per_sample = train_step.per_sample[shape] / 1e12  # the hardware's: recompute included
+    model_per_sample = train_step.model_per_sample[shape] / 1e12
     tflops = steps * micro * per_sample / seconds
+    model_tflops = steps * micro * model_per_sample / seconds
     peak = flops.device_peak(device, job.scaling.peak_tflops)
     measured = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     result = {
@@ -79,19 +92,46 @@ def bench_step(job: JobConfig, family, steps: int, as_json: bool) -> dict:
         "micro_batch": micro,
         "gradient_checkpointing": checkpointing,
         "strategy": strategy,
+        "compile": trained.compiled,
+        "channels_last": job.train.channels_last and family.channels_last and device.type == "cuda",
+        "attention": job.train.attention,
         "steps": steps,
+        "warmup_steps": warmup,
         "load_s": round(load_s, 1),
+        "warmup_s": round(warmup_s, 1),
+        # compiled blocks: graphs dynamo made in the warm-up, and again while timed (0: none)
+        "compiled_graphs": graphs if trained.compiled else None,
+        "recompiles_timed": compiled_graphs() - graphs if trained.compiled else None,
         "samples_per_s": round(steps * micro / seconds, 3),
-        "tflops_per_sample": float(f"{per_sample:.4g}"),  # counted: forward, backward, recompute
-        "tflops_per_s": float(f"{tflops:.4g}"),
+        "step_s": round(seconds / steps, 4),
+        # counted: the model's (forward, backward) and the hardware's (with the recompute)
+        "model_tflops_per_sample": float(f"{model_per_sample:.4g}"),
+        "hardware_tflops_per_sample": float(f"{per_sample:.4g}"),
+        "tflops_per_s": float(f"{model_tflops:.4g}"),
+        "hardware_tflops_per_s": float(f"{tflops:.4g}"),
         "peak_tflops": peak,  # the device's dense bfloat16 peak; None: unknown
-        "mfu": None if peak is None else round(flops.mfu(tflops, peak), 4),
+        "mfu": None if peak is None else round(flops.mfu(model_tflops, peak), 4),
+        "hfu": None if peak is None else round(flops.mfu(tflops, peak), 4),
         "planned_bytes": planned_step,
         "measured_peak_bytes": measured,
-        "planned_over_measured": round(planned_step / measured, 3) if measured else None,
+        "planned_over_measured": round(planned_step / measured, 3)
+        if measured and planned_step
+        else None,
     }
     print(json.dumps(result) if as_json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def compiled_graphs() -> int:
+    """How many graphs dynamo has made in this process so far (``train.compile``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _planned(job: JobConfig, family, shapes, size, micro: int) -> int:

@@ -65,6 +65,9 @@ def _batches(job: JobConfig, family, count: int) -> list[tuple[dict, list[int]]]
         text = text_lora.build(family, source, torch.device("meta"), job.lora, t, torch.float32)
     fp = fingerprint(job.model, job.preprocess)
     data = open_dataset(job.data.cache, fp, computed=text.outputs if text else ())
+    # the objective's draws made with the batch and pinned, as the worker's feed does
+    objective = job.objective.for_family(family)
+    draw = family.loss(parts.model_source(job.model, "cpu"), objective).draw
     feed = Feed(
         data,
         seed=t.seed,
@@ -73,9 +76,10 @@ def _batches(job: JobConfig, family, count: int) -> list[tuple[dict, list[int]]]
         rank=0,
         world=1,
         prefetch=1,
-        pin=False,
+        pin=torch.cuda.is_available(),
         caption_dropout=t.caption_dropout,
         tokenize=text.tokens if text else None,
+        draw=draw,
     )
     out, epoch = [], 0
     while len(out) < count:
@@ -152,6 +156,7 @@ def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int =
     keys = ("samples_per_s", "data_wait_fraction", "step_time_s", "tflops_per_s")
     median = {k: statistics.median(m[k] for m in metrics) for k in keys}
     mfu = [m["mfu"] for m in metrics if m["mfu"] is not None]
+    hfu = [m["hfu"] for m in metrics if m.get("hfu") is not None]
     bare_rate = statistics.median(rates["bare"])
     result = {
         "samples_per_s": round(median["samples_per_s"], 2),
@@ -159,13 +164,15 @@ def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int =
         "ratio": round(median["samples_per_s"] / bare_rate, 3),
         "data_wait_fraction": round(median["data_wait_fraction"], 4),
         "step_time_s": round(median["step_time_s"], 4),
-        # the worker's counted work: TFLOP/s, and MFU against the GPU's peak (None: unknown)
+        # the worker's counted work (the model's: no recompute): TFLOP/s, MFU and HFU against
+        # the GPU's peak (None: unknown)
         "tflops_per_s": float(f"{median['tflops_per_s']:.4g}"),
         "tflops_per_sample": float(f"{median['tflops_per_s'] / median['samples_per_s']:.4g}"),
         "bare_tflops_per_s": float(
             f"{median['tflops_per_s'] / median['samples_per_s'] * bare_rate:.4g}"
         ),
         "mfu": round(statistics.median(mfu), 4) if mfu else None,
+        "hfu": round(statistics.median(hfu), 4) if hfu else None,
         "global_batch_size": job.train.global_batch_size,
         "measured_steps": steps,
         "threads": threads[0],
