@@ -37,11 +37,8 @@ def bucket_sizes(family, pre: PreprocessConfig) -> list[tuple[int, int]]:
 
 
 def _listing(data: DataConfig, located: index.Located) -> list[dict]:
-    """Every image file of every source, with its key from the last index if unchanged."""
-    known = {
-        (r["source"], r["path"]): (r["size"], r["mtime_ns"], r["key"]) for r in located.indexed
-    }
-    rows = []
+    """Every image file of every source, with its key from a committed index if unchanged."""
+    known, rows = located.listed, []
     for i, source in enumerate(data.all_sources()):
         root = storage.absolute(source.path)
         for row in list_source(i, source):
@@ -151,14 +148,15 @@ def _indexed(rows: list[dict], located: index.Located, sources) -> list[dict]:
 def _preprocess(job: _Pass) -> dict:
     """One listing, encoding and commit into the run folder ``job.run`` (kept when it retries)."""
     version, data, pre = job.version, job.data, job.pre
-    start, wall, generation = time.monotonic(), time.time(), version.generation()
-    located = index.Located(version, pre.dtype, version.manifest())
+    start, wall, manifest = time.monotonic(), time.time(), version.manifest()
+    generation = (manifest or {}).get("generation", 0)
+    sources = data.all_sources()
+    roots = [storage.absolute(s.path) for s in sources]
+    located = index.Located(version, pre.dtype, manifest, roots)
     located.refresh()
     listing = _listing(data, located)
     if not listing:
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
-    sources = data.all_sources()
-    roots = [storage.absolute(s.path) for s in sources]
     log.info("preprocess: %d files -> %s/%s", len(listing), version.root, job.run)
     available = set(located.latents)
     rows, first_at = _stream(job, listing, located)
@@ -174,7 +172,7 @@ def _preprocess(job: _Pass) -> dict:
     rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
     rep["folders"] = folders
     extra = {"family": job.family.name, "dtype": pre.dtype, "report": rep}
-    index.commit(version, job.run, indexed, located, generation, **extra)
+    index.commit(version, job.run, indexed, located, generation, sources=sources, **extra)
     metrics.gauge("raytuner_cache_hits", len(p.cached), job.tag)
     metrics.gauge("raytuner_skipped_inputs", len(rep["skipped"]), job.tag)
     metrics.gauge("raytuner_images_encoded_per_s", rep["images_per_s"], job.tag)
