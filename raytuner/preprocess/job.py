@@ -24,8 +24,14 @@ from raytuner.preprocess.decode import DecodeSpec, Known
 from raytuner.preprocess.encode import FAILED
 from raytuner.preprocess.images import ImagePolicy
 from raytuner.preprocess.progress import ProgressLine
-from raytuner.preprocess.sources import folder_report, image_repeats, list_source
-from raytuner.preprocess.worklist import pair_regularization, plan, report
+from raytuner.preprocess.sources import (
+    NOT_UTF8,
+    caption_file,
+    folder_report,
+    image_repeats,
+    list_source,
+)
+from raytuner.preprocess.worklist import pair_regularization, plan, report, unusable_sources
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +151,34 @@ def _indexed(rows: list[dict], located: index.Located, sources) -> list[dict]:
     return indexed
 
 
+def _refuse_unusable(p, indexed: list[dict], sources, roots: list[str]) -> None:
+    """A source that ends with no usable image, or a caption file that is not UTF-8 in a
+    source with ``caption_errors = "strict"``, fails the preprocess before its commit: the
+    run would train without that source (a regularization source: without prior
+    preservation), or on captions with U+FFFD in them. Its files stay encoded for the rerun."""
+    kinds = ["regularization source" if s.regularization else "source" for s in sources]
+    if empty := unusable_sources(p, indexed, roots, kinds):
+        raise ValueError(
+            "a data source has no usable image, so the run would train without it: "
+            + " | ".join(empty)
+            + ". Replace or fix those files, or remove the source from the job"
+        )
+    strict = [
+        storage.join(r["source"], caption_file(sources[r["source_index"]], r["path"]))
+        for r in indexed
+        if r["caption_from"] == NOT_UTF8 and sources[r["source_index"]].caption_errors == "strict"
+    ]
+    if strict:
+        shown = ", ".join(strict[:10]) + (
+            f", ... {len(strict) - 10} more" if len(strict) > 10 else ""
+        )
+        raise ValueError(
+            f'{len(strict)} caption file(s) are not UTF-8 (caption_errors = "strict"): {shown}. '
+            'Save them as UTF-8, or set caption_errors = "replace" (bad bytes become '
+            'U+FFFD) or "skip" (their images are left out)'
+        )
+
+
 def _preprocess(job: _Pass) -> dict:
     """One listing, encoding and commit into the run folder ``job.run`` (kept when it retries)."""
     version, data, pre = job.version, job.data, job.pre
@@ -164,13 +198,19 @@ def _preprocess(job: _Pass) -> dict:
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
     located.refresh()
     indexed = _indexed(p.cached + p.new, located, sources)
+    _refuse_unusable(p, indexed, sources, roots)
     need = {r["caption_key"] for r in indexed} | {caption_key("")}
     truncated = sum(located.captions[k]["truncated"] for k in need)
-    folders = folder_report(indexed, sources)  # repeats_from_folder sources: their folders' N
+    folders = folder_report(indexed, sources)  # the kohya folders' N, taken or not
     indexed = pair_regularization(indexed)
     rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
     rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
     rep["folders"] = folders
+    rep["not_utf8_files"] = [
+        {"source": r["source"], "path": caption_file(sources[r["source_index"]], r["path"])}
+        for r in indexed
+        if r["caption_from"] == NOT_UTF8
+    ]
     extra = {"family": job.family.name, "dtype": pre.dtype, "report": rep}
     index.commit(version, job.run, indexed, located, generation, sources=sources, **extra)
     metrics.gauge("raytuner_cache_hits", len(p.cached), job.tag)
