@@ -11,7 +11,9 @@ encoded files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -199,3 +201,13 @@ def test_gc_of_one_job_keeps_the_files_of_the_others(shared, capsys):
     after = sorted(p.name for p in Path(version.path("parts")).iterdir())
     assert after == before  # the plain cats' encoded files too
     assert main(["cache", "verify", str(files["plain"])]) == 0
+
+
+def test_a_moved_folder_is_found_by_content_and_encodes_nothing_again(shared):
+    """A folder no dataset has read yet (here the dogs, copied elsewhere) reads every dataset's
+    index: its images are in the cache under the old folder."""
+    root, _, jobs, _ = shared
+    moved = shutil.copytree(root / "dogs", root / "dogs-moved")
+    data = dataclasses.replace(jobs["dogs"].data, images=str(moved))
+    report = preprocess(dataclasses.replace(jobs["dogs"], data=data))
+    assert (report["encoded"], report["already_cached"]) == (0, 2)

@@ -99,13 +99,15 @@ def _missing(root: str, record: list[dict], instead: str) -> dict:
 
 def sharing(manifest: dict, roots) -> tuple[list[tuple[dict, dict]], set[str]]:
     """What a preprocess of a job on source folders ``roots`` reads of a committed version:
-    the (index, captions) entries of the datasets that read one of those folders (every one
-    when ``roots`` is None, and a manifest's from before datasets were kept apart), and the
-    data files that only the other datasets read."""
+    the (index, captions) entries of the datasets that read one of those folders, and the data
+    files that only the other datasets read. Every dataset is read when ``roots`` is None, when
+    one of them is a folder no dataset read yet (a new or moved folder: its images may be
+    cached under another one) and for a manifest from before datasets were kept apart."""
     held = manifest.get(DATASETS, {})
-    if roots is None or not held:
+    mine = set(roots or ())
+    read = {s["path"] for d in held.values() for s in d["sources"]}
+    if roots is None or not held or not mine <= read:
         return indexes(manifest), set()
-    mine = set(roots)
     shares = {k: bool(mine & {s["path"] for s in d["sources"]}) for k, d in held.items()}
 
     def files(wanted: bool) -> set[str]:

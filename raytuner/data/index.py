@@ -163,11 +163,11 @@ class Located:
     indexes for the files its manifest lists, from one read of the file otherwise. A key held
     by several files (two runs at once) keeps the first one found.
 
-    ``roots``: the job's source folders. Only the indexes of the datasets that read one of
-    them are read (``datasets.sharing``; None: every one): the files of the other jobs'
-    datasets alone are kept as committed, never opened, and an image of theirs that this job
-    also has is encoded again (once). Each index is read in slices, so that the memory it takes
-    is what the rows it adds hold, not a second copy of a dataset already read."""
+    ``roots``: the job's source folders. Once every one of them is in a committed dataset,
+    only the indexes of the datasets that read one of them are read (``datasets.sharing``;
+    None: every one): the files of the other jobs' datasets alone are kept as committed, never
+    opened. Each index is read in slices, so that the memory it takes is what the rows it adds
+    hold, not a second copy of a dataset already read."""
 
     def __init__(self, version: Version, dtype: str, manifest: dict | None, roots=None):
         self.version, self.dtype, self.manifest = version, dtype, manifest
