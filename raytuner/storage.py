@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -75,8 +77,9 @@ def _fsync_dir(folder: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(fs: pafs.FileSystem, path: str) -> Iterator[Any]:
-    """A writable stream whose content appears at ``path`` whole or not at all.
+def atomic_output(fs: pafs.FileSystem, path: str, size: int | None = None) -> Iterator[Any]:
+    """A writable stream whose content appears at ``path`` whole or not at all; ``size``: the
+    bytes it will hold, when known (a full local disk is then named with them: ``no_room``).
 
     Local disks: a temporary sibling, flushed and fsynced, renamed over ``path``, and the
     folder fsynced, so a host crash leaves the old file or the new one. Object stores, where a
@@ -101,15 +104,36 @@ def atomic_output(fs: pafs.FileSystem, path: str) -> Iterator[Any]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(parent)
+    except OSError as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise no_room(path, size, e) from e
+        raise
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
 
 
+def no_room(path: str, size: int | None, error: OSError) -> OSError:
+    """The error of a write that found its disk full (or its quota used up): the file, the
+    bytes it needed and the bytes free there (the disk's own message says neither)."""
+    try:
+        free = f"{shutil.disk_usage(os.path.dirname(path)).free:,} bytes are free there"
+    except OSError:
+        free = "the free space there is unknown"
+    need = f"{size:,} bytes" if size is not None else "its bytes"
+    return OSError(
+        error.errno,
+        f"no room to write {path} ({os.strerror(error.errno)}): it needs {need}, {free}; "
+        "free space on that disk or move the folder elsewhere",
+    )
+
+
 def write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     """``data`` at ``path``, atomically and durably (``atomic_output``)."""
-    with atomic_output(fs, path) as f:
+    with atomic_output(fs, path, len(data)) as f:
         f.write(data)
 
 

@@ -12,7 +12,7 @@ from conftest import SKEWED_JOB
 from raytuner.api import train
 from raytuner.config import load_job
 from raytuner.data import cache
-from raytuner.data.index import describe_change
+from raytuner.data.datasets import describe_change
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.tools import synthetic
@@ -60,6 +60,7 @@ def trained_on(root: Path, rows: int, shapes: dict) -> tuple[int, int]:
         shapes=lambda w, h: shapes,
         family="sdxl",
         dtype="float32",
+        sources=job.data.all_sources(),  # the job's own dataset: train() trains it
     )
     summary = train(job)
     assert summary["step"] == 3

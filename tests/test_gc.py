@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from raytuner.cli import main
-from raytuner.config import load_job
+from raytuner.config import SourceConfig, load_job
 from raytuner.data import cache, index, lease
 from raytuner.tools import synthetic
 
+SOURCES = [SourceConfig(path=synthetic.SOURCE)]  # the synthetic rows' own source
 JOB = """
 [model]
 family = "sdxl"
@@ -177,5 +178,5 @@ def test_a_commit_refuses_files_deleted_since_they_were_listed(tmp_path):
     os.remove(version.path(manifest["latents"][0]["path"]))  # a gc between listing and commit
     before = version.manifest()
     with pytest.raises(RuntimeError, match="gone"):
-        index.commit(version, "parts/again", rows, located, report={})
+        index.commit(version, "parts/again", rows, located, report={}, sources=SOURCES)
     assert version.manifest() == before  # the committed manifest is untouched

@@ -134,3 +134,36 @@ def test_renamed_prefix_changes_the_rows_without_encoding_again(kohya):
     assert renamed["5_ohwx person/b.png"]["repeats"] == 5
     assert sum(renamed_manifest["appearances"].values()) == 2 * 5 + 2 * 3 + 1
     assert renamed_manifest["dataset"]["id"] != manifest["dataset"]["id"]
+
+
+def test_a_kohya_tree_as_data_images_takes_its_folders(ray_local, tmp_path, capsys):
+    """``data.images`` at a kohya tree: ``10_ohwx cat/`` repeats its images 10 times and
+    captions them with its class tokens (before: 1 repeat, captioned by their stems "004" and
+    "005"). A [[data.sources]] folder without ``repeats_from_folder`` trains its ``3_style/``
+    with its own repeats, and the report says which key would take its N."""
+    cats, other = tmp_path / "cats" / "10_ohwx cat", tmp_path / "other" / "3_style"
+    cats.mkdir(parents=True)
+    other.mkdir(parents=True)
+    for i, path in enumerate((cats / "004.png", cats / "005.png", other / "a.png")):
+        Image.new("RGB", (64, 64), (i * 80, 120, 200)).save(path)
+    (other / "a.txt").write_text("a style")
+    source = SourceConfig(path=str(tmp_path / "other"))
+    data = DataConfig(
+        images=str(tmp_path / "cats"), cache=str(tmp_path / "cache"), sources=[source]
+    )
+    report = preprocess(MODEL, data, PRE, family=SDXL)
+    manifest, rows = _committed(data)
+    assert {p: (r["repeats"], r["caption"]) for p, r in rows.items()} == {
+        "10_ohwx cat/004.png": (10, "ohwx cat"),
+        "10_ohwx cat/005.png": (10, "ohwx cat"),
+        "3_style/a.png": (1, "a style"),
+    }
+    assert sum(manifest["appearances"].values()) == 2 * 10 + 1
+    print_report(report)
+    shown = capsys.readouterr().out
+    assert "folder 10_ohwx cat: 2 images x 10 repeats, 2 captioned by its name" in shown
+    assert (
+        "folder 3_style: 1 images x 1 repeats (its name says 3: set repeats_from_folder = true "
+        "on its source to take it)"
+    ) in shown
+    assert "(no N_ prefix)" not in shown  # neither source has images outside a kohya folder

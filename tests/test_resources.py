@@ -48,6 +48,7 @@ def job_with_cache(tmp_path, overrides=()):
         repeats=[1] * 8,
         shapes=shapes,
         family="sdxl",
+        sources=job.data.all_sources(),  # the job's own dataset: train() trains it
     )
     return job
 

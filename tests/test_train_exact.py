@@ -145,6 +145,9 @@ def test_sigkilled_worker_resumes_exactly_on_the_dataset_the_job_started_with(jo
         shutil.copytree(job_file.parent / folder, tmp_path / folder)
     job = tmp_path / "job.toml"
     job.write_text(SKEWED_JOB.format(root=tmp_path))
+    # the copied cache holds the original folder's dataset: the copy's is committed (a moved
+    # folder is another source; nothing is encoded again, the dataset id is the same)
+    preprocess(load_job(job))
     expected, reference_dir = reference(job_file)
     run_dir = str(tmp_path / "runs" / "killed")
     killed: list = []

@@ -42,6 +42,9 @@ class ModelConfig:
 
 FLIPS = ("none", "random")  # data.flip
 MASKS = ("none", "alpha", "file")  # data.mask
+# a caption file that is not UTF-8: its bad bytes replaced by U+FFFD, its image skipped, or
+# the preprocess refused naming the files
+CAPTION_ERRORS = ("replace", "skip", "strict")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +66,7 @@ class SourceConfig:
 
     def __post_init__(self) -> None:
         one_of("data.sources.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
-        one_of("data.sources.caption_errors", self.caption_errors, ("replace", "skip"))
+        one_of("data.sources.caption_errors", self.caption_errors, CAPTION_ERRORS)
         one_of("data.sources.flip", self.flip, ("", *FLIPS))
         one_of("data.sources.mask", self.mask, ("", *MASKS))
         if not self.caption_extension.startswith("."):
@@ -81,17 +84,15 @@ class DataConfig:
     caption_extension: str = ".txt"
     caption_fallback: str = "stem"
     caption_errors: str = "replace"
+    # kohya folders under data.images: "10_ohwx cat/" -> 10 repeats, captioned "ohwx cat"
+    # without a caption file (as repeats_from_folder of [[data.sources]])
+    repeats_from_folder: bool = True
     flip: str = "none"  # every source's flip unless it sets its own
     mask: str = "none"  # every source's mask unless it sets its own
     sources: list[SourceConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        SourceConfig(  # validates the shorthand's caption options
-            path=self.images,
-            caption_extension=self.caption_extension,
-            caption_fallback=self.caption_fallback,
-            caption_errors=self.caption_errors,
-        )
+        self._shorthand()  # validates the shorthand's caption options
         one_of("data.flip", self.flip, FLIPS)
         one_of("data.mask", self.mask, MASKS)
         if not self.images and not self.sources:
@@ -105,20 +106,21 @@ class DataConfig:
     def all_sources(self) -> list[SourceConfig]:
         """``data.images`` (if set) as the first source, then ``[[data.sources]]``; each with
         its flip and mask settled (``data.flip`` / ``data.mask`` unless it sets its own)."""
-        shorthand = []
-        if self.images:
-            shorthand = [
-                SourceConfig(
-                    path=self.images,
-                    caption_extension=self.caption_extension,
-                    caption_fallback=self.caption_fallback,
-                    caption_errors=self.caption_errors,
-                )
-            ]
+        shorthand = [self._shorthand()] if self.images else []
         return [
             dataclasses.replace(s, flip=s.flip or self.flip, mask=s.mask or self.mask)
             for s in shorthand + list(self.sources)
         ]
+
+    def _shorthand(self) -> SourceConfig:
+        """``data.images`` as a source, with the ``[data]`` caption and folder options."""
+        return SourceConfig(
+            path=self.images,
+            caption_extension=self.caption_extension,
+            caption_fallback=self.caption_fallback,
+            caption_errors=self.caption_errors,
+            repeats_from_folder=self.repeats_from_folder,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,11 @@ Layout under ``data.cache``::
                                                 bucket, conditioning and where its latent lies
     <fingerprint>/parts/<run>/captions.parquet  one row per caption: where its text tensors lie
 
+The manifest keeps one index (and captions table) per job's sources under ``datasets``
+(``data/datasets.py``): jobs that share a version share its data files, and each trains the
+rows of its own sources. Its top-level ``index``, ``captions``, ``dataset`` and ``report`` are
+the newest commit's.
+
 Random access: every data file holds one row per row group and is written plain (no
 dictionary, compression or statistics). A tensor cell is then the tail of its column chunk,
 right after its 4-byte length, so the Parquet footer gives each cell's byte offset. The commit
@@ -52,6 +57,7 @@ from raytuner.config import ModelConfig, PreprocessConfig
 # 4: per-cell xxh3-64 checksums (``<tensor>_xxh3``); 3: one row per row group
 FORMAT_VERSION = 5
 MANIFEST, REPORT = "manifest.json", "report.json"
+DATASETS = "datasets"  # the manifest's datasets: one per job's sources (``data/datasets.py``)
 INDEX, CAPTIONS = "index.parquet", "captions.parquet"
 LATENTS, TEXT = "latents", "text"
 # How every data file is written (``write_part``: the preprocess's Ray Data sink, the
@@ -265,6 +271,23 @@ def locate(data: pa.Buffer, dtype: str) -> tuple[pa.Table, list[str]]:
     return table, tensors
 
 
+def indexes(manifest: dict) -> list[tuple[dict, dict]]:
+    """The (index, captions) entries of every dataset a manifest holds, each once: every job's
+    (``datasets``), and the top-level one of a manifest written before datasets were kept
+    apart."""
+    pairs = [(d["index"], d["captions"]) for d in manifest.get(DATASETS, {}).values()]
+    if "index" in manifest:
+        pairs.append((manifest["index"], manifest["captions"]))
+    return list({index["path"]: (index, captions) for index, captions in pairs}.values())
+
+
+def committed_files(manifest: dict) -> list[dict]:
+    """The entry of every file a manifest references: data files, then every dataset's index
+    and captions tables."""
+    tables = [entry for pair in indexes(manifest) for entry in pair]
+    return manifest["latents"] + manifest["text"] + tables
+
+
 class StaleCommit(RuntimeError):
     """Another run committed the version after this run read it."""
 
@@ -360,7 +383,7 @@ class Version:
         if expected is not None and current != expected:
             raise StaleCommit(f"{self.root}: committed by another run since this one started")
         manifest = manifest | {"generation": current + 1}
-        listed = manifest["latents"] + manifest["text"] + [manifest["index"], manifest["captions"]]
+        listed = committed_files(manifest)
         gone = [e["path"] for e in listed if not storage.exists(self.fs, self.path(e["path"]))]
         if gone:
             raise RuntimeError(

@@ -7,21 +7,29 @@ latent and its loss mask, when its source has them), whether it is a regularizat
 the row of its caption in ``captions.parquet``, which holds the same for each distinct
 caption's text tensors. The dataset id, a hash of that list, is what a checkpoint records:
 resuming on other rows is refused.
+
+A version holds one index per job's sources (``data/datasets.py``): a commit writes its own
+job's and keeps every other job's, with the data files they read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 
 import pyarrow as pa
 
+from raytuner import storage
+from raytuner.data import datasets
 from raytuner.data.cache import (
     CAPTIONS,
+    DATASETS,
     FORMAT_VERSION,
     INDEX,
     LATENTS,
     TEXT,
+    StaleCommit,
     Version,
     caption_key,
     checksum_column,
@@ -29,6 +37,7 @@ from raytuner.data.cache import (
 )
 
 log = logging.getLogger(__name__)
+SLICE = 16384  # index rows made Python objects at a time when a preprocess reads an index
 SHAPE = pa.list_(pa.int32())
 # the index: the listing and caption of each trained image, then where its latent lies
 INDEX_SCHEMA = pa.schema(
@@ -150,42 +159,67 @@ def _latents_by_file(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 class Located:
-    """Every complete part file of a version and where each cell in it lies: from the last
-    committed index for the files its manifest lists, from one read of the file otherwise.
-    A key held by several files (two runs at once) keeps the first one found."""
+    """Every complete part file of a version and where each cell in it lies: from the committed
+    indexes for the files its manifest lists, from one read of the file otherwise. A key held
+    by several files (two runs at once) keeps the first one found.
 
-    def __init__(self, version: Version, dtype: str, manifest: dict | None):
-        self.version, self.dtype = version, dtype
+    ``roots``: the job's source folders. Once every one of them is in a committed dataset,
+    only the indexes of the datasets that read one of them are read (``datasets.sharing``;
+    None: every one): the files of the other jobs' datasets alone are kept as committed, never
+    opened. Each index is read in slices, so that the memory it takes is what the rows it adds
+    hold, not a second copy of a dataset already read."""
+
+    def __init__(self, version: Version, dtype: str, manifest: dict | None, roots=None):
+        self.version, self.dtype, self.manifest = version, dtype, manifest
         self.entries: dict[str, dict] = {}  # rel -> manifest entry
         self.latents: dict[str, dict] = {}  # image key -> its located latent row
         self.captions: dict[str, dict] = {}  # caption key -> its located text row
         self.text_tensors: list[str] = list((manifest or {}).get("text_tensors", []))
-        self._known = {LATENTS: {}, TEXT: {}}  # kind -> rel -> located rows (last commit)
+        # kind -> rel -> row key -> located row (the committed indexes)
+        self._known: dict[str, dict[str, dict]] = {LATENTS: {}, TEXT: {}}
         self._old_entries: dict[str, dict] = {}
-        self.indexed: list[dict] = []  # the rows of the last committed index
-        if manifest is not None:
+        self._foreign: set[str] = set()  # committed files of other jobs' datasets alone
+        # (source folder, path) -> (size, mtime_ns, key) of the committed indexes' rows
+        self.listed: dict[tuple[str, str], tuple[int, int, str]] = {}
+        if manifest is None:
+            return
+        self._old_entries = {e["path"]: e for e in manifest["latents"] + manifest["text"]}
+        tables, foreign = datasets.sharing(manifest, roots)
+        self._foreign = foreign & set(self._old_entries)
+        for index_entry, captions_entry in tables:
             try:
-                rows = version.read(manifest["index"]["path"]).to_pylist()
-                captions = version.read(manifest["captions"]["path"]).to_pylist()
-            except (OSError, KeyError, pa.ArrowInvalid) as e:  # lost: every file is read again
-                log.warning("cache index unreadable (%s): reading every part file", e)
-                return
-            self.indexed = rows
-            self._known = {
-                LATENTS: _latents_by_file(rows),
-                TEXT: _by_file(captions, "text_file"),
-            }
-            self._old_entries = {e["path"]: e for e in manifest["latents"] + manifest["text"]}
+                self._read(index_entry["path"], captions_entry["path"])
+            except (OSError, KeyError, pa.ArrowInvalid) as e:  # lost: its files are read again
+                log.warning("cache index unreadable (%s): reading its part files again", e)
+
+    def _read(self, index_rel: str, captions_rel: str) -> None:
+        captions = self.version.read(captions_rel).to_pylist()
+        self._take(TEXT, _by_file(captions, "text_file"), "caption_key")
+        for batch in self.version.read(index_rel).to_batches(max_chunksize=SLICE):
+            rows = batch.to_pylist()
+            self._take(LATENTS, _latents_by_file(rows), "key")
+            for r in rows:
+                self.listed[(r["source"], r["path"])] = (r["size"], r["mtime_ns"], r["key"])
+
+    def _take(self, kind: str, by_file: dict[str, list[dict]], key: str) -> None:
+        """Rows of committed files, each (file, key) once over every index read."""
+        for rel, rows in by_file.items():
+            if rel in self._old_entries:
+                known = self._known[kind].setdefault(rel, {})
+                for row in rows:
+                    known.setdefault(row[key], row)
 
     def refresh(self) -> None:
         """Take in part files written since the last call (by this run or another)."""
         for kind, found in ((LATENTS, self.latents), (TEXT, self.captions)):
             known = self._known[kind]
-            for rel in self.version.part_files(kind, trusted=set(known)):
+            for rel in self.version.part_files(kind, trusted=set(known) | self._foreign):
                 if rel in self.entries:
                     continue
                 if rel in known:
-                    self.entries[rel], rows = self._old_entries[rel], known[rel]
+                    self.entries[rel], rows = self._old_entries[rel], list(known[rel].values())
+                elif rel in self._foreign:  # committed, and only another job's: kept as it is
+                    self.entries[rel], rows = self._old_entries[rel], []
                 else:
                     try:
                         self.entries[rel], table = self.version.describe(rel, self.dtype)
@@ -273,12 +307,21 @@ def appearances(rows: list[dict]) -> dict[str, int]:
 
 
 def commit(
-    version: Version, run: str, rows: list[dict], located: Located, generation=None, **extra
+    version: Version,
+    run: str,
+    rows: list[dict],
+    located: Located,
+    generation=None,
+    *,
+    sources: list,
+    **extra,
 ) -> dict:
     """Write the index of ``rows`` (the trained images, each with ``source_index``, and the
     keys of its flipped latent and its mask, ``flip_key`` and ``mask_key``, where it has them)
     and the captions they use (plus the empty one, for caption dropout), then the manifest:
-    last. ``extra``: more manifest keys (family, dtype, report)."""
+    last. The index is the dataset of ``sources`` (the job's ``SourceConfig`` list): the
+    manifest replaces that dataset and keeps every other job's (``data/datasets.py``).
+    ``extra``: more manifest keys (family, dtype, report)."""
     rows = sorted(rows, key=lambda r: (r["source_index"], r["path"]))
     needed = sorted({r["caption_key"] for r in rows} | {caption_key("")})
     position = {k: i for i, k in enumerate(needed)}
@@ -297,11 +340,9 @@ def commit(
     live_latents = {r["latent_file"] for r in index} | {r["flip_file"] for r in index}
     live_latents = sorted((live_latents | {r["mask_file"] for r in index}) - {""})
     live_text = sorted({c["text_file"] for c in captions})
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "fingerprint": version.fp,
-        "latents": [located.entries[rel] for rel in live_latents],
-        "text": [located.entries[rel] for rel in live_text],
+    key = datasets.dataset_key(sources)
+    mine = {
+        "sources": datasets.sources_record(sources),
         "index": version.write_table(
             f"{run}/{INDEX}", pa.Table.from_pylist(index, schema=INDEX_SCHEMA)
         ),
@@ -309,45 +350,43 @@ def commit(
             f"{run}/{CAPTIONS}", pa.Table.from_pylist(captions, schema=captions_schema(tensors))
         ),
         "appearances": appearances(index),
-        "text_tensors": tensors,
         "dataset": {"id": dataset_id(version.fp, index), "rows": len(rows)},
-    } | extra
-    return version.commit(manifest, generation)
-
-
-def _setting(row: dict, what: str):
-    """An index row's repeats, regularization, flip (whether it has a flipped latent) or mask
-    (its key); an index written before a setting existed has its default."""
-    if what == "flip":
-        return bool(row.get("flip_file"))
-    return row.get({"mask": "mask_key"}.get(what, what), "" if what == "mask" else False)
-
-
-def describe_change(old: list[dict], new: list[dict], limit: int = 5) -> str:
-    """What differs between two indexes' rows (by source and path; a source is its place in
-    the job, so a moved folder is the same source), for a user: images added, removed or
-    edited, captions and repeats changed."""
-
-    def keyed(rows):
-        return {(r["source_index"], r["path"]): r for r in rows}
-
-    a, b = keyed(old), keyed(new)
-    groups = {
-        "added": [p for p in b if p not in a],
-        "removed": [p for p in a if p not in b],
-        "edited": [p for p in a.keys() & b.keys() if a[p]["key"] != b[p]["key"]],
-        "caption changed": [
-            p for p in a.keys() & b.keys() if a[p]["caption_key"] != b[p]["caption_key"]
-        ],
+        "files": {"latents": live_latents, "text": live_text},
+        "committed_unix": round(time.time(), 3),
     }
-    for what in ("repeats", "regularization", "flip", "mask"):
-        groups[f"{what} changed"] = [
-            p for p in a.keys() & b.keys() if _setting(a[p], what) != _setting(b[p], what)
-        ]
-    parts = []
-    for what, paths in groups.items():
-        if paths:
-            shown = ", ".join(p for _, p in sorted(paths)[:limit])
-            more = f", … {len(paths) - limit} more" if len(paths) > limit else ""
-            parts.append(f"{len(paths)} {what} ({shown}{more})")
-    return "; ".join(parts) or "the same images in another order"
+    held = (located.manifest or {}).get(DATASETS, {})
+    kept, dropped = datasets.merged(held, key, mine, lambda rel: _exists(located, rel))
+    for what in dropped:
+        log.warning(
+            "cache: a file of the dataset of %s is gone: dropped (preprocess it again)", what
+        )
+    files = {
+        kind: sorted({f for d in kept.values() for f in d["files"][kind]}) for kind in mine["files"]
+    }
+    manifest = (
+        {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": version.fp,
+            "latents": [located.entries[rel] for rel in files[LATENTS]],
+            "text": [located.entries[rel] for rel in files[TEXT]],
+            "text_tensors": tensors,
+            DATASETS: kept,
+            # the newest commit's dataset (report.json's): what a reader naming no job reads
+            "dataset_key": key,
+        }
+        | {k: mine[k] for k in ("index", "captions", "appearances", "dataset")}
+        | extra
+    )
+    committed = version.commit(manifest, generation)
+    now = (version.manifest() or {}).get(DATASETS, {}).get(key, {})
+    if now.get("index") != mine["index"]:  # a commit at the same moment replaced this one
+        raise StaleCommit(f"{version.root}: another run's commit replaced this one's")
+    return committed
+
+
+def _exists(located: Located, rel: str) -> bool:
+    """Whether a file another dataset references is still there: a data file as the last
+    listing found it (a damaged one set aside is not), an index table on the filesystem."""
+    if rel.endswith((f"/{INDEX}", f"/{CAPTIONS}")):
+        return storage.exists(located.version.fs, located.version.path(rel))
+    return rel in located.entries

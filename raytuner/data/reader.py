@@ -357,11 +357,15 @@ class CachedDataset:
         self.reader.close()
 
 
-def for_readers(manifest: dict) -> dict:
-    """The part of a manifest a reader needs (not the file lists and the report, which grow
-    with the dataset): what a job hands its workers."""
-    needed = ("format_version", "fingerprint", "dtype", "index", "captions", "text_tensors")
-    return {k: manifest[k] for k in needed} | {"dataset": manifest["dataset"]}
+def for_readers(manifest: dict, dataset: dict | None = None) -> dict:
+    """The part of a manifest a reader needs to read ``dataset`` (a job's entry of its
+    ``datasets``; None: the newest commit's), not the file lists and the report, which grow
+    with the dataset: what a job hands its workers."""
+    dataset = manifest if dataset is None else dataset
+    needed = ("format_version", "fingerprint", "dtype", "text_tensors")
+    return {k: manifest[k] for k in needed} | {
+        k: dataset[k] for k in ("index", "captions", "dataset")
+    }
 
 
 def open_dataset(

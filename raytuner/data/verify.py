@@ -20,6 +20,8 @@ from raytuner.data.cache import (
     Version,
     checksum,
     checksum_column,
+    committed_files,
+    indexes,
     itemsize,
     read_parquet,
     shape_column,
@@ -87,7 +89,7 @@ def verify(version: Version) -> list[dict]:
     groups = [
         (manifest["latents"], ["latent", "latent_std", MASK]),
         (manifest["text"], manifest["text_tensors"]),
-        ([manifest["index"], manifest["captions"]], []),
+        ([entry for pair in indexes(manifest) for entry in pair], []),  # every job's
     ]
     for entries, tensors in groups:
         for entry in entries:
@@ -128,8 +130,9 @@ def _version_folder(fs: pafs.FileSystem, info: pafs.FileInfo) -> bool:
 
 def garbage(cache_root: str, keep: Version, min_age_s: float) -> list[str]:
     """Other cache versions under the cache root, and this version's part folders its manifest
-    does not reference; never a version in use (a live lease: a preprocess or training run),
-    nothing younger than ``min_age_s``, and nothing at all unless ``keep`` is committed."""
+    does not reference (it references the files of every job's dataset); never a version in
+    use (a live lease: a preprocess or training run), nothing younger than ``min_age_s``, and
+    nothing at all unless ``keep`` is committed."""
     manifest = keep.manifest()
     if manifest is None:
         raise ValueError(
@@ -153,8 +156,7 @@ def garbage(cache_root: str, keep: Version, min_age_s: float) -> list[str]:
     found += [  # temporaries of writes that died (a live write's is younger than min-age)
         i.path for i in everything if storage.TMP_MARK in i.base_name and (i.mtime_ns or 0) < cutoff
     ]
-    files = manifest["latents"] + manifest["text"] + [manifest["index"], manifest["captions"]]
-    live = {f["path"].split("/")[1] for f in files if f["path"]}
+    live = {f["path"].split("/")[1] for f in committed_files(manifest) if f["path"]}
     runs = keep.fs.get_file_info(pafs.FileSelector(keep.path("parts"), allow_not_found=True))
     found += [r.path for r in runs if r.base_name not in live and _newest_ns(keep.fs, r) < cutoff]
     return sorted(found)

@@ -24,8 +24,14 @@ from raytuner.preprocess.decode import DecodeSpec, Known
 from raytuner.preprocess.encode import FAILED
 from raytuner.preprocess.images import ImagePolicy
 from raytuner.preprocess.progress import ProgressLine
-from raytuner.preprocess.sources import folder_report, image_repeats, list_source
-from raytuner.preprocess.worklist import pair_regularization, plan, report
+from raytuner.preprocess.sources import (
+    NOT_UTF8,
+    caption_file,
+    folder_report,
+    image_repeats,
+    list_source,
+)
+from raytuner.preprocess.worklist import pair_regularization, plan, report, unusable_sources
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +43,8 @@ def bucket_sizes(family, pre: PreprocessConfig) -> list[tuple[int, int]]:
 
 
 def _listing(data: DataConfig, located: index.Located) -> list[dict]:
-    """Every image file of every source, with its key from the last index if unchanged."""
-    known = {
-        (r["source"], r["path"]): (r["size"], r["mtime_ns"], r["key"]) for r in located.indexed
-    }
-    rows = []
+    """Every image file of every source, with its key from a committed index if unchanged."""
+    known, rows = located.listed, []
     for i, source in enumerate(data.all_sources()):
         root = storage.absolute(source.path)
         for row in list_source(i, source):
@@ -148,17 +151,46 @@ def _indexed(rows: list[dict], located: index.Located, sources) -> list[dict]:
     return indexed
 
 
+def _refuse_unusable(p, indexed: list[dict], sources, roots: list[str]) -> None:
+    """A source that ends with no usable image, or a caption file that is not UTF-8 in a
+    source with ``caption_errors = "strict"``, fails the preprocess before its commit: the
+    run would train without that source (a regularization source: without prior
+    preservation), or on captions with U+FFFD in them. Its files stay encoded for the rerun."""
+    kinds = ["regularization source" if s.regularization else "source" for s in sources]
+    if empty := unusable_sources(p, indexed, roots, kinds):
+        raise ValueError(
+            "a data source has no usable image, so the run would train without it: "
+            + " | ".join(empty)
+            + ". Replace or fix those files, or remove the source from the job"
+        )
+    strict = [
+        storage.join(r["source"], caption_file(sources[r["source_index"]], r["path"]))
+        for r in indexed
+        if r["caption_from"] == NOT_UTF8 and sources[r["source_index"]].caption_errors == "strict"
+    ]
+    if strict:
+        shown = ", ".join(strict[:10]) + (
+            f", ... {len(strict) - 10} more" if len(strict) > 10 else ""
+        )
+        raise ValueError(
+            f'{len(strict)} caption file(s) are not UTF-8 (caption_errors = "strict"): {shown}. '
+            'Save them as UTF-8, or set caption_errors = "replace" (bad bytes become '
+            'U+FFFD) or "skip" (their images are left out)'
+        )
+
+
 def _preprocess(job: _Pass) -> dict:
     """One listing, encoding and commit into the run folder ``job.run`` (kept when it retries)."""
     version, data, pre = job.version, job.data, job.pre
-    start, wall, generation = time.monotonic(), time.time(), version.generation()
-    located = index.Located(version, pre.dtype, version.manifest())
+    start, wall, manifest = time.monotonic(), time.time(), version.manifest()
+    generation = (manifest or {}).get("generation", 0)
+    sources = data.all_sources()
+    roots = [storage.absolute(s.path) for s in sources]
+    located = index.Located(version, pre.dtype, manifest, roots)
     located.refresh()
     listing = _listing(data, located)
     if not listing:
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
-    sources = data.all_sources()
-    roots = [storage.absolute(s.path) for s in sources]
     log.info("preprocess: %d files -> %s/%s", len(listing), version.root, job.run)
     available = set(located.latents)
     rows, first_at = _stream(job, listing, located)
@@ -166,15 +198,21 @@ def _preprocess(job: _Pass) -> dict:
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
     located.refresh()
     indexed = _indexed(p.cached + p.new, located, sources)
+    _refuse_unusable(p, indexed, sources, roots)
     need = {r["caption_key"] for r in indexed} | {caption_key("")}
     truncated = sum(located.captions[k]["truncated"] for k in need)
-    folders = folder_report(indexed, sources)  # repeats_from_folder sources: their folders' N
+    folders = folder_report(indexed, sources)  # the kohya folders' N, taken or not
     indexed = pair_regularization(indexed)
     rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
     rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
     rep["folders"] = folders
+    rep["not_utf8_files"] = [
+        {"source": r["source"], "path": caption_file(sources[r["source_index"]], r["path"])}
+        for r in indexed
+        if r["caption_from"] == NOT_UTF8
+    ]
     extra = {"family": job.family.name, "dtype": pre.dtype, "report": rep}
-    index.commit(version, job.run, indexed, located, generation, **extra)
+    index.commit(version, job.run, indexed, located, generation, sources=sources, **extra)
     metrics.gauge("raytuner_cache_hits", len(p.cached), job.tag)
     metrics.gauge("raytuner_skipped_inputs", len(rep["skipped"]), job.tag)
     metrics.gauge("raytuner_images_encoded_per_s", rep["images_per_s"], job.tag)

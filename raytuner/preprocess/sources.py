@@ -27,6 +27,8 @@ MASK_SUFFIX = "-masklabel.png"
 # a kohya sd-scripts dataset folder: "<repeats>_<class tokens>" ("10_ohwx person"); sd-scripts
 # splits the name at its first "_" and reads the rest as the class tokens
 KOHYA_FOLDER = re.compile(r"([0-9]+)_(.*)", re.DOTALL)
+# where a caption came from when its file is not UTF-8 (its bad bytes replaced by U+FFFD)
+NOT_UTF8 = "file, not UTF-8"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ def kohya_folder(rel: str) -> KohyaFolder | None:
     return None
 
 
+def caption_file(source: SourceConfig, rel: str) -> str:
+    """The caption file of the image at ``rel``: beside it, its stem and the caption extension."""
+    return posixpath.splitext(rel)[0] + source.caption_extension
+
+
 def image_repeats(source: SourceConfig, rel: str) -> int:
     """How often the image at ``rel`` appears per epoch: its kohya folder's N when the source
     has ``repeats_from_folder``, else (and outside such folders) the source's ``repeats``."""
@@ -56,22 +63,27 @@ def image_repeats(source: SourceConfig, rel: str) -> int:
 
 
 def folder_report(rows: list[dict], sources: list[SourceConfig]) -> list[dict]:
-    """Per kohya folder of the sources that take repeats from folder names: its trained
-    images, their repeats, and how many are captioned by the folder's name (no caption file or
-    metadata). ``rows``: indexed rows (``source``, ``source_index``, ``path``, ``repeats``,
-    ``caption_from``); ``folder`` "" gathers the images under no ``<N>_`` folder."""
+    """Per kohya folder (``<N>_<name>``) of every source that has one: its trained images,
+    their repeats, and how many are captioned by the folder's name (no caption file or
+    metadata); a folder whose N its source does not take (no ``repeats_from_folder``: it
+    trains with the source's repeats) adds ``"taken": False`` and that N (``named``).
+    ``rows``: indexed rows (``source``, ``source_index``, ``path``, ``repeats``,
+    ``caption_from``); ``folder`` "" gathers a source's images under no ``<N>_`` folder."""
     groups: dict[tuple[int, str], dict] = {}
     for r in rows:
-        if not sources[r["source_index"]].repeats_from_folder:
-            continue
         folder = kohya_folder(r["path"])
         key = (r["source_index"], folder.path if folder else "")
         group = groups.setdefault(
-            key, {"source": r["source"], "folder": key[1], "images": 0, "repeats": r["repeats"]}
+            key,
+            {"source": r["source"], "folder": key[1], "images": 0, "repeats": r["repeats"]}
+            | {"name_captions": 0},
         )
+        if folder and not sources[r["source_index"]].repeats_from_folder:
+            group |= {"taken": False, "named": folder.repeats}
         group["images"] += 1
-        group["name_captions"] = group.get("name_captions", 0) + (r["caption_from"] == "folder")
-    return [groups[k] for k in sorted(groups)]
+        group["name_captions"] += r["caption_from"] == "folder"
+    with_folders = {i for i, folder in groups if folder}
+    return [groups[k] for k in sorted(groups) if k[0] in with_folders]
 
 
 def _is_junk(rel: str) -> bool:
@@ -166,7 +178,7 @@ def list_source(index: int, source: SourceConfig) -> list[dict]:
         stem, ext = posixpath.splitext(rel)
         if ext.lower() not in IMAGE_EXTENSIONS or _is_junk(rel) or rel in masks:
             continue
-        txt, mask = stem + source.caption_extension, stem + MASK_SUFFIX
+        txt, mask = caption_file(source, rel), stem + MASK_SUFFIX
         mask = mask if mask in masks and source.mask == "file" else ""
         size, mtime_ns = files[rel]
         refused = ""
@@ -212,14 +224,16 @@ def _caption(fs, root: str, row: dict, source: SourceConfig) -> tuple[str | None
         return row["metadata_caption"].strip(), "metadata", ""
     if row["caption_path"]:
         raw = storage.read_bytes(fs, storage.join(root, row["caption_path"]))
+        where = "file"
         try:
             text = raw.decode("utf-8-sig")
         except UnicodeDecodeError:
             if source.caption_errors == "skip":
                 return None, "", "caption file is not valid UTF-8"
-            text = raw.decode("utf-8", errors="replace")
+            # replaced (or refused after the stream: caption_errors = "strict"), and counted
+            text, where = raw.decode("utf-8", errors="replace"), NOT_UTF8
         if text.strip():
-            return " ".join(text.split()), "file", ""
+            return " ".join(text.split()), where, ""
     folder = kohya_folder(row["path"]) if source.repeats_from_folder else None
     if folder is not None and folder.name.strip():  # sd-scripts' class tokens
         return " ".join(folder.name.split()), "folder", ""

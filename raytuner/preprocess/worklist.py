@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from raytuner.data.cache import ALPHA, mask_key
+from raytuner.preprocess.sources import NOT_UTF8
 
 
 @dataclass
@@ -74,6 +75,27 @@ def pair_regularization(rows: list[dict]) -> list[dict]:
     return [r | {"repeats": repeats[i]} if i in repeats else r for i, r in enumerate(rows)]
 
 
+def unusable_sources(p: Plan, indexed: list[dict], roots: list[str], kinds: list[str]) -> list[str]:
+    """Each source (``roots[i]``, a ``kinds[i]``: "source", "regularization source") that
+    ends with no trained image, for a user: its folder and why each of its files was left out
+    (skipped with the reason, or a duplicate)."""
+    used = {r["source_index"] for r in indexed}
+    out = []
+    for i, root in enumerate(roots):
+        if i in used:
+            continue
+        why = [f"{s['path']}: {s['reason']}" for s in p.skipped if s["source"] == root]
+        why += [
+            f"{d['path']}: a duplicate of {d['duplicate_of']}"
+            for d in p.duplicates
+            if d["source"] == root
+        ]
+        shown = "; ".join(why[:10]) + (f"; ... {len(why) - 10} more" if len(why) > 10 else "")
+        left = f"{len(why)} file(s) left out ({shown})" if why else "no image file in it"
+        out.append(f"{kinds[i]} {root}: {left}")
+    return out
+
+
 def _kinds(indexed: list[dict]) -> dict:
     """What the report says of flips, masks and regularization images (only what is there)."""
     out = {}
@@ -110,6 +132,7 @@ def report(total: int, p: Plan, indexed: list[dict], truncated: int, seconds: fl
             "distinct": len({r["caption"] for r in indexed}),
             "fallback": sum(1 for r in indexed if r["caption_from"] == "fallback"),
             "truncated": truncated,
+            "not_utf8": sum(1 for r in indexed if r["caption_from"] == NOT_UTF8),
         },
         "buckets": dict(sorted(Counter(r["bucket"] for r in indexed).items())),
         "seconds": round(seconds, 3),
@@ -132,19 +155,34 @@ def report_lines(report: dict) -> list[str]:
     c = report["captions"]
     out.append(
         f"  captions: {c['distinct']} distinct, {c['fallback']} from fallback, "
-        f"{c['truncated']} truncated; {report['seconds']:.1f} s, "
-        f"{report['images_per_s']:.1f} images/s encoded"
+        f"{c['truncated']} truncated, {c.get('not_utf8', 0)} not UTF-8; "
+        f"{report['seconds']:.1f} s, {report['images_per_s']:.1f} images/s encoded"
     )
     out.append("  buckets: " + ", ".join(f"{b}: {n}" for b, n in report["buckets"].items()))
     out.extend(_kind_lines(report))
-    for f in report.get("folders", []):  # sources with repeats_from_folder
-        named = f", {f['name_captions']} captioned by its name" if f["name_captions"] else ""
-        folder = f["folder"] or "(no N_ prefix)"
-        out.append(f"  folder {folder}: {f['images']} images x {f['repeats']} repeats{named}")
+    out.extend(_folder_lines(report.get("folders", [])))
+    for f in report.get("not_utf8_files", [])[:20]:
+        out.append(f"  caption not UTF-8 (bad bytes replaced by U+FFFD): {f['path']}")
     for s in skipped[:20]:
         out.append(f"  skipped {s['path']}: {s['reason']}")
     if len(skipped) > 20:
         out.append(f"  ... and {len(skipped) - 20} more (see the report)")
+    return out
+
+
+def _folder_lines(folders: list[dict]) -> list[str]:
+    """The report's lines on the kohya folders (``<N>_<name>``) of the sources."""
+    out = []
+    for f in folders:
+        named = f", {f['name_captions']} captioned by its name" if f["name_captions"] else ""
+        folder = f["folder"] or "(no N_ prefix)"
+        line = f"  folder {folder}: {f['images']} images x {f['repeats']} repeats{named}"
+        if f["folder"] and not f.get("taken", True):
+            line += (
+                f" (its name says {f['named']}: set repeats_from_folder = true on its source "
+                "to take it)"
+            )
+        out.append(line)
     return out
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from raytuner.config import SourceConfig
 from raytuner.data import cache, index
 from raytuner.data.cache import caption_key
 from raytuner.data.tensors import DTYPES, to_cells
@@ -52,6 +53,7 @@ def to_table(columns: dict, schema: dict[str, pa.DataType]) -> pa.Table:
 
 
 RUN = "parts/synthetic"
+SOURCE = "synthetic://rows"  # the source of the rows when no job's is given
 Shapes = Callable[[int, int], dict[str, tuple[int, ...]]]  # (width, height) -> name -> shape
 
 
@@ -126,10 +128,13 @@ def write_cache(
     dtype: str = "bfloat16",
     rows_per_file: int = 8,
     std: float = 0.0,
+    sources: list | None = None,
 ) -> dict:
     """Commit one row per entry of ``buckets`` ((width, height) of row i), with caption number
     ``captions[i]`` and ``repeats[i]``; ``shapes``: the tensors' shapes at a bucket; ``std``
-    > 0: every latent also stores a posterior std of that value. Returns the manifest."""
+    > 0: every latent also stores a posterior std of that value; ``sources``: the job whose
+    dataset the rows are (its ``data.all_sources()``: `raytuner train` of that job trains
+    them), else a source of their own. Returns the manifest."""
     keys = _write_latents(version, buckets, shapes, dtype, rows_per_file, std)
     texts = [f"synthetic caption {c}" for c in sorted(set(captions))] + [""]
     text_shapes = {k: v for k, v in shapes(*buckets[0]).items() if k != "latent"}
@@ -153,4 +158,6 @@ def write_cache(
         for i, ((w, h), c, r) in enumerate(zip(buckets, captions, repeats, strict=True))
     ]
     rep = report(len(rows), Plan(new=rows), rows, 0, 0.0)
-    return index.commit(version, RUN, rows, located, family=family, dtype=dtype, report=rep)
+    sources = sources or [SourceConfig(path=SOURCE)]
+    extra = {"family": family, "dtype": dtype, "report": rep}
+    return index.commit(version, RUN, rows, located, sources=sources, **extra)

@@ -17,8 +17,8 @@ from ray.train.torch import TorchTrainer
 
 from raytuner import runs, runtime, storage
 from raytuner.config import ConfigError, JobConfig, LoraConfig
+from raytuner.data import datasets
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
-from raytuner.data.index import describe_change
 from raytuner.data.reader import for_readers
 from raytuner.errors import Interrupted
 from raytuner.lora import full_model
@@ -50,16 +50,37 @@ ADDED_LORA_KEYS = (
 )
 
 
-def dataset_record(cache: str, fp: str, manifest: dict) -> dict:
-    """What a checkpoint records of the committed dataset it trains on: its id (what a resume
-    is checked against), its rows, its index file and a content hash of the manifest."""
-    canonical = json.dumps(manifest, sort_keys=True).encode()
-    return manifest["dataset"] | {
+def dataset_record(cache: str, fp: str, readers: dict) -> dict:
+    """What a checkpoint records of the committed dataset it trains on (``readers``: what its
+    workers read, ``reader.for_readers``): its id (what a resume is checked against), its rows,
+    its index file and a content hash of what the workers read."""
+    canonical = json.dumps(readers, sort_keys=True).encode()
+    return readers["dataset"] | {
         "cache": storage.absolute(cache),
         "fingerprint": fp,
-        "index": manifest["index"]["path"],
+        "index": readers["index"]["path"],
         "manifest_sha256": hashlib.sha256(canonical).hexdigest(),
     }
+
+
+def job_dataset(job: JobConfig, fp: str) -> tuple[dict, dict]:
+    """The committed manifest of the job's cache version and the job's own dataset in it (the
+    rows its sources make, never another job's); FileNotFoundError naming what is missing."""
+    manifest = read_manifest(job.data.cache, fp)
+    if manifest is None:
+        raise FileNotFoundError(
+            f"no committed cache at {version_dir(job.data.cache, fp)}: "
+            "run `raytuner preprocess` (or `raytuner run`) first"
+        )
+    mine = datasets.entry(manifest, job.data.all_sources(), version_dir(job.data.cache, fp))
+    log.info(
+        "dataset %s: %d images, %d samples an epoch, from %s",
+        mine["dataset"]["id"],
+        mine["dataset"]["rows"],
+        sum(mine["appearances"].values()),
+        datasets.describe(mine["sources"]),
+    )
+    return manifest, mine
 
 
 def _dataset_change(fs, folder: str, current: dict) -> str:
@@ -70,7 +91,7 @@ def _dataset_change(fs, folder: str, current: dict) -> str:
     except (OSError, KeyError, ValueError) as e:
         return f"its index is no longer readable ({type(e).__name__}); {current['rows']} rows now"
     now = Version(current["cache"], current["fingerprint"]).read(current["index"]).to_pylist()
-    return describe_change(before, now)
+    return datasets.describe_change(before, now)
 
 
 def check_resumable(job: JobConfig, run_dir: str, fp: str, dataset: dict) -> None:
@@ -205,14 +226,11 @@ def train(job: JobConfig, family) -> dict:
     """Train on the committed cache of this job's model and preprocess settings (a job
     ``api.check`` passed; ``family``: its Family)."""
     fp = fingerprint(job.model, job.preprocess)
-    manifest = read_manifest(job.data.cache, fp)
-    if manifest is None:
-        raise FileNotFoundError(
-            f"no committed cache at {version_dir(job.data.cache, fp)}: "
-            "run `raytuner preprocess` (or `raytuner run`) first"
-        )
+    manifest, mine = job_dataset(job, fp)
+    # the manifest read now: a commit while the job runs does not change what it reads
+    readers = for_readers(manifest, mine)
     # fail here, not in every worker, when no bucket can fill a global batch
-    counts = manifest["appearances"]
+    counts = mine["appearances"]
     rows = [bucket for bucket, n in counts.items() for _ in range(n)]
     t = job.train
     try:
@@ -226,7 +244,7 @@ def train(job: JobConfig, family) -> dict:
     name = runs.choose_run(job.train.output, job.train.name, job.checkpoint.resume)
     part = family.denoiser_part
     run_dir = runs.run_dir(job.train.output, name)
-    dataset = dataset_record(job.data.cache, fp, manifest)
+    dataset = dataset_record(job.data.cache, fp, readers)
     check_resumable(job, run_dir, fp, dataset)
     # checkpoints of reports Ray never registered (an interrupted driver's) beyond the newest
     # checkpoint.keep, and half-written folders: the workers resume from the newest complete one
@@ -243,8 +261,7 @@ def train(job: JobConfig, family) -> dict:
         checkpoint=job.checkpoint,
         cache=storage.absolute(job.data.cache),
         fingerprint=fp,
-        # the manifest read now: a commit while the job runs does not change what it reads
-        manifest=for_readers(manifest),
+        manifest=readers,
         dataset=dataset,
         run_dir=run_dir,
         job=job.to_dict(),

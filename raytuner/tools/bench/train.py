@@ -19,8 +19,8 @@ import torch
 
 from raytuner import runtime
 from raytuner.config import JobConfig, ValidationConfig
-from raytuner.data.cache import fingerprint, read_manifest
-from raytuner.data.reader import open_dataset
+from raytuner.data.cache import fingerprint
+from raytuner.data.reader import for_readers, open_dataset
 from raytuner.families import parts
 from raytuner.preprocess.job import preprocess
 from raytuner.tools.bench.common import (
@@ -63,8 +63,11 @@ def _batches(job: JobConfig, family, count: int) -> list[tuple[dict, list[int]]]
     if job.lora.text_encoder:  # its tokenizers; the encoders on the meta device, unused
         source = parts.model_source(job.model, "cpu")
         text = text_lora.build(family, source, torch.device("meta"), job.lora, t, torch.float32)
+    from raytuner.train.trainer import job_dataset
+
     fp = fingerprint(job.model, job.preprocess)
-    data = open_dataset(job.data.cache, fp, computed=text.outputs if text else ())
+    readers = for_readers(*job_dataset(job, fp))  # the job's own rows
+    data = open_dataset(job.data.cache, fp, readers, computed=text.outputs if text else ())
     # the objective's draws made with the batch and pinned, as the worker's feed does
     objective = job.objective.for_family(family)
     draw = family.loss(parts.model_source(job.model, "cpu"), objective).draw
@@ -130,10 +133,12 @@ def _synchronize(device: torch.device) -> None:
 def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int = 3) -> dict:
     """``rounds`` rounds, each one ``train()`` run (one worker, a fresh output folder) and then
     the bare loop; the figures are the medians over the rounds."""
-    from raytuner.train.trainer import train
+    from raytuner.train.trainer import job_dataset, train
 
     runtime.connect()
-    if read_manifest(job.data.cache, fingerprint(job.model, job.preprocess)) is None:
+    try:
+        job_dataset(job, fingerprint(job.model, job.preprocess))
+    except FileNotFoundError:  # the job's rows are not committed yet
         preprocess(job.model, job.data, job.preprocess, family=family)
     batches = _batches(job, family, 2 * steps)  # read once: the bare loop's clock never sees them
     threads: list[int] = []
