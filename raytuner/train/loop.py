@@ -231,12 +231,17 @@ class Worker:
         throttle fast steps. ``preempted``: taken because a preemption was announced (rank 0
         warns)."""
         started, step = time.perf_counter(), self.state.step
-        name, checkpoint = runs.checkpoint_name(step), None
+        name, checkpoint, local = runs.checkpoint_name(step), None, None
         if self.rank == 0 and preempted:
             log.warning("preemption announced: checkpoint at step %d before the node goes", step)
         if self.rank == 0 or self.weights.sharded:
-            checkpoint = ray.train.Checkpoint.from_directory(self._write(step))
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+            local = self._write(step)
+            checkpoint = ray.train.Checkpoint.from_directory(local)
+        try:
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+        finally:  # uploaded by now (Ray 2.60's synchronous report deletes no local copy)
+            if local is not None:
+                shutil.rmtree(local, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()  # every rank's files are uploaded
         if self.rank == 0:  # uploaded by now: what Ray never registered and keep passed goes
@@ -246,8 +251,9 @@ class Worker:
             self.observer.checkpoint(step, time.perf_counter() - started)
 
     def _write(self, step: int) -> str:
-        """This rank's part of the checkpoint of ``step``, in a new local folder (Ray deletes it
-        after the upload); a full disk leaves no half-written folder behind."""
+        """This rank's part of the checkpoint of ``step``, in a new local folder under TMPDIR
+        (``checkpoint`` deletes it once the report has uploaded it); a full disk leaves no
+        half-written folder behind."""
         directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")
         try:
             self.save(directory)
