@@ -33,6 +33,7 @@ from raytuner.observe.observer import Observer
 from raytuner.placement import sharding
 from raytuner.train import checkpoints, optim
 from raytuner.train.feed import open_feed
+from raytuner.train.finite import FiniteGuard
 from raytuner.train.sample_log import SampleLog, attempt_id
 from raytuner.train.step import train_step
 from raytuner.train.weights import trainable_model
@@ -145,6 +146,7 @@ class Worker:
         run_dir = cfg.run_dir if t.sample_log else None
         self.samples = SampleLog(run_dir, attempt_id(), self.rank, world)
         self.meter = Meter(device, flops.device_peak(device, cfg.peak_tflops))
+        self.guard, self.went_wrong = FiniteGuard(device), None
         self.observer = None
         if self.rank == 0:
             args = (cfg.run_dir, t.max_steps, t.tensorboard, cfg.tracking, cfg.job)
@@ -185,9 +187,22 @@ class Worker:
         """Train this rank's slice of the next global batch; the step and cursor move past it."""
         st = self.state
         batch = self.feed.next(st.epoch, st.index)
-        self.meter.add(self.step(batch), self.step.flops)
+        loss = self.step(batch)
+        self.meter.add(loss, self.step.flops)
         st.step, (st.epoch, st.index) = st.step + 1, batch.after()
         self.samples.add(st.step, batch.epoch, batch.index, batch.ids)
+        # the step before's verdict (this one's is still on the device)
+        self.went_wrong = self.guard.add(st.step, loss, self.step.grad_norm)
+
+    def stop_reason(self, window: bool, due: bool) -> str | None:
+        """Why the run must stop before it logs, checkpoints or trains on (the same on every
+        worker): a loss or gradients no longer finite (at a metrics window or a checkpoint,
+        the check of the step just trained), or, before a checkpoint, weights no longer
+        finite."""
+        reason = self.went_wrong or (self.guard.now() if window else None)
+        if reason is None and due and not self.guard.weights_finite(self.weights.params):
+            reason = f"the trained weights are not finite after step {self.state.step}"
+        return reason
 
     def preemption_announced(self) -> bool:
         """Whether Ray announced a preemption of a node of this group (one actor round trip,
@@ -307,9 +322,12 @@ class Worker:
             self.observer.close()
 
 
-def train_loop(config: dict) -> None:
+def train_loop(config: dict) -> dict:
     """A Ray Train worker: from the newest readable checkpoint to ``train.max_steps``, a metrics
-    window every ``train.log_every`` steps and a checkpoint where one is due."""
+    window every ``train.log_every`` steps and a checkpoint where one is due. Returns what the
+    driver reads as ``Result.return_value`` (rank 0's): ``{"stopped": why}`` when the run
+    stopped early, every worker at the same step, because what it trains is no longer finite
+    (``train/finite.py``): nothing after that step is checkpointed or exported."""
     cfg = LoopConfig(**config)
     _quiet_ray_train_reports()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -321,9 +339,15 @@ def train_loop(config: dict) -> None:
             # restart loses no finished step; the call is a barrier that agrees across ranks
             preempted = worker.preemption_announced()
             due = preempted or worker.checkpoint_due()
-            if due or worker.state.step % cfg.train.log_every == 0:
+            window = due or worker.state.step % cfg.train.log_every == 0
+            if (reason := worker.stop_reason(window, due)) is not None:
+                if worker.rank == 0:
+                    log.error("%s: stopping the run without a checkpoint after it", reason)
+                return {"stopped": reason}
+            if window:
                 metrics = worker.end_window()
                 if due:
                     worker.checkpoint(metrics, preempted)
     finally:
         worker.close()
+    return {}

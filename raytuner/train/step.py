@@ -88,6 +88,7 @@ class TrainStep:
     # FLOPs of forward and backward (recompute included) of one sample, per latent shape
     per_sample: dict = field(default_factory=dict)
     flops: float = 0.0  # of the last step (this rank's slice)
+    grad_norm: torch.Tensor | None = None  # of the last step, before clipping (on the device)
 
     def __call__(self, batch: Slice) -> torch.Tensor:
         shape = tuple(batch.tensors["latent"].shape[1:])
@@ -102,7 +103,7 @@ class TrainStep:
         self.flops = self.per_sample[shape] * len(batch.seeds)
         if self.text is not None:  # not DDP-wrapped: averaged over the workers here
             self.text.average_gradients()
-        torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)

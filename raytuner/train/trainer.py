@@ -20,7 +20,7 @@ from raytuner.config import ConfigError, JobConfig, LoraConfig
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.index import describe_change
 from raytuner.data.reader import for_readers
-from raytuner.errors import Interrupted
+from raytuner.errors import Interrupted, TrainingStopped, WorkerDied, dead_worker
 from raytuner.lora import full_model
 from raytuner.render import validation
 from raytuner.runs import (
@@ -336,13 +336,16 @@ def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Resul
             callbacks=callbacks,
         ),
     )
-    completed = False
+    completed, stopped = False, None
     try:
         result = trainer.fit()
-        completed = not trainer.interrupted
+        stopped = (result.return_value or {}).get("stopped")  # rank 0's train_loop's
+        completed = not trainer.interrupted and stopped is None
     except BaseException as e:  # the aborted controller's death, or a Ctrl-C before it started
         if trainer.interrupted or isinstance(e, KeyboardInterrupt):
             raise Interrupted(resume_hint(loop.run_dir)) from None
+        if (died := dead_worker(e)) is not None:  # not the others' lost connections
+            raise WorkerDied(f"{died}. {_capital(resume_hint(loop.run_dir))}") from None
         raise
     finally:
         if main:  # Ray leaves its handler in place after fit
@@ -350,4 +353,14 @@ def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Resul
         validation.finish(validator, completed)
     if trainer.interrupted:  # aborted after the last step: the export may be missing
         raise Interrupted(resume_hint(loop.run_dir))
+    if stopped is not None:  # what it trained is no longer finite: nothing after is kept
+        raise TrainingStopped(
+            f"{stopped}: the run stopped there, without a checkpoint or an export after it; "
+            f"lower train.learning_rate (or look at that step's rows: train.sample_log). "
+            f"{_capital(resume_hint(loop.run_dir))}"
+        )
     return result
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
