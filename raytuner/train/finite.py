@@ -36,7 +36,8 @@ class FiniteGuard:
     def add(self, step: int, loss: torch.Tensor, norm: torch.Tensor) -> str | None:
         """Queue the check of ``step``; the verdict of the step before."""
         norm = sharding.gather(norm)  # a sharded run's norm: a DTensor of every worker's rows
-        values = torch.stack([loss.detach().float().reshape(()), norm.detach().float()])
+        loss = loss.detach().float().reshape(())
+        values = torch.stack([loss, norm.detach().float().reshape(()).to(loss.device)])
         bad = (~torch.isfinite(values)).any().float().reshape(1)
         if _distributed():  # any worker's: every worker stops at the same step
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
