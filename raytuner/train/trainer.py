@@ -249,7 +249,7 @@ def train(job: JobConfig, family) -> dict:
         except checksums.DamagedFileError as e:  # the workers skip it too
             log.warning(
                 "not exporting run %s's final checkpoint, which is damaged: %s. Training from "
-                "the previous complete checkpoint instead (the export there is left as it was)",
+                "the previous complete checkpoint instead (the previous export is left as it was)",
                 *(name, e),
             )
     loop = LoopConfig(
