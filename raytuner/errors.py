@@ -61,3 +61,53 @@ def config_error(error: BaseException) -> str | None:
 class Interrupted(KeyboardInterrupt):
     """A run stopped by Ctrl-C (or `ray job stop`): its message says where it can resume; the
     CLI prints it as one line and exits 130."""
+
+
+class WorkerDied(RuntimeError):
+    """A training worker's process died (killed, out of memory, crashed): the message names the
+    worker and where the run can resume, not the collateral errors of the workers it left."""
+
+
+class TrainingStopped(RuntimeError):
+    """The training workers stopped a run that could not go on meaning anything (a loss or
+    weights no longer finite): the message names the step and the checkpoint kept."""
+
+
+_PID = re.compile(r"\bpid[:=]\s*(\d+)")
+_IP = re.compile(r"\bip: (\S+)|node_ip='([^']+)'")
+
+
+def dead_worker(error: BaseException) -> str | None:
+    """Which worker of a failed Ray Train run died, from the run's error (a worker group's
+    failures by rank): a worker whose process ended fails its health check with the actor's
+    death, while the others fail at their next collective (gloo's "Connection reset by peer",
+    NCCL's abort) because of it. None when no worker died. Ray does not say which signal ended
+    the process; its node's preemption and its memory monitor's kills it does say."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        death = getattr(failure, "health_check_failure", failure)
+        if not any(c.__name__ == "RayActorError" for c in type(death).__mro__):
+            continue
+        text = f"{failure}\n{death}"
+        pid, ip = _PID.search(text), _IP.search(text)
+        where = f"pid {pid.group(1)}" if pid else "its process"
+        where += f" on {ip.group(1) or ip.group(2)}" if ip else ""
+        if getattr(death, "preempted", False):
+            why = "its node was preempted"
+        elif "low on memory" in text:
+            why = "Ray's memory monitor killed it (its node ran low on memory)"
+        else:
+            why = (
+                "its process ended without an error of its own: killed (a SIGKILL, the "
+                "kernel's OOM killer: see dmesg on its node) or crashed"
+            )
+        others = [str(r) for r in sorted(failures) if r != rank]
+        tail = ""
+        if others:
+            many = len(others) > 1
+            tail = (
+                f" (worker{'s' if many else ''} {', '.join(others)} failed only because "
+                f"{'they' if many else 'it'} lost {'their' if many else 'its'} connection to it)"
+            )
+        return f"training worker {rank} ({where}) died: {why}{tail}"
+    return None

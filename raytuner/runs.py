@@ -14,6 +14,7 @@ job's run lives, its checkpoints, the newest complete one and where the exported
                                            raytuner.json
         run.json  job.json  dataset.json
         export/lora/                       LoRA runs: both LoRA layouts
+        checksums/rank-<r>.json            every worker's files' checksums (xxh3-64)
         state.json  (rank 0, once every worker's files are in place: a folder without it is
                     incomplete)
       lora/pytorch_lora_weights.safetensors  lora/lora_kohya.safetensors   (LoRA runs)
@@ -53,6 +54,7 @@ OPTIMIZER_DIR = "optimizer"
 OPTIMIZER_JSON = "optimizer.json"  # fsdp: the optimizer's param groups and the LR schedule
 DENOISER = "denoiser.json"  # full fine-tunes: the denoiser's config (a model folder's config.json)
 EXPORT_META = "export.json"  # full fine-tunes: what the exported model folder says of itself
+CHECKSUMS = "checksums"  # rank-<r>.json: each worker's files' checksums (raytuner/checksums.py)
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
 
 # in the run folder (and, for the first two, inside a checkpoint's export/)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 import torch
 from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.futures import Future
 
-from raytuner import storage
+from raytuner import checksums, storage
 
 # safetensors' dtype names
 DTYPES = {
@@ -43,12 +44,14 @@ DTYPES = {
 @dataclass(frozen=True)
 class _Chunk:
     """Where a worker's rows of a tensor lie: the file, their shape and dtype, the offset of
-    their first byte."""
+    their first byte; their checksums (one per ``step`` bytes of whole rows; None: unchecked)."""
 
     path: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     start: int
+    sums: tuple[str, ...] | None = None
+    step: int = 0
 
 
 class RangeReader(StorageReader):
@@ -58,10 +61,13 @@ class RangeReader(StorageReader):
     its bytes (a piece that is not whole rows: its chunk, then sliced). DCP's own
     ``HuggingFaceStorageReader`` does the same on local files only."""
 
-    def __init__(self, fs: pafs.FileSystem, folder: str) -> None:
-        """``folder``: a folder of safetensors files, or one such file."""
+    def __init__(
+        self, fs: pafs.FileSystem, folder: str, sums: checksums.Sums | None = None
+    ) -> None:
+        """``folder``: a folder of safetensors files, or one such file; ``sums``: the
+        checkpoint's checksums, checked on every read (none: unchecked)."""
         super().__init__()
-        self.fs, self.folder = fs, folder
+        self.fs, self.folder, self.sums = fs, folder, sums
         self.chunks: dict[MetadataIndex, _Chunk] = {}
         self._metadata: Metadata | None = None
 
@@ -80,8 +86,9 @@ class RangeReader(StorageReader):
     def _read_headers(self) -> Metadata:
         tensors: dict[str, TensorStorageMetadata] = {}
         for path in self.files():
-            header, start = _header(self.fs, path)
+            header, start = _header(self.fs, path, self.sums)
             offsets = json.loads(header.pop("__metadata__", {}).get(SHARDING, "{}"))
+            record = self.sums.of(path) if self.sums is not None else None
             for name, entry in header.items():
                 shape, dtype = tuple(entry["shape"]), DTYPES[entry["dtype"]]
                 offset = offsets.get(name, {}).get("saved_offsets", [0] * len(shape))
@@ -95,7 +102,12 @@ class RangeReader(StorageReader):
                 end = [o + n for o, n in zip(offset, shape, strict=True)]
                 meta.size = torch.Size(max(a, b) for a, b in zip(meta.size, end, strict=True))
                 at = start + entry["data_offsets"][0]
-                self.chunks[MetadataIndex(name, offset)] = _Chunk(path, shape, dtype, at)
+                sums, step = None, 0
+                if record is not None:  # this chunk's checksums, a block of rows each
+                    sums = tuple(record["tensors"].get(name, ()))
+                    step = checksums.block_bytes(shape, dtype.itemsize, record["block"])
+                index = MetadataIndex(name, offset)
+                self.chunks[index] = _Chunk(path, shape, dtype, at, sums, step)
         return Metadata(state_dict_metadata=tensors, storage_data=self.chunks)
 
     def files(self) -> list[str]:
@@ -117,7 +129,10 @@ class RangeReader(StorageReader):
         shapes = self.shapes()
         out = {n: torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in names}
         planner = DefaultLoadPlanner(allow_partial_load=True)
-        dcp.load(out, storage_reader=self, planner=planner, no_dist=True)
+        try:
+            dcp.load(out, storage_reader=self, planner=planner, no_dist=True)
+        except CheckpointException as e:  # a BaseException: the error this process raised
+            raise next(iter(e.failures.values()))[0] from None
         return out
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *a, **k) -> None:
@@ -148,26 +163,65 @@ class RangeReader(StorageReader):
 SHARDING = "DCP_SHARDING_INFO"  # the safetensors metadata key DCP writes the rows' offsets to
 
 
-def _header(fs: pafs.FileSystem, path: str) -> tuple[dict, int]:
-    """A safetensors file's header and where its data starts (two ranged reads)."""
+def _header(fs: pafs.FileSystem, path: str, sums: checksums.Sums | None) -> tuple[dict, int]:
+    """A safetensors file's header and where its data starts (two ranged reads), checked
+    against the file's size (a truncated file) and, with ``sums``, its checksum."""
     with fs.open_input_file(path) as f:
-        (length,) = struct.unpack("<Q", bytes(f.read_at(8, 0)))
-        return json.loads(bytes(f.read_at(length, 8))), 8 + length
+        size = f.size()
+        if size < 8:
+            raise checksums.DamagedFileError(f"{path}: {size} bytes, no safetensors header")
+        prefix = bytes(f.read_at(8, 0))
+        (length,) = struct.unpack("<Q", prefix)
+        raw = bytes(f.read_at(length, 8)) if length <= size - 8 else b""
+    if sums is not None:
+        record = sums.of(path)
+        checksums.check_size(path, size, record)
+        got = checksums.digest(prefix + raw)
+        checksums.compare(path, "its header's bytes", got, record["header"])
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise checksums.DamagedFileError(f"{path}: its safetensors header is damaged") from None
+    ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"]
+    if 8 + length + max(ends, default=0) > size:
+        raise checksums.DamagedFileError(
+            f"{path}: {size:,} bytes, its header needs {8 + length + max(ends):,} (truncated)"
+        )
+    return header, 8 + length
 
 
 def _read_piece(f, chunk: _Chunk, item) -> torch.Tensor:
     """The piece of a stored chunk a read item asks for: whole rows by one ranged read of
-    their bytes, anything else from the chunk read whole."""
+    their bytes, anything else from the chunk read whole. With checksums, the read widens to
+    the whole blocks that hold the rows, each checked."""
     offsets, lengths = list(item.storage_offsets), list(item.lengths)
     size = chunk.dtype.itemsize
     if not chunk.shape:
-        return _tensor(f.read_at(size, chunk.start), chunk.dtype, ())
+        return _tensor(_read_rows(f, chunk, 0, 1, size), chunk.dtype, ())
     row = math.prod(chunk.shape[1:]) * size
     if offsets[1:] == [0] * (len(offsets) - 1) and tuple(lengths[1:]) == chunk.shape[1:]:
-        data = f.read_at(lengths[0] * row, chunk.start + offsets[0] * row)
+        data = _read_rows(f, chunk, offsets[0], lengths[0], row)
         return _tensor(data, chunk.dtype, tuple(lengths))
-    whole = _tensor(f.read_at(chunk.shape[0] * row, chunk.start), chunk.dtype, chunk.shape)
+    whole = _tensor(_read_rows(f, chunk, 0, chunk.shape[0], row), chunk.dtype, chunk.shape)
     return whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))]
+
+
+def _read_rows(f, chunk: _Chunk, first: int, count: int, row: int):
+    """The bytes of rows ``first`` .. ``first + count`` of a chunk (``row`` bytes each), their
+    checksum blocks checked when the chunk has checksums."""
+    if chunk.sums is None or not count or not row:
+        return f.read_at(count * row, chunk.start + first * row)
+    total = (chunk.shape[0] if chunk.shape else 1) * row
+    begin = first * row // chunk.step * chunk.step
+    end = min(total, -(-(first + count) * row // chunk.step) * chunk.step)
+    data = memoryview(f.read_at(end - begin, chunk.start + begin))
+    for at in range(0, end - begin, chunk.step):
+        i = (begin + at) // chunk.step
+        written = chunk.sums[i] if i < len(chunk.sums) else "none"
+        got = checksums.digest(data[at : at + chunk.step])
+        checksums.compare(chunk.path, f"the bytes of a tensor's rows (block {i})", got, written)
+    skip = first * row - begin
+    return data[skip : skip + count * row]
 
 
 def _tensor(data, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

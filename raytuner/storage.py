@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import json
 import os
 import shutil
@@ -129,6 +131,86 @@ def no_room(path: str, size: int | None, error: OSError) -> OSError:
         f"no room to write {path} ({os.strerror(error.errno)}): it needs {need}, {free}; "
         "free space on that disk or move the folder elsewhere",
     )
+
+
+OLD_MARK = ".old-"  # a folder being swapped out: <path>.old-<uuid> (folder_swap's fallback)
+
+
+@contextlib.contextmanager
+def folder_swap(fs: pafs.FileSystem, path: str) -> Iterator[str]:
+    """A folder to write into whose content replaces the folder ``path`` whole, once the block
+    ends without an error; an error or an interruption (Ctrl-C, a kill) inside it leaves
+    ``path`` as it was, never a mix of the two.
+
+    Local disks: a sibling ``<path>.tmp-<uuid>``, swapped with ``path`` in one rename
+    (``renameat2(RENAME_EXCHANGE)``; where the filesystem lacks it, two renames, undone on an
+    error between them), then the old content deleted; what a killed process left beside
+    ``path`` is removed (or put back) first. Object stores have no folder rename: the files are
+    written at ``path`` directly, each whole (``atomic_output``)."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        yield path
+        return
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    _tidy_swaps(path)
+    tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        _swap_in(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the new folder unused, or the old one
+    _fsync_dir(parent)
+
+
+def _swap_in(tmp: str, path: str) -> None:
+    """``tmp`` renamed to ``path``; the old ``path`` (if any) left at ``tmp``."""
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+        return
+    if _exchange(tmp, path):
+        return
+    old = f"{path}{OLD_MARK}{uuid.uuid4().hex}"
+    os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        os.rename(old, path)
+        raise
+    os.rename(old, tmp)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or the filesystem cannot."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    if done == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _tidy_swaps(path: str) -> None:
+    """What an interrupted ``folder_swap`` of ``path`` left beside it: its unfinished new
+    folder (removed) or, killed between its two renames, the old folder (put back)."""
+    parent, name = os.path.split(path)
+    for entry in sorted(os.listdir(parent)):
+        sibling = os.path.join(parent, entry)
+        if entry.startswith(name + OLD_MARK) and not os.path.lexists(path):
+            os.rename(sibling, path)
+        elif entry.startswith((name + TMP_MARK, name + OLD_MARK)) and os.path.isdir(sibling):
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
 def write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:

@@ -1,9 +1,11 @@
 """A damaged file anywhere in a checkpoint is a CheckpointError, which resume answers by
 falling back to the previous checkpoint: a worker's ``restore`` (``train/loop.py``) on a run
 folder whose newest checkpoint is damaged takes the one before, with a warning naming the
-damaged folder. Before, a truncated optimizer state or a missing export crashed the restore
-instead, and every restart of the worker group crashed the same way. (End to end, in a
-resubmitted elastic run: tests/test_elastic.py.)"""
+damaged file. Before, a truncated optimizer state or a missing export crashed the restore
+instead, and every restart of the worker group crashed the same way; 8 flipped bytes in any
+file loaded silently (the checksums each checkpoint lists now catch them). (End to end, in a
+resubmitted elastic run: tests/test_elastic.py; sharded checkpoints:
+tests/test_sharded_checkpoints.py, tests/test_fsdp.py.)"""
 
 from __future__ import annotations
 
@@ -23,20 +25,45 @@ from raytuner.train import checkpoints
 from raytuner.train.weights import Weights
 
 
-def _damage_truncate(path: Path) -> None:
+def _truncate(path: Path) -> Path:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
+    return path
 
 
+def _empty(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
+def _flip(path: Path) -> Path:
+    """8 bytes in the middle of the file flipped: its size and every header intact."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2 + 8
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _exported(d: Path) -> Path:
+    return next(p for p in sorted((d / runs.EXPORT).rglob("*.safetensors")))
+
+
+# each damage returns the damaged file (None: no one file)
 DAMAGE = {
-    "truncated optimizer state": lambda d: _damage_truncate(d / runs.OPTIMIZER),
-    "empty optimizer state": lambda d: (d / runs.OPTIMIZER).write_bytes(b""),
-    "empty weights file": lambda d: (d / runs.WEIGHTS).write_bytes(b""),
-    "missing export": lambda d: [p.unlink() for p in (d / runs.EXPORT).rglob("*") if p.is_file()],
-    "empty exported file": lambda d: next(
-        p for p in (d / runs.EXPORT).rglob("*.safetensors")
-    ).write_bytes(b""),
+    "truncated optimizer state": lambda d: _truncate(d / runs.OPTIMIZER),
+    "empty optimizer state": lambda d: _empty(d / runs.OPTIMIZER),
+    "empty weights file": lambda d: _empty(d / runs.WEIGHTS),
+    "missing export": lambda d: (
+        [p.unlink() for p in (d / runs.EXPORT).rglob("*") if p.is_file()] and None
+    ),
+    "empty exported file": lambda d: _empty(_exported(d)),
     "missing state (incomplete)": lambda d: (d / runs.STATE).unlink(),
+    # loaded without an error before checksums, each a silently different run
+    "8 flipped bytes in the weights": lambda d: _flip(d / runs.WEIGHTS),
+    "8 flipped bytes in the optimizer state": lambda d: _flip(d / runs.OPTIMIZER),
+    "8 flipped bytes in an exported file": lambda d: _flip(_exported(d)),
+    "truncated weights": lambda d: _truncate(d / runs.WEIGHTS),
 }
 
 
@@ -76,10 +103,12 @@ def test_a_damaged_checkpoint_file_is_a_checkpoint_error(damage, tmp_path):
     assert (
         checkpoints.load_checkpoint(str(tmp_path), weights, opt, sched).step == 1
     )  # intact: loads
-    DAMAGE[damage](tmp_path)
-    with pytest.raises(checkpoints.CheckpointError):
+    damaged = DAMAGE[damage](tmp_path)
+    with pytest.raises(checkpoints.CheckpointError) as error:
         checkpoints.load_checkpoint(str(tmp_path), weights, opt, sched)
     assert os.path.isdir(tmp_path)
+    if damaged is not None:  # the message names the damaged file
+        assert str(error.value).startswith(f"{damaged}: "), str(error.value)
 
 
 def _restoring_worker(run_dir: Path):
@@ -106,7 +135,7 @@ def test_a_worker_restores_the_previous_checkpoint_when_the_newest_is_damaged(
         _checkpoint(folder, steps=step)
     expected = trained(steps=1)[0].state()
     assert any(not torch.equal(expected[k], v) for k, v in trained(steps=2)[0].state().items())
-    DAMAGE[damage](newest)
+    damaged = DAMAGE[damage](newest)
 
     worker = _restoring_worker(tmp_path)
     with caplog.at_level(logging.INFO, logger="raytuner.train"):
@@ -123,6 +152,7 @@ def test_a_worker_restores_the_previous_checkpoint_when_the_newest_is_damaged(
         assert not skipped  # incomplete: not a candidate
     else:
         assert len(skipped) == 1 and str(newest) in skipped[0], skipped
+        assert damaged is None or f"{damaged}: " in skipped[0], skipped
     assert any("rank 0 resumed at step 1 " in r.getMessage() for r in caplog.records)
 
 

@@ -1,6 +1,7 @@
 """The final export streams (``train/trainer.export_final``): file by file from the
 checkpoint's own filesystem, in pieces of at most ``storage.COPY_CHUNK``, and it never reads the
-optimizer state (nor anything else outside ``export/`` but ``state.json``, where the step is).
+optimizer state (nor anything else outside ``export/`` but ``state.json``, where the step is,
+and the checksums every copied byte is checked against).
 The checkpoint is read through a filesystem that records every file opened and every read's
 size; its ``optimizer.pt`` is a folder (nothing can read it as a file) and its export holds a
 file three pieces long. No Ray needed."""
@@ -16,6 +17,7 @@ import ray.train
 from test_checkpoint_damage import _checkpoint
 
 from raytuner import runs, storage
+from raytuner.train import checkpoints
 from raytuner.train.trainer import export_final
 
 
@@ -107,6 +109,7 @@ def test_the_final_export_streams_the_export_alone(tmp_path):
     _checkpoint(folder)
     big = folder / runs.EXPORT / runs.LORA_DIR / "big.bin"  # 2.5 pieces
     big.write_bytes(os.urandom(storage.COPY_CHUNK * 5 // 2))
+    checkpoints.write_checksums(str(folder), 0)  # big.bin among the files it lists
     (folder / runs.OPTIMIZER).unlink()  # the optimizer state: a folder, not readable as a file
     (folder / runs.OPTIMIZER).mkdir()
     (folder / runs.OPTIMIZER / "state").write_bytes(b"never read")
@@ -122,7 +125,8 @@ def test_the_final_export_streams_the_export_alone(tmp_path):
     assert summary["kohya"] == str(out / "job" / runs.LORA_DIR / runs.KOHYA_FILE)
     assert summary["step"] == 1
     opened = {str(Path(p).relative_to(folder)) for p in handler.opened}
-    assert opened == {runs.STATE} | {f"{runs.EXPORT}/{name}" for name in expected}
+    sums = f"{runs.CHECKSUMS}/rank-00000.json"  # what each copied file is checked against
+    assert opened == {runs.STATE, sums} | {f"{runs.EXPORT}/{name}" for name in expected}
     chunk = storage.COPY_CHUNK  # the big file in its three pieces (a whole read: 80 of 256 KiB)
     assert [n for n in handler.opened[str(big)] if n] == [chunk, chunk, chunk // 2]
     assert all(max(s, default=0) <= storage.COPY_CHUNK for s in handler.opened.values())

@@ -3,7 +3,9 @@ CPU) against the same job trained replicated (``"ddp"``): the same loss at every
 same final weights, for a full fine-tune of the tiny Flux and the tiny SDXL and for a LoRA; a
 SIGKILLed worker resumes from the sharded checkpoint; a run checkpointed at 2 workers resumes at
 1 and one at 1 at 2 (DCP reshards) and ends where the uninterrupted run does; the export of a
-full fine-tune loads with ``from_pretrained`` and renders; a run cannot switch strategy.
+full fine-tune loads with ``from_pretrained`` and renders; a run cannot switch strategy; a
+SIGKILLed worker is reported as the death it is, and a damaged sharded checkpoint is skipped
+naming the file.
 
 Tolerance: the two strategies compute the same sums in another order (a reduce-scatter of the
 gradients instead of an all-reduce, the gradient norm summed from each worker's rows) and the
@@ -15,11 +17,18 @@ to the bit; the bound is 1e-4, the scale the 3-worker DDP run of test_train_exac
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from PIL import Image
@@ -275,3 +284,115 @@ def test_a_sharded_sdxl_full_finetune_trains_as_ddp(job_file):
     worst = assert_close(model_weights(ddp, "unet"), model_weights(fsdp, "unet"))
     print(f"SDXL fsdp against ddp: largest relative difference {worst:.2e}")
     assert sample_log.trained(str(ddp_dir)) == sample_log.trained(str(fsdp_dir))
+
+
+def _raytuner_train(job_file: Path, tmp: Path, *settings: str, kill=None):
+    """`raytuner train` of the job in a process of its own (its own local Ray), the workers'
+    temporary files in ``tmp`` alone; ``kill(process)``: called meanwhile, in a thread.
+    Returns (exit code, stderr, what ``kill`` returned)."""
+    command = [sys.executable, "-m", "raytuner", "train", str(job_file)]
+    for setting in settings:
+        command += ["--set", setting]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"TMPDIR": str(tmp), "RAY_TMPDIR": tempfile.gettempdir()}  # Ray's sockets: short
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    killed = []
+    killer = threading.Thread(target=lambda: killed.append(kill(process))) if kill else None
+    if killer:
+        killer.start()
+    try:
+        _, err = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    if killer:
+        killer.join()
+    return process.returncode, err, killed[0] if killed else None
+
+
+def _sigkill_a_worker_after_a_checkpoint(run_dir: Path):
+    """Once the run has a complete checkpoint: SIGKILL one of its training workers; its pid."""
+
+    def kill(process) -> int | None:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and process.poll() is None:
+            if runs.complete_checkpoints(str(run_dir))[1]:
+                children = psutil.Process(process.pid).children(recursive=True)
+                workers = [p for p in children if "RayTrainWorker" in " ".join(p.cmdline())]
+                workers[-1].kill()
+                return workers[-1].pid
+            time.sleep(0.1)
+        return None
+
+    return kill
+
+
+def _newest_step(run_dir: Path) -> int:
+    newest = runs.complete_checkpoints(str(run_dir))[1][0]
+    return json.loads(Path(newest, runs.STATE).read_text())["step"]
+
+
+def _flip_a_shard(checkpoint: Path) -> Path:
+    """8 bytes flipped in the middle of the tensor data of the second worker's weights shard."""
+    shard = sorted((checkpoint / runs.WEIGHTS_DIR).glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    middle = (8 + int.from_bytes(data[:8], "little") + len(data)) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_killed_worker_and_a_damaged_sharded_checkpoint_say_what_happened(flux_job, tmp_path):
+    """`raytuner train` of a sharded full fine-tune, three times:
+
+    1. a worker SIGKILLed after the first checkpoint: the run ends naming that worker (not the
+       survivor's lost gloo connection) and the newest complete checkpoint to resume from;
+    2. the same command resumes there, trains two more checkpoints and leaves no temporary
+       copy of them (every worker's ``raytuner-ckpt-*``) in TMPDIR;
+    3. 8 flipped bytes in a weights shard of its final checkpoint: the finished run is not
+       exported from it; a warning names the shard, the workers skip it and train the last
+       steps again from the checkpoint before, to the same weights (before checksums, the
+       run resumed and exported the flipped weights silently)."""
+    name, run_dir = "damaged", flux_job.parent / "runs" / "damaged"
+    settings = (f'train.name="{name}"', 'scaling.strategy="fsdp"', "checkpoint.max_failures=0")
+    (tmp_path / "1").mkdir()
+    kill = _sigkill_a_worker_after_a_checkpoint(run_dir)
+    code, err, pid = _raytuner_train(
+        flux_job, tmp_path / "1", *settings, "train.max_steps=400", kill=kill
+    )
+    lines = [line for line in err.splitlines() if line.startswith("raytuner:")]
+    newest = _newest_step(run_dir)
+    print(lines[-1:])
+    assert pid is not None and code == 1, err[-3000:]
+    assert re.fullmatch(
+        rf"raytuner: train failed: WorkerDied: training worker \d \(pid {pid} on \S+\) died: "
+        rf".*SIGKILL.*\. The newest complete checkpoint is step {newest} \(.+\): the same "
+        r"command resumes from it",
+        lines[-1],
+    ), lines
+
+    steps = newest + 2 * EVERY
+    (tmp_path / "2").mkdir()
+    code, err, _ = _raytuner_train(flux_job, tmp_path / "2", *settings, f"train.max_steps={steps}")
+    assert code == 0, err[-3000:]
+    assert f"rank 0 resumed at step {newest} " in err
+    assert not list((tmp_path / "2").glob("raytuner-ckpt-*")), "temporary copies left behind"
+    expected = model_weights({"model": str(run_dir / runs.MODEL_DIR)})
+
+    final = Path(runs.complete_checkpoints(str(run_dir))[1][0])
+    shard = _flip_a_shard(final)
+    (tmp_path / "3").mkdir()
+    code, err, _ = _raytuner_train(flux_job, tmp_path / "3", *settings, f"train.max_steps={steps}")
+    assert code == 0, err[-3000:]
+    assert re.search(rf"not exporting run {name}'s final checkpoint, which is damaged: "
+                     rf"{re.escape(str(shard))}: the bytes of ", err), err[-3000:]  # fmt: skip
+    assert f"skipping unreadable checkpoint: {shard}: " in err
+    assert f"rank 0 resumed at step {steps - EVERY} " in err
+    again = model_weights({"model": str(run_dir / runs.MODEL_DIR)})
+    assert again.keys() == expected.keys()
+    assert all(torch.equal(again[k], expected[k]) for k in expected)

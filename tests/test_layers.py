@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "quiet",
             "storage",
             "shards",
+            "checksums",
             "runs",
             "runtime",
             "config",

@@ -3,8 +3,9 @@ state a resume needs, and a run on another number of workers reads it back whole
 tiny Flux sharded over 2 gloo workers, with an EMA, AdamW, a cosine LR schedule, gradient
 checkpointing and activation offload, trains two steps and checkpoints; one worker
 loads the checkpoint and holds the same weights, EMA, optimizer state and LR schedule to the
-bit. A damaged shard fails the load on every worker alike (no worker waits for another in a
-collective), as ``CheckpointError``, which the restore skips. No Ray needed."""
+bit. A damaged shard (8 flipped bytes in one worker's rows, or the file cut short) fails the
+load on every worker alike (no worker waits for another in a collective), as a
+``CheckpointError`` naming the file, which the restore skips. No Ray needed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ray_head import free_ports
 from safetensors.torch import load_file, save_file
 
 from raytuner import runs
@@ -121,15 +123,31 @@ def _load(rank: int, world: int, folder: str, port: int) -> None:
         save_file(got, os.path.join(folder, "..", f"loaded-{world}.safetensors"))
     step(_slice(STEPS, rank, world))  # the restored optimizer steps its sharded state
     if world > 1:
-        if rank == 0:
-            shard = sorted(Path(folder, runs.WEIGHTS_DIR).glob("*.safetensors"))[1]
-            shard.write_bytes(shard.read_bytes()[:100])
-        dist.barrier()
-        try:
-            checkpoints.load_checkpoint(folder, weights, opt, sched)
-        except checkpoints.CheckpointError as e:
-            result["error"] = str(e)
+        shard = sorted(Path(folder, runs.WEIGHTS_DIR).glob("*.safetensors"))[1]
+        result["shard"], result["errors"] = str(shard), []
+        for damage in (_flip_rows, _truncate):  # rank 1's rows; then the file cut short
+            if rank == 0:
+                damage(shard)
+            dist.barrier()
+            try:
+                checkpoints.load_checkpoint(folder, weights, opt, sched)
+            except checkpoints.CheckpointError as e:
+                result["errors"].append(str(e))
+            dist.barrier()
     Path(folder, "..", f"result-{world}-{rank}.json").write_text(json.dumps(result))
+
+
+def _flip_rows(shard: Path) -> None:
+    """8 bytes flipped in the middle of the file's tensor data (its header and size intact)."""
+    data = bytearray(shard.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    middle = (start + len(data)) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    shard.write_bytes(bytes(data))
+
+
+def _truncate(shard: Path) -> None:
+    shard.write_bytes(shard.read_bytes()[:100])
 
 
 @pytest.mark.slow
@@ -138,12 +156,12 @@ def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(
     folder.mkdir()
     (folder / runs.EXPORT).mkdir()  # what _trained_files_complete looks for (a LoRA's export)
     (folder / runs.EXPORT / "lora.safetensors").write_bytes(b"x")
-    mp.spawn(_train_and_save, args=(2, str(folder), 29551), nprocs=2)
+    mp.spawn(_train_and_save, args=(2, str(folder), free_ports(1)[0]), nprocs=2)
     names = sorted(p.name for p in folder.iterdir())
     assert {runs.WEIGHTS_DIR, runs.EMA_DIR, runs.OPTIMIZER_DIR, runs.OPTIMIZER_JSON} <= set(names)
     assert len(list((folder / runs.OPTIMIZER_DIR).glob("*.safetensors"))) == 2
 
-    mp.spawn(_load, args=(1, str(folder), 29552), nprocs=1)
+    mp.spawn(_load, args=(1, str(folder), free_ports(1)[0]), nprocs=1)
     assert json.loads((tmp_path / "result-1-0.json").read_text())["step"] == STEPS
     expected = load_file(tmp_path / "reference.safetensors")
     loaded = load_file(tmp_path / "loaded-1.safetensors")
@@ -152,16 +170,21 @@ def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(
     for key in expected:
         assert torch.equal(expected[key], loaded[key]), key
 
-    # each of 2 workers reads its own rows: about half the data, never every byte; then a
-    # damaged shard gives every worker the same CheckpointError
+    # each of 2 workers reads its own rows: about half the data, never every byte; then 8
+    # flipped bytes in the rows one worker reads, and a truncated shard, give every worker a
+    # CheckpointError naming the file (before checksums the flipped bytes loaded silently)
     sizes = {}  # folder -> (bytes of the headers every worker reads, bytes of data)
     for sub in (runs.WEIGHTS_DIR, runs.EMA_DIR, runs.OPTIMIZER_DIR):
         files = list((folder / sub).glob("*.safetensors"))
         headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
         sizes[sub] = headers, sum(f.stat().st_size for f in files) - headers
-    mp.spawn(_load, args=(2, str(folder), 29554), nprocs=2)
+    mp.spawn(_load, args=(2, str(folder), free_ports(1)[0]), nprocs=2)
     results = [json.loads((tmp_path / f"result-2-{r}.json").read_text()) for r in (0, 1)]
-    assert all("error" in r for r in results), results
+    for result in results:
+        assert len(result["errors"]) == 2, result["errors"]
+        flipped, truncated = result["errors"]
+        assert flipped.startswith(f"{result['shard']}: the bytes of ") and "damaged" in flipped
+        assert truncated.startswith(f"{result['shard']}: 100 bytes"), truncated
     for rank, result in enumerate(results):
         read = result["read"]
         for sub, (headers, data) in sizes.items():

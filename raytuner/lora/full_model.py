@@ -23,7 +23,7 @@ import pyarrow.fs as pafs
 import torch
 from safetensors.torch import save
 
-from raytuner import storage
+from raytuner import checksums, storage
 from raytuner.runs import DENOISER, EMA, EMA_DIR, WEIGHTS, WEIGHTS_DIR
 from raytuner.shards import RangeReader
 
@@ -46,14 +46,19 @@ class Trained:
 
     def __init__(self, checkpoint: str, fs: pafs.FileSystem | None = None) -> None:
         """``checkpoint``: a checkpoint folder (or a copy of its ``runs.trained_files``) on
-        ``fs`` (default: the local disk)."""
+        ``fs`` (default: the local disk). What is read is checked against the checkpoint's
+        checksums where it has them: a damaged file raises ``checksums.DamagedFileError``."""
         fs = fs or pafs.LocalFileSystem()
         found = [n for n in (EMA_DIR, EMA, WEIGHTS_DIR, WEIGHTS) if _exists(fs, checkpoint, n)]
         if not found:
             raise FileNotFoundError(f"{checkpoint}: no {WEIGHTS} or {WEIGHTS_DIR}/ in it")
         self.path = storage.join(checkpoint, found[0])
-        self.config = storage.read_json(fs, storage.join(checkpoint, DENOISER))
-        self.reader = RangeReader(fs, self.path)
+        sums = checksums.Sums.read(fs, checkpoint)
+        config = storage.join(checkpoint, DENOISER)
+        if sums is not None:
+            sums.check(fs, config)
+        self.config = storage.read_json(fs, config)
+        self.reader = RangeReader(fs, self.path, sums)
         self.shapes = self.reader.shapes()
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -79,21 +84,23 @@ def _exists(fs: pafs.FileSystem, folder: str, name: str) -> bool:
 def write_folder(trained: Trained, out: str, meta: dict[str, str]) -> list[str]:
     """The diffusers model folder ``out`` (a path or URI): a safetensors file per block, each
     written as soon as its block is read, then the index, ``config.json`` and ``raytuner.json``
-    (``meta``). Returns the files written."""
+    (``meta``); written beside the folder there and swapped in whole (``storage.folder_swap``:
+    an error or an interruption leaves the old one). Returns the files written."""
     fs, root = storage.resolve(out)
     groups = trained.grouped()
     weight_map, total, files = {}, 0, []
-    for i, (_, tensors) in enumerate(trained.blocks(), start=1):
-        name = f"{WEIGHTS_NAME}-{i:05d}-of-{len(groups):05d}.safetensors"
-        data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
-        storage.write_atomic(fs, storage.join(root, name), data)
-        weight_map |= dict.fromkeys(tensors, name)
-        total += sum(v.nbytes for v in tensors.values())
-        files.append(name)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    for name, record in ((INDEX, index), (CONFIG, trained.config), ("raytuner.json", meta)):
-        storage.write_json_atomic(fs, storage.join(root, name), record)
-        files.append(name)
+    with storage.folder_swap(fs, root) as folder:
+        for i, (_, tensors) in enumerate(trained.blocks(), start=1):
+            name = f"{WEIGHTS_NAME}-{i:05d}-of-{len(groups):05d}.safetensors"
+            data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+            storage.write_atomic(fs, storage.join(folder, name), data)
+            weight_map |= dict.fromkeys(tensors, name)
+            total += sum(v.nbytes for v in tensors.values())
+            files.append(name)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        for name, record in ((INDEX, index), (CONFIG, trained.config), ("raytuner.json", meta)):
+            storage.write_json_atomic(fs, storage.join(folder, name), record)
+            files.append(name)
     return files
 
 

@@ -33,6 +33,7 @@ from raytuner.observe.observer import Observer
 from raytuner.placement import sharding
 from raytuner.train import checkpoints, optim
 from raytuner.train.feed import open_feed
+from raytuner.train.finite import FiniteGuard
 from raytuner.train.sample_log import SampleLog, attempt_id
 from raytuner.train.step import train_step
 from raytuner.train.weights import trainable_model
@@ -153,6 +154,7 @@ class Worker:
         run_dir = cfg.run_dir if t.sample_log else None
         self.samples = SampleLog(run_dir, attempt_id(), self.rank, world)
         self.meter = Meter(device, flops.device_peak(device, cfg.peak_tflops))
+        self.guard, self.went_wrong = FiniteGuard(device), None
         self.observer = None
         if self.rank == 0:
             args = (cfg.run_dir, t.max_steps, t.tensorboard, cfg.tracking, cfg.job)
@@ -202,9 +204,22 @@ class Worker:
         """Train this rank's slice of the next global batch; the step and cursor move past it."""
         st = self.state
         batch = self.feed.next(st.epoch, st.index)
-        self.meter.add(self.step(batch), self.step.flops, self.step.model_flops)
+        loss = self.step(batch)
+        self.meter.add(loss, self.step.flops, self.step.model_flops)
         st.step, (st.epoch, st.index) = st.step + 1, batch.after()
         self.samples.add(st.step, batch.epoch, batch.index, batch.ids)
+        # the step before's verdict (this one's is still on the device)
+        self.went_wrong = self.guard.add(st.step, loss, self.step.grad_norm)
+
+    def stop_reason(self, window: bool, due: bool) -> str | None:
+        """Why the run must stop before it logs, checkpoints or trains on (the same on every
+        worker): a loss or gradients no longer finite (at a metrics window or a checkpoint,
+        the check of the step just trained), or, before a checkpoint, weights no longer
+        finite."""
+        reason = self.went_wrong or (self.guard.now() if window else None)
+        if reason is None and due and not self.guard.weights_finite(self.weights.params):
+            reason = f"the trained weights are not finite after step {self.state.step}"
+        return reason
 
     def preemption_announced(self) -> bool:
         """Whether Ray announced a preemption of a node of this group (one actor round trip,
@@ -248,12 +263,17 @@ class Worker:
         throttle fast steps. ``preempted``: taken because a preemption was announced (rank 0
         warns)."""
         started, step = time.perf_counter(), self.state.step
-        name, checkpoint = runs.checkpoint_name(step), None
+        name, checkpoint, local = runs.checkpoint_name(step), None, None
         if self.rank == 0 and preempted:
             log.warning("preemption announced: checkpoint at step %d before the node goes", step)
         if self.rank == 0 or self.weights.sharded:
-            checkpoint = ray.train.Checkpoint.from_directory(self._write(step))
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+            local = self._write(step)
+            checkpoint = ray.train.Checkpoint.from_directory(local)
+        try:
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+        finally:  # uploaded by now (Ray 2.60's synchronous report deletes no local copy)
+            if local is not None:
+                shutil.rmtree(local, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()  # every rank's files are uploaded
         if self.rank == 0:  # uploaded by now: what Ray never registered and keep passed goes
@@ -263,8 +283,9 @@ class Worker:
             self.observer.checkpoint(step, time.perf_counter() - started)
 
     def _write(self, step: int) -> str:
-        """This rank's part of the checkpoint of ``step``, in a new local folder (Ray deletes it
-        after the upload); a full disk leaves no half-written folder behind."""
+        """This rank's part of the checkpoint of ``step``, in a new local folder under TMPDIR
+        (``checkpoint`` deletes it once the report has uploaded it); a full disk leaves no
+        half-written folder behind."""
         directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")
         try:
             self.save(directory)
@@ -318,9 +339,12 @@ class Worker:
             self.observer.close()
 
 
-def train_loop(config: dict) -> None:
+def train_loop(config: dict) -> dict:
     """A Ray Train worker: from the newest readable checkpoint to ``train.max_steps``, a metrics
-    window every ``train.log_every`` steps and a checkpoint where one is due."""
+    window every ``train.log_every`` steps and a checkpoint where one is due. Returns what the
+    driver reads as ``Result.return_value`` (rank 0's): ``{"stopped": why}`` when the run
+    stopped early, every worker at the same step, because what it trains is no longer finite
+    (``train/finite.py``): nothing after that step is checkpointed or exported."""
     cfg = LoopConfig(**config)
     _quiet_ray_train_reports()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -335,9 +359,15 @@ def train_loop(config: dict) -> None:
             # restart loses no finished step; the call is a barrier that agrees across ranks
             preempted = worker.preemption_announced()
             due = preempted or worker.checkpoint_due()
-            if due or worker.state.step % cfg.train.log_every == 0:
+            window = due or worker.state.step % cfg.train.log_every == 0
+            if (reason := worker.stop_reason(window, due)) is not None:
+                if worker.rank == 0:
+                    log.error("%s: stopping the run without a checkpoint after it", reason)
+                return {"stopped": reason}
+            if window:
                 metrics = worker.end_window()
                 if due:
                     worker.checkpoint(metrics, preempted)
     finally:
         worker.close()
+    return {}

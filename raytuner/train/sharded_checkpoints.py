@@ -32,12 +32,22 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from raytuner import storage
+from raytuner import checksums, storage
 from raytuner.runs import EMA_DIR, OPTIMIZER_DIR, OPTIMIZER_JSON, WEIGHTS_DIR
 from raytuner.shards import RangeReader
 
 # what reading a damaged or partial sharded checkpoint raises
 ERRORS = (CheckpointException, OSError, ValueError, KeyError, TypeError, SafetensorError)
+
+
+def reason(checkpoint: str, e: BaseException) -> str:
+    """What is wrong with a sharded checkpoint, on one line: a damaged file names itself; DCP's
+    ``CheckpointException`` (every worker's traceback) gives way to the first worker's error."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    if isinstance(e, checksums.DamagedFileError):
+        return str(e)
+    return f"{checkpoint}: {type(e).__name__}: {e}"
 
 
 def is_sharded(fs: pafs.FileSystem, checkpoint: str) -> bool:
@@ -79,17 +89,29 @@ def save(directory: str, weights, optimizer, lr_schedule, rank: int) -> None:
             json.dump(record, f, indent=2, sort_keys=True)
 
 
-def load(fs: pafs.FileSystem, checkpoint: str, weights, optimizer, lr_schedule, step: int) -> None:
+def load(
+    fs: pafs.FileSystem,
+    checkpoint: str,
+    weights,
+    optimizer,
+    lr_schedule,
+    step: int,
+    sums: checksums.Sums | None = None,
+) -> None:
     """Every worker's rows of a sharded checkpoint (on ``fs``, read in place), at this run's
     number of workers, into the weights, their EMA, the optimizer and the LR schedule (a
-    collective); raises one of ``ERRORS`` on every worker alike (DCP shares a worker's failure
-    with all)."""
-    record = storage.read_json(fs, storage.join(checkpoint, OPTIMIZER_JSON))
-    _load(weights.tensors(), RangeReader(fs, storage.join(checkpoint, WEIGHTS_DIR)))
+    collective), each piece checked against the checkpoint's checksums ``sums`` (None: a
+    checkpoint written before them); raises one of ``ERRORS`` on every worker alike (every
+    worker reads every header; DCP shares a worker's failure to read its rows with all)."""
+    path = storage.join(checkpoint, OPTIMIZER_JSON)
+    if sums is not None:
+        sums.check(fs, path)
+    record = storage.read_json(fs, path)
+    _load(weights.tensors(), RangeReader(fs, storage.join(checkpoint, WEIGHTS_DIR), sums))
     if (ema := weights.ema_tensors()) is not None:
-        _load(ema, RangeReader(fs, storage.join(checkpoint, EMA_DIR)))
+        _load(ema, RangeReader(fs, storage.join(checkpoint, EMA_DIR), sums))
         weights.ema.optimization_step = step
-    reader = RangeReader(fs, storage.join(checkpoint, OPTIMIZER_DIR))
+    reader = RangeReader(fs, storage.join(checkpoint, OPTIMIZER_DIR), sums)
     params = dict(zip(weights.names, weights.params, strict=True))
     targets = {}
     for key, saved in reader.read_metadata().state_dict_metadata.items():

@@ -92,6 +92,7 @@ class TrainStep:
     model_per_sample: dict = field(default_factory=dict)
     flops: float = 0.0  # the hardware's, of the last step (this rank's slice)
     model_flops: float = 0.0  # the model's, of the last step
+    grad_norm: torch.Tensor | None = None  # of the last step, before clipping (on the device)
 
     def __call__(self, batch: Slice) -> torch.Tensor:
         shape = tuple(batch.tensors["latent"].shape[1:])
@@ -108,8 +109,9 @@ class TrainStep:
         self.model_flops = self.model_per_sample[shape] * len(batch.seeds)
         if self.text is not None:  # not DDP-wrapped: averaged over the workers here
             self.text.average_gradients()
-        if self.max_grad_norm:  # 0: no clipping (what sd-scripts and SimpleTuner read in 0)
-            torch.nn.utils.clip_grad_norm_(self.weights.params, self.max_grad_norm)
+        # 0: no clipping (what sd-scripts and SimpleTuner read in 0); the norm is kept either way
+        limit = self.max_grad_norm or float("inf")
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.weights.params, limit)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)

@@ -15,12 +15,12 @@ import pyarrow.fs as pafs
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from raytuner import runs, runtime, storage
+from raytuner import checksums, runs, runtime, storage
 from raytuner.config import ConfigError, JobConfig, LoraConfig
 from raytuner.data import datasets
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.reader import for_readers
-from raytuner.errors import Interrupted
+from raytuner.errors import Interrupted, TrainingStopped, WorkerDied, dead_worker
 from raytuner.lora import full_model
 from raytuner.render import validation
 from raytuner.runs import (
@@ -188,7 +188,10 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str, part:
     """What the user takes away, from the checkpoint into ``<output>/<name>/``: a LoRA's
     ``lora/`` (the checkpoint's export, copied), or a full fine-tune's ``model/<part>/`` (a
     diffusers folder written a block at a time from its trained weights); return the summary:
-    where the files went, and the checkpoint's state. Never reads the optimizer state."""
+    where the files went, and the checkpoint's state. Never reads the optimizer state. Every
+    byte read is checked against the checkpoint's checksums (a damaged file raises
+    ``checksums.DamagedFileError``), and the folder is written beside the old one and swapped
+    in whole (``storage.folder_swap``): a failed or interrupted export leaves the previous."""
     uri = runs.run_dir(output, name)  # what the user reads: s3:// kept
     source = checkpoint.filesystem
     state = storage.read_json(source, storage.join(checkpoint.path, STATE))
@@ -196,13 +199,19 @@ def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str, part:
         _export_model(checkpoint, storage.join(uri, MODEL_DIR, part))
         return {"model": storage.join(uri, MODEL_DIR)} | state
     fs, run = storage.resolve(uri)
+    sums = checksums.Sums.read(source, checkpoint.path)
     # file by file from where the checkpoint is, streamed: never the optimizer state, never a
     # whole file in memory (the driver may be a small head)
-    root = storage.join(checkpoint.path, EXPORT)
+    root = storage.join(checkpoint.path, EXPORT, LORA_DIR)
     selector = pafs.FileSelector(root, recursive=True)
     files = [i.path for i in source.get_file_info(selector) if i.type == pafs.FileType.File]
-    for path in sorted(files):
-        storage.copy_stream(source, path, fs, storage.join(run, path[len(root) + 1 :]))
+    with storage.folder_swap(fs, storage.join(run, LORA_DIR)) as out:
+        for path in sorted(files):
+            target = storage.join(out, path[len(root) + 1 :])
+            if sums is None:  # a checkpoint written before checksums
+                storage.copy_stream(source, path, fs, target)
+            else:
+                sums.copy(source, path, fs, target)
     lora = storage.join(uri, LORA_DIR)
     paths = {"lora": storage.join(lora, DIFFUSERS_FILE)}
     if any(p.endswith(f"/{LORA_DIR}/{KOHYA_FILE}") for p in files):  # not every family's
@@ -216,7 +225,10 @@ def _export_model(checkpoint: ray.train.Checkpoint, out: str) -> None:
     (``lora/full_model.py``), with what the checkpoint says of its export (``raytuner.json``)."""
     fs, folder = checkpoint.filesystem, checkpoint.path
     trained = full_model.Trained(folder, fs)
-    meta = storage.read_json(fs, storage.join(folder, EXPORT_META))
+    path, sums = storage.join(folder, EXPORT_META), checksums.Sums.read(fs, folder)
+    if sums is not None:
+        sums.check(fs, path)
+    meta = storage.read_json(fs, path)
     meta["raytuner.checkpoint"] = storage.basename(folder)
     meta["raytuner.weights"] = storage.basename(trained.path)  # the EMA where there is one
     full_model.write_folder(trained, out, meta)
@@ -251,7 +263,14 @@ def train(job: JobConfig, family) -> dict:
     runs.prune_checkpoints(run_dir, job.checkpoint.keep)
     if (done := finished_checkpoint(run_dir, t.max_steps)) is not None:
         log.info("run %s trained its %d steps before: exporting again", name, t.max_steps)
-        return export_final(done, job.train.output, name, part) | {"metrics": {}}
+        try:
+            return export_final(done, job.train.output, name, part) | {"metrics": {}}
+        except checksums.DamagedFileError as e:  # the workers skip it too
+            log.warning(
+                "not exporting run %s's final checkpoint, which is damaged: %s. Training from "
+                "the previous complete checkpoint instead (the previous export is left as it was)",
+                *(name, e),
+            )
     loop = LoopConfig(
         family=family,
         model=job.model,
@@ -345,14 +364,17 @@ def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Resul
     workers = job.scaling.workers
     workers = "-".join(map(str, workers)) if isinstance(workers, list) else str(workers)
     log.info("run %s: starting %s training worker(s) (%s)", name, workers, job.scaling.strategy)
-    completed = False
+    completed, stopped = False, None
     try:
         with starting.waiting_for_workers(name, workers):
             result = trainer.fit()
-        completed = not trainer.interrupted
+        stopped = (result.return_value or {}).get("stopped")  # rank 0's train_loop's
+        completed = not trainer.interrupted and stopped is None
     except BaseException as e:  # the aborted controller's death, or a Ctrl-C before it started
         if trainer.interrupted or isinstance(e, KeyboardInterrupt):
             raise Interrupted(resume_hint(loop.run_dir)) from None
+        if (died := dead_worker(e)) is not None:  # not the others' lost connections
+            raise WorkerDied(f"{died}. {_capital(resume_hint(loop.run_dir))}") from None
         raise
     finally:
         if main:  # Ray leaves its handler in place after fit
@@ -362,4 +384,14 @@ def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Resul
             trainer.deadline.cancel()
     if trainer.interrupted:  # aborted after the last step: the export may be missing
         raise Interrupted(resume_hint(loop.run_dir))
+    if stopped is not None:  # what it trained is no longer finite: nothing after is kept
+        raise TrainingStopped(
+            f"{stopped}: the run stopped there, without a checkpoint or an export after it; "
+            f"lower train.learning_rate (or look at that step's rows: train.sample_log). "
+            f"{_capital(resume_hint(loop.run_dir))}"
+        )
     return result
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
