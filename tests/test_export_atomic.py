@@ -84,11 +84,11 @@ def _interrupted_at_file(monkeypatch, n: int):
     opened, original = [], storage.atomic_output
 
     @contextlib.contextmanager
-    def writer(fs, path):
+    def writer(fs, path, *args, **kwargs):
         opened.append(path)
         if len(opened) == n:
             raise KeyboardInterrupt
-        with original(fs, path) as f:
+        with original(fs, path, *args, **kwargs) as f:
             yield f
 
     monkeypatch.setattr(storage, "atomic_output", writer)
