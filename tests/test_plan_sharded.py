@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ray_head import free_ports
 from test_jobcheck import accepted, refused
 
 from raytuner.config import load_job
@@ -114,7 +115,7 @@ def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
 
 
 def test_plan_divides_the_state_as_fsdp_does(tmp_path):
-    mp.spawn(_sharded_bytes, args=(2, str(tmp_path), 29541), nprocs=2)
+    mp.spawn(_sharded_bytes, args=(2, str(tmp_path), free_ports(1)[0]), nprocs=2)
     measured = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     job = load_job(REPO / "jobs" / "tiny.toml", FULL)
     family = FAMILIES["sdxl"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ray_head import free_ports
 from safetensors.torch import load_file, save_file
 
 from raytuner import runs
@@ -138,12 +139,12 @@ def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(
     folder.mkdir()
     (folder / runs.EXPORT).mkdir()  # what _trained_files_complete looks for (a LoRA's export)
     (folder / runs.EXPORT / "lora.safetensors").write_bytes(b"x")
-    mp.spawn(_train_and_save, args=(2, str(folder), 29551), nprocs=2)
+    mp.spawn(_train_and_save, args=(2, str(folder), free_ports(1)[0]), nprocs=2)
     names = sorted(p.name for p in folder.iterdir())
     assert {runs.WEIGHTS_DIR, runs.EMA_DIR, runs.OPTIMIZER_DIR, runs.OPTIMIZER_JSON} <= set(names)
     assert len(list((folder / runs.OPTIMIZER_DIR).glob("*.safetensors"))) == 2
 
-    mp.spawn(_load, args=(1, str(folder), 29552), nprocs=1)
+    mp.spawn(_load, args=(1, str(folder), free_ports(1)[0]), nprocs=1)
     assert json.loads((tmp_path / "result-1-0.json").read_text())["step"] == STEPS
     expected = load_file(tmp_path / "reference.safetensors")
     loaded = load_file(tmp_path / "loaded-1.safetensors")
@@ -159,7 +160,7 @@ def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(
         files = list((folder / sub).glob("*.safetensors"))
         headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
         sizes[sub] = headers, sum(f.stat().st_size for f in files) - headers
-    mp.spawn(_load, args=(2, str(folder), 29554), nprocs=2)
+    mp.spawn(_load, args=(2, str(folder), free_ports(1)[0]), nprocs=2)
     results = [json.loads((tmp_path / f"result-2-{r}.json").read_text()) for r in (0, 1)]
     assert all("error" in r for r in results), results
     for rank, result in enumerate(results):
