@@ -3,11 +3,14 @@ and what a job's actors and workers may ask of that cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
 import socket
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -35,7 +38,8 @@ def connect(num_cpus: int | None = None) -> None:
     if "worker_process_setup_hook" not in os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", ""):
         env["worker_process_setup_hook"] = SETUP_HOOK  # a job's own hook wins (no conflict)
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env=env, log_to_driver=True)
+        with _own_sigterm():
+            ray.init(runtime_env=env, log_to_driver=True)
     else:
         # with num_cpus (tests, benches) always a new local instance: a bare ray.init() would
         # join a cluster that `ray start` left running on this machine
@@ -52,15 +56,43 @@ def connect(num_cpus: int | None = None) -> None:
             # port of its own is advertised instead; the cleaner's every query fails and it
             # waits on, harmless (its warning about that is dropped, ``setup_worker``).
             port, env_vars[NO_STATE_API] = _free_port(), "1"
-        ray.init(
-            address=address,
-            num_cpus=num_cpus,
-            include_dashboard=dashboard,
-            dashboard_port=port,
-            runtime_env=env,
-            logging_level=logging.WARNING,
-        )
+        with _own_sigterm():
+            ray.init(
+                address=address,
+                num_cpus=num_cpus,
+                include_dashboard=dashboard,
+                dashboard_port=port,
+                runtime_env=env,
+                logging_level=logging.WARNING,
+            )
     DataContext.get_current().enable_progress_bars = False
+
+
+def kill_started_processes() -> None:
+    """SIGKILL every process this one started that still runs (a local Ray's GCS, raylet,
+    agents and workers), for an exit that cannot wait for ``ray.shutdown``: Ray's agents (its
+    dashboard agent among them) outlived a driver that left at once (``os._exit``) by more
+    than 30 s."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+@contextlib.contextmanager
+def _own_sigterm():
+    """Keep the process's SIGTERM handler through ``ray.init``, which replaces it: Ray's core
+    worker installs a handler of its own that prints a stack ("*** SIGTERM received ... PC: @")
+    and aborts (exit 134), so `raytuner`'s (SIGTERM stops a run as Ctrl-C does: the newest
+    checkpoint named, exit 130) never ran. The handler the process had is put back."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _free_port() -> int:

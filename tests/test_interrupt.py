@@ -2,7 +2,9 @@
 saying where the run stands and that the same command resumes, exit 130; the next submission
 resumes from the newest complete checkpoint on disk (Ray Train's own list may lack the newest,
 its reports never taken), keeps at most ``checkpoint.keep`` + 1 checkpoint folders, logs no step
-twice to TensorBoard and ends with the weights of an uninterrupted run.
+twice to TensorBoard and ends with the weights of an uninterrupted run. SIGTERM to `raytuner
+run` (`kill`, `ray job stop`) stops it the same way; a second Ctrl-C during the stop ends the
+command at once, and no process of its local Ray outlives it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from test_train_exact import assert_same_weights, run
 
@@ -35,30 +39,80 @@ def _complete_steps(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def _interrupt_after(job_file: Path, run_dir: Path, step: int) -> tuple[int, str, float]:
-    """`raytuner train` of a long run in its own session; SIGINT to its process group once a
-    complete checkpoint of ``step`` or later exists: (exit code, stderr, seconds to exit)."""
-    command = [sys.executable, "-m", "raytuner", "train", str(job_file)]
-    command += ["--set", 'train.name="interrupted"', "--set", "train.max_steps=400"]
+# (to whom, which signal, a line of stderr to wait for first): Ctrl-C, as a terminal sends it
+# to the process group; again once the run says it is stopping
+GROUP_SIGINT = ("group", signal.SIGINT, None)
+AGAIN = ("group", signal.SIGINT, "Ctrl-C again to exit at once")
+
+
+def _interrupt_after(
+    job_file: Path, name: str, step: int, command: str = "train", signals=(GROUP_SIGINT,)
+) -> tuple[int, str, float, int]:
+    """`raytuner <command>` of a long run ``name`` in its own session; once a complete
+    checkpoint of ``step`` or later exists, ``signals`` in turn, each to the process group
+    ("group", as a terminal sends Ctrl-C) or to the process alone ("process", as `kill` and
+    `ray job stop` send SIGTERM), once its stderr has the line it waits for: (exit code,
+    stderr, seconds from the last signal to the exit, the process id, which is its session's).
+    Its stderr is read as it comes (a full pipe would stop it)."""
+    run_dir = job_file.parent / "runs" / name
+    argv = [sys.executable, "-m", "raytuner", command, str(job_file)]
+    argv += ["--set", f'train.name="{name}"', "--set", "train.max_steps=400"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
     process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 240
-    while not any(s >= step for s in _complete_steps(run_dir)):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"no checkpoint of step {step}: {process.stderr.read()[-2000:]}")
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGINT)
-    sent = time.monotonic()
+    lines: list[str] = []
+    reader = threading.Thread(target=lines.extend, args=(process.stderr,))  # line by line
+    reader.start()
     try:
-        _, err = process.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    return process.returncode, err, time.monotonic() - sent
+        _wait(process, lines, f"a checkpoint of step {step}",
+              lambda: any(s >= step for s in _complete_steps(run_dir)))  # fmt: skip
+        for to, signum, after in signals:
+            if after:
+                _wait(process, lines, repr(after), lambda: after in "".join(lines))  # noqa: B023
+            if to == "group":
+                os.killpg(process.pid, signum)
+            else:
+                process.send_signal(signum)
+        sent = time.monotonic()
+        process.wait(timeout=90)
+        seconds = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        reader.join(timeout=60)
+    return process.returncode, "".join(lines), seconds, process.pid
+
+
+def _wait(process: subprocess.Popen, lines: list[str], what: str, found) -> None:
+    deadline = time.monotonic() + 240
+    while not found():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"no {what}: {''.join(lines)[-3000:]}")
+        time.sleep(0.2)
+
+
+def _left_in_session(session: int, wait_s: float = 30.0) -> list[str]:
+    """The processes of ``session`` (a `raytuner` command's, and its local Ray's) still running
+    after up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(p.pid) == session and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:80]}")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _resume_line(command: str, newest: int) -> str:
+    return (
+        rf"raytuner: {command} interrupted: the newest complete checkpoint is step {newest} "
+        r"\(.+\): the same command resumes from it"
+    )
 
 
 def _tensorboard_steps(run_dir: Path) -> list[int]:
@@ -74,16 +128,12 @@ def _tensorboard_steps(run_dir: Path) -> list[int]:
 @pytest.mark.timeout(900)
 def test_ctrl_c_says_where_to_resume_and_the_rerun_resumes_from_the_newest_checkpoint(job_file):
     run_dir = job_file.parent / "runs" / "interrupted"
-    code, err, seconds = _interrupt_after(job_file, run_dir, 2 * EVERY)
+    code, err, seconds, _ = _interrupt_after(job_file, "interrupted", 2 * EVERY)
     lines = [line for line in err.splitlines() if line.startswith("raytuner:")]
     newest = _complete_steps(run_dir)[-1]
     print(f"interrupted at checkpoint {newest}: exit {code} after {seconds:.1f} s")
     assert code == 130, err[-3000:]
-    assert re.fullmatch(
-        rf"raytuner: train interrupted: the newest complete checkpoint is step {newest} "
-        r"\(.+\): the same command resumes from it",
-        lines[-1],
-    ), lines
+    assert re.fullmatch(_resume_line("train", newest), lines[-1]), lines
     assert seconds < 30
 
     # Ray's own list may lack it (its controller never took the last reports): resume from disk
@@ -100,3 +150,36 @@ def test_ctrl_c_says_where_to_resume_and_the_rerun_resumes_from_the_newest_check
     steps = _tensorboard_steps(run_dir)
     assert steps == sorted(set(steps)), "a step was logged twice"
     assert steps[-1] == final
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_stops_raytuner_run_as_ctrl_c_does(job_file):
+    """SIGTERM to the process alone (`kill`; `ray job stop` sends it to a job's driver): the
+    same clean stop as Ctrl-C, the line naming the newest checkpoint, exit 130."""
+    code, err, seconds, session = _interrupt_after(
+        job_file, "terminated", EVERY, command="run", signals=[("process", signal.SIGTERM, None)]
+    )
+    lines = [line for line in err.splitlines() if line.startswith("raytuner:")]
+    newest = _complete_steps(job_file.parent / "runs" / "terminated")[-1]
+    print(f"SIGTERM at checkpoint {newest}: exit {code} after {seconds:.1f} s")
+    assert code == 130, err[-3000:]
+    assert re.fullmatch(_resume_line("run", newest), lines[-1]), lines
+    assert seconds < 30
+    assert _left_in_session(session) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_second_ctrl_c_during_the_stop_exits_at_once_and_leaves_no_process(job_file):
+    """Ctrl-C twice: the first starts the clean stop, the second (once the run says it is
+    stopping) ends the command at once, exit 130; its local Ray goes with it."""
+    code, err, seconds, session = _interrupt_after(
+        job_file, "twice", EVERY, signals=[GROUP_SIGINT, AGAIN]
+    )
+    lines = [line for line in err.splitlines() if line.startswith("raytuner:")]
+    print(f"second Ctrl-C: exit {code} after {seconds:.1f} s")
+    assert code == 130, err[-3000:]
+    assert lines[-1] == "raytuner: interrupted again: exiting at once", lines
+    assert seconds < 5
+    assert _left_in_session(session) == []
