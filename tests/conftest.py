@@ -153,11 +153,15 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def _suite_processes() -> list[psutil.Process]:
-    """Live processes that carry this run's mark (its own process excepted)."""
+    """Live processes that carry this run's mark: its own process excepted, and the resource
+    tracker that multiprocessing keeps beside it (`torch.multiprocessing.spawn`'s), which ends
+    with it."""
     mark, found = os.environ[SUITE_MARK], []
     for p in psutil.process_iter():
         try:
-            if p.pid != os.getpid() and p.environ().get(SUITE_MARK) == mark:
+            if p.pid == os.getpid() or p.environ().get(SUITE_MARK) != mark:
+                continue
+            if "multiprocessing.resource_tracker" not in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.Error:  # gone, a zombie, or not ours to read
             continue
