@@ -175,6 +175,8 @@ STDERR_LINES: tuple[str, ...] = (
     r"constructor arguments in the object store and max_restarts > 0\.",
 )
 
+FILTERS: set[int] = set()  # the filter processes running (``runtime.kill_started_processes``)
+
 # the filter process: stdin's lines to stdout, but those matching a pattern (argv); a partial
 # line waits 0.1 s for its end; signals are left to the process it filters for (Ctrl-C and
 # `ray job stop` reach both), it ends when that process's stderr closes
@@ -221,6 +223,7 @@ def stderr_filtered(patterns: tuple[str, ...] = STDERR_LINES):
         return
     os.dup2(process.stdin.fileno(), 2)
     process.stdin.close()
+    FILTERS.add(process.pid)
     try:
         yield
     finally:

@@ -128,6 +128,23 @@ def job_stop_wait_s() -> float | None:
         return RAY_JOB_STOP_WAIT_S
 
 
+def kill_started_processes() -> None:
+    """SIGKILL every process this one started that still runs (a local Ray's GCS, raylet,
+    agents and workers), for an exit that cannot wait for ``ray.shutdown``: Ray's agents (its
+    dashboard agent among them) outlived a driver that left at once (``os._exit``) by more
+    than 30 s. The stderr filter (``quiet.stderr_filtered``) is left to pass on the last lines:
+    it ends when this process's stderr closes."""
+    import psutil
+
+    from raytuner import quiet
+
+    for child in psutil.Process().children(recursive=True):
+        if child.pid in quiet.FILTERS:
+            continue
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,13 +1,25 @@
-"""Shared fixtures: a local Ray for in-process tests, tiny image folders, the repo root."""
+"""Shared fixtures: a local Ray for in-process tests, tiny image folders, the repo root; and
+the suite's Ctrl-C: one stops the whole run, and every process the suite started is stopped on
+the way out."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Every process this run starts (a `raytuner` subprocess, a Ray cluster's GCS, raylet, agents
+# and workers, started in process or by `ray start`) inherits this mark; on the way out, those
+# still running are stopped by PID. Other suites on the machine carry marks of their own.
+SUITE_MARK = "RAYTUNER_TEST_SUITE"
+os.environ[SUITE_MARK] = f"{os.getpid()}-{time.time_ns()}"
 # Local Rays (in process and in `raytuner` subprocesses) start without their dashboard: ~3 s
 # and a busy process less each on the 2-core machine. The job-submission test's cluster has one.
 os.environ.setdefault("RAYTUNER_LOCAL_DASHBOARD", "0")
@@ -102,3 +114,77 @@ def job_file(ray_local, tmp_path_factory) -> Path:
     report = preprocess(job)
     assert report["encoded"] == sum(n for _, n in SKEWED_SHAPES.values())
     return path
+
+
+# One Ctrl-C stops the run. A test that calls `raytuner.cli.main` in process gets exit 130 from
+# it, as a user of the command does (the CLI turns KeyboardInterrupt into one line and 130),
+# and a training run's own handler (`train/trainer.py`) replaces Python's while it runs: either
+# way the test failed and the next one would start. Every SIGINT the process gets, whichever
+# Python handler takes it, is also written to a wakeup fd; once one is seen, the run stops
+# after the test in progress.
+_INTERRUPTED = threading.Event()
+_WAKEUP: list[int] = []
+
+
+def _watch_sigint(read_fd: int) -> None:
+    while data := os.read(read_fd, 64):
+        if signal.SIGINT in data:
+            _INTERRUPTED.set()
+
+
+def pytest_configure(config) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    _WAKEUP.append(write_fd)
+    threading.Thread(target=_watch_sigint, args=(read_fd,), daemon=True).start()
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+
+def pytest_runtest_setup(item) -> None:
+    if _WAKEUP:  # set again: a library may have set one of its own (asyncio does)
+        signal.set_wakeup_fd(_WAKEUP[0], warn_on_full_buffer=False)
+
+
+def pytest_runtest_logreport(report) -> None:
+    if _INTERRUPTED.is_set():
+        pytest.exit("interrupted (Ctrl-C): the run stops here", returncode=130)
+
+
+def _suite_processes() -> list[psutil.Process]:
+    """Live processes that carry this run's mark: its own process excepted, and the resource
+    tracker that multiprocessing keeps beside it (`torch.multiprocessing.spawn`'s), which ends
+    with it."""
+    mark, found = os.environ[SUITE_MARK], []
+    for p in psutil.process_iter():
+        try:
+            if p.pid == os.getpid() or p.environ().get(SUITE_MARK) != mark:
+                continue
+            if "multiprocessing.resource_tracker" not in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # gone, a zombie, or not ours to read
+            continue
+    return found
+
+
+def pytest_unconfigure(config) -> None:
+    """Stop (SIGTERM, then SIGKILL 10 s later) every process this run started that is still
+    running: after a Ctrl-C, a `raytuner` subprocess in a session of its own and the local Ray
+    it started; after any run, a Ray agent a cluster's shutdown left behind."""
+    left = _suite_processes()
+    _, left = psutil.wait_procs(left, timeout=5)  # a cluster just shut down is still exiting
+    if not left:
+        return
+    names = []
+    for p in left[:8]:
+        with contextlib.suppress(psutil.Error):
+            names.append(f"{p.pid} {p.name()}")
+    print(f"\nconftest: stopping {len(left)} processes this run left running: {', '.join(names)}")
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(left, timeout=10)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()

@@ -3,11 +3,11 @@ each on its own, train what eager training trains. On the tiny Flux (LoRA, gradi
 checkpointing) and the tiny SDXL (full fine-tune), steps alternate two buckets: the losses equal
 eager's within float rounding (inductor fuses and reorders the blocks' arithmetic; the bound,
 1e-4 relative, is the one the DDP tests allow for another reduction order), no block compiles
-again once both buckets were compiled (dynamo's graph count stays put), and a checkpoint of the
-compiled run, loaded into a newly compiled model, continues to the uninterrupted compiled run's
-weights within the same bound (its first step of each bucket runs eagerly while its FLOPs are
-counted). Each run is in this process, with
-the worker's own setup and step (``trainable_model``, ``train_step``), without Ray.
+again once both buckets were compiled (dynamo's graph count, reset for each case, stays put),
+and a checkpoint of the compiled run, loaded into a newly compiled model, continues to the
+uninterrupted compiled run's weights within the same bound (its first step of each bucket runs
+eagerly while its FLOPs are counted). Each run is in this process, with the worker's own setup
+and step (``trainable_model``, ``train_step``), without Ray.
 
 Compile time on the 2-core CPU (cold caches): the tiny Flux 56 s at the first bucket and 36 s at
 the second, SDXL's transformer blocks 25 s, once; inductor's cache makes later processes faster.
@@ -90,11 +90,15 @@ def test_compiled_blocks_train_as_eager_and_resume_exactly(name, mode, checkpoin
         max_steps=10,
     )
     batches, steps = _batches(family), range(len(BUCKETS))
+    # as in a fresh process: no graph of an earlier case compiled, none counted
+    torch._dynamo.reset()
+    counters.clear()
     eager, _, eager_weights, _ = _run(name, train, batches, steps)
     compiled = dataclasses.replace(train, compile=True)
     losses, graphs, weights, _ = _run(name, compiled, batches, steps)
     # a bucket's first step runs eagerly while its FLOPs are counted (observe/flops.py), its
     # second compiles; after that, going back and forth compiles nothing
+    assert graphs[:2] == [0, 0], f"compiled while counting FLOPs: {graphs}"
     assert graphs[2] > 0, f"nothing was compiled: {graphs}"
     assert graphs[3] == graphs[4] == graphs[5], f"a bucket seen before compiled again: {graphs}"
     for a, b in zip(eager, losses, strict=True):

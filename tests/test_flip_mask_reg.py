@@ -357,8 +357,8 @@ def _checkpoint_weights(run_dir: str) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(900)
 def test_two_workers_train_epochs_and_resume_exactly(features):
     """train.epochs = 2 trains 2 x the global batches of an epoch; a run of one epoch resumed
-    to two trains the same rows at every step and the same weights as the run of two; its
-    LoRA (float16 files) loads into the diffusers pipeline."""
+    to two trains only the second epoch's steps, the same rows at every step and the same
+    weights as the run of two; its LoRA (float16 files) loads into the diffusers pipeline."""
     job_file, _ = features
     output = load_job(job_file).train.output
     per_epoch = len(
@@ -372,7 +372,11 @@ def test_two_workers_train_epochs_and_resume_exactly(features):
     split = train(load_job(job_file, ['train.name="split"']))
     assert split["step"] == 2 * per_epoch
     whole_dir, split_dir = f"{output}/whole", f"{output}/split"
-    assert len(sample_log.read_attempts(split_dir)) == 2  # resumed, not started again
+    # resumed after the first epoch: the second attempt trained steps 6 to 10 and no other (a
+    # run started again from step 1 trains the same rows and weights: training is seeded)
+    first, second = sample_log.read_attempts(split_dir)
+    assert sorted(first) == list(range(1, per_epoch + 1))
+    assert sorted(second) == list(range(per_epoch + 1, 2 * per_epoch + 1)), sorted(second)
     assert sample_log.trained(split_dir) == sample_log.trained(whole_dir)
     expected, resumed = _checkpoint_weights(whole_dir), _checkpoint_weights(split_dir)
     for key, value in expected.items():

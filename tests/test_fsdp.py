@@ -1,7 +1,8 @@
 """Sharded training (``scaling.strategy = "fsdp"``) in real Ray Train runs (2 gloo workers on
 CPU) against the same job trained replicated (``"ddp"``): the same loss at every step and the
-same final weights, for a full fine-tune of the tiny Flux and the tiny SDXL and for a LoRA; a
-SIGKILLed worker resumes from the sharded checkpoint; a run checkpointed at 2 workers resumes at
+same final weights, for a full fine-tune of the tiny Flux and the tiny SDXL and for a LoRA, in
+float32 and with bfloat16 frozen weights (FSDP's mixed precision); a SIGKILLed worker of an
+elastic group resumes from the sharded checkpoint; a run checkpointed at 2 workers resumes at
 1 and one at 1 at 2 (DCP reshards) and ends where the uninterrupted run does; the export of a
 full fine-tune loads with ``from_pretrained`` and renders; a run cannot switch strategy; a
 SIGKILLed worker is reported as the death it is, and a damaged sharded checkpoint is skipped
@@ -31,6 +32,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+import torch.multiprocessing as mp
 from PIL import Image
 from run_checks import TINY, lora_changes_the_pipeline, pipeline_image
 from safetensors.torch import load_file
@@ -176,21 +178,24 @@ def _kill_after_checkpoint(run_dir: Path, killed: list, errors: list) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sharded_full_finetune_trains_as_ddp_and_resumes_a_killed_worker(flux_job):
-    """The sharded run of a tiny Flux full fine-tune has a worker SIGKILLed after its first
-    checkpoint; it resumes from that sharded checkpoint, trains every step once, and ends with
-    the loss curve and the weights of the uninterrupted replicated run. Its export loads with
-    ``from_pretrained`` and renders other images than the base model."""
+    """The sharded run of a tiny Flux full fine-tune, an elastic group (``scaling.workers =
+    [1, 2]``), has a worker SIGKILLed after its first checkpoint; the group starts again (on
+    the workers the cluster then holds), resumes from that sharded checkpoint, trains every step
+    once, and ends with the loss curve and the weights of the uninterrupted replicated run. Its
+    export loads with ``from_pretrained`` and renders other images than the base model."""
     expected, reference = once(flux_job, "ddp", 'scaling.strategy="ddp"')
     run_dir = flux_job.parent / "runs" / "fsdp"
     killed, errors = [], []
     killer = threading.Thread(target=_kill_after_checkpoint, args=(run_dir, killed, errors))
     killer.start()
-    summary, _ = run(flux_job, "fsdp", 'scaling.strategy="fsdp"')
+    summary, _ = run(flux_job, "fsdp", 'scaling.strategy="fsdp"', "scaling.workers=[1, 2]")
     killer.join()
     if errors:
         raise errors[0]
     assert killed, "the run finished before a worker could be killed"
     first, second = sample_log.read_attempts(str(run_dir))[:2]
+    worlds = [{r["world"] for ranks in a.values() for r in ranks.values()} for a in (first, second)]
+    assert worlds[0] == {2} and worlds[1] in ({1}, {2}), worlds
     resumed_from = min(second) - 1
     assert resumed_from % EVERY == 0 and 0 < resumed_from <= killed[0]
     assert summary["step"] == STEPS
@@ -266,6 +271,101 @@ def test_a_sharded_lora_trains_as_ddp(flux_job):
     assert_same_losses(ddp_dir, fsdp_dir)
     assert load_file(ddp["kohya"]).keys() == load_file(fsdp["kohya"]).keys()
     assert lora_changes_the_pipeline(str(Path(fsdp["lora"]).parent), "flux")
+
+
+# FSDP's collectives (torch.distributed), by the names torch has called them
+COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+               "reduce_scatter_tensor")  # fmt: skip
+
+
+def _bf16_sharded_step(rank: int, port: int, out: str) -> None:
+    """One of two gloo workers: the worker's own sharded LoRA model of the tiny Flux with
+    bfloat16 frozen weights, one step of its own train step, every collective FSDP makes
+    recorded (name, dtype) as it passes through; then the dtypes of the rows it keeps."""
+    import torch.distributed as dist
+    from test_sharded_checkpoints import _slice
+
+    from raytuner.config import LoraConfig, MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
+    from raytuner.placement import sharding
+    from raytuner.train import optim
+    from raytuner.train.step import train_step
+    from raytuner.train.weights import trainable_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    flux, cpu = FAMILIES["flux"], torch.device("cpu")
+    model = ModelConfig(family="flux", pretrained="tiny", dtype="bfloat16")
+    train = TrainConfig(output="unused", global_batch_size=4, max_steps=10)
+    lora = LoraConfig(rank=4, alpha=4.0)
+    trained = trainable_model(model, train, lora, flux, cpu, strategy="fsdp")
+    opt, sched = optim.for_run(train, trained.weights.params)
+    loss_fn = flux.loss(trained.source, ObjectiveConfig().for_family(flux))
+    step = train_step(trained, trained.denoiser, loss_fn, opt, sched, train, MemoryConfig(), cpu, 2)
+    calls = []
+
+    def recorded(name, real):
+        def call(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            calls.append((name, sorted({str(t.dtype) for t in tensors})))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in (n for n in COLLECTIVES if hasattr(dist, n)):
+        setattr(dist, name, recorded(name, getattr(dist, name)))
+    loss = step(_slice(0, rank, 2)).item()
+    rows = {name: str(sharding.local(p).dtype) for name, p in trained.denoiser.named_parameters()}
+    Path(out, f"{rank}.json").write_text(json.dumps({"calls": calls, "rows": rows, "loss": loss}))
+    dist.destroy_process_group()
+
+
+def test_a_bfloat16_sharded_step_gathers_in_bfloat16_and_reduces_in_float32(tmp_path):
+    """``model.dtype = "bfloat16"`` (every GPU run) reaches FSDP's mixed precision on a CPU: in
+    a real sharded step of two gloo workers every all-gather moves bfloat16 (the units' rows,
+    the float32 LoRA's cast) and every reduce-scatter float32 (the gradients); the LoRA keeps
+    float32 rows, the frozen weights bfloat16 ones, and the loss is finite."""
+    from ray_head import free_ports
+
+    mp.spawn(_bf16_sharded_step, args=(free_ports(1)[0], str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"{rank}.json").read_text())
+        gathers = [dtypes for name, dtypes in result["calls"] if "gather" in name]
+        reduces = [dtypes for name, dtypes in result["calls"] if "reduce" in name]
+        assert gathers and reduces, result["calls"]
+        assert all(d == ["torch.bfloat16"] for d in gathers), gathers
+        assert all(d == ["torch.float32"] for d in reduces), reduces
+        rows = result["rows"]
+        assert {d for n, d in rows.items() if ".lora_" in n} == {"torch.float32"}
+        assert {d for n, d in rows.items() if ".lora_" not in n} == {"torch.bfloat16"}
+        assert np.isfinite(result["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_bfloat16_lora_sharded_trains_as_ddp(flux_job):
+    """The same end to end: a sharded LoRA with bfloat16 frozen weights trains, its losses
+    finite, its checkpoint's rows float32, and ends where the replicated bfloat16 run does
+    (frozen weights bfloat16, autocast). Not to float32's 1e-4: the two do not round at the
+    same places (FSDP casts each unit's inputs to bfloat16, DDP's autocast only a matmul's), so
+    the first step's losses already differ (1.4e-5) and AdamW carries it on. Measured (16
+    steps, lr 1e-3): losses 1.0e-4 apart at most, the LoRA's A matrices 4.0e-4, its B matrices
+    5.0e-3 (they start at zero: a small norm); the bounds are about twice that (2e-4, 1e-2),
+    the losses' well under bfloat16's own rounding (2^-8 = 3.9e-3). (A bfloat16 reduction of
+    the gradients gave the same figures: the test above is the one that sees it.)"""
+    bf16 = ('train.mode="lora"', "lora.rank=4", "lora.alpha=4.0", 'model.dtype="bfloat16"')
+    assert preprocess(load_job(flux_job, list(bf16)))["encoded"] == 10  # encoded in bfloat16
+    ddp, ddp_dir = run(flux_job, "bf16-ddp", *bf16, 'scaling.strategy="ddp"')
+    fsdp, fsdp_dir = run(flux_job, "bf16-fsdp", *bf16, 'scaling.strategy="fsdp"')
+    for run_dir in (ddp_dir, fsdp_dir):
+        assert all(np.isfinite(v) for v in losses(run_dir).values()), losses(run_dir)
+    newest = Path(runs.complete_checkpoints(str(fsdp_dir))[1][0])
+    shards = sorted((newest / runs.WEIGHTS_DIR).glob("*.safetensors"))
+    assert len(shards) == 2
+    for shard in shards:
+        assert {t.dtype for t in load_file(shard).values()} == {torch.float32}, shard.name
+    worst = assert_close(load_file(ddp["lora"]), load_file(fsdp["lora"]), tolerance=1e-2)
+    print(f"bfloat16 LoRA fsdp against ddp: largest relative difference {worst:.2e}")
+    assert_same_losses(ddp_dir, fsdp_dir, tolerance=2e-4)
 
 
 @pytest.mark.slow

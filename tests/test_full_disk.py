@@ -70,39 +70,58 @@ def _room_message(folder: Path, step: int, need: int) -> str:
     )
 
 
-# where the disk fills up: the room the tmpfs has, from the sizes of a complete checkpoint's
-# files (weights, optimizer state, export, state.json, in the order they are written), and
-# what the writer of that file raises then
+# where the disk fills up: the room the tmpfs has, from the sizes of the files a worker's
+# checkpoint folder gets (weights, optimizer state, export, then the JSON records: the run's
+# identity, the job, the dataset; state.json is written into the run folder after the upload,
+# never here), in the order they are written, and what the writer of that file raises then
 FULL_AT = {
     "weights": (lambda s: s["weights"] // 2, "SafetensorError"),
     "optimizer state": (lambda s: s["weights"] + s["optimizer"] // 2, "RuntimeError"),  # torch
     "export": (lambda s: s["weights"] + s["optimizer"] + 4096, "SafetensorError"),
-    "state.json": (lambda s: s["all"] - s["state"], "OSError"),
+    "records": (lambda s: s["all"] - s["records"], "OSError"),
 }
+
+
+def _worker(tmp_path: Path, steps: int = 1):
+    """Rank 0 of a run as far as its checkpoint goes: a LoRA on the tiny SD1.5 UNet after
+    ``steps`` steps, and the worker's own ``save`` (the files and records of a real run)."""
+    from raytuner import config as c
+    from raytuner.families import FAMILIES
+    from raytuner.train.loop import LoopConfig, Worker
+
+    weights, opt, sched, _ = trained(steps)
+    model = c.ModelConfig(family="sd15", pretrained="tiny")
+    train = c.TrainConfig(output=str(tmp_path / "runs"))
+    worker = Worker.__new__(Worker)
+    worker.cfg = LoopConfig(
+        family=FAMILIES["sd15"], model=model, train=train, lora=c.LoraConfig(rank=2, alpha=2.0),
+        objective=c.ObjectiveConfig(), checkpoint=c.CheckpointConfig(), cache=str(tmp_path),
+        fingerprint="0" * 16, manifest={}, dataset={"id": "0" * 16, "rows": 1},
+        run_dir=str(tmp_path / "runs" / "run"), job={"model": {"family": "sd15"}},
+    )  # fmt: skip
+    worker.rank, worker.state = 0, checkpoints.TrainState(step=steps)
+    worker.weights, worker.opt, worker.sched = weights, opt, sched
+    return worker
 
 
 @pytest.mark.parametrize("where", list(FULL_AT))
 def test_a_full_disk_at_any_checkpoint_file_removes_the_folder_and_names_it(
     where, tmp_path, monkeypatch
 ):
-    from raytuner.train.loop import Worker
-
-    weights, opt, sched, export = trained(steps=1)
-    state = checkpoints.TrainState(step=1)
+    worker = _worker(tmp_path)
     reference = tmp_path / "reference"
     reference.mkdir()
-    checkpoints.save_checkpoint(str(reference), weights, opt, sched, state, {}, export)
+    worker.save(str(reference))
     files = [p for p in reference.rglob("*") if p.is_file()]
+    assert not (reference / runs.STATE).exists()  # written after the upload, elsewhere
+    records = [reference / name for name in (runs.RUN, runs.JOB, runs.DATASET)]
     sizes = {
         "weights": _pages(reference / runs.WEIGHTS),
         "optimizer": _pages(reference / runs.OPTIMIZER),
-        "state": _pages(reference / runs.STATE),
+        "records": sum(_pages(p) for p in records),
         "all": sum(_pages(p) for p in files),
     }
-    worker = Worker.__new__(Worker)  # rank 0 of a run, as far as its checkpoint goes
-    worker.rank, worker.state, worker.weights = 0, state, weights
-    worker.save = lambda d: checkpoints.save_checkpoint(d, weights, opt, sched, state, {}, export)
-    need = sum(p.numel() * p.element_size() for p in weights.params)
+    need = sum(p.numel() * p.element_size() for p in worker.weights.params)
     room, raised = FULL_AT[where]
     with small_tmpfs(tmp_path / "small", room(sizes)) as small:
         monkeypatch.setattr(tempfile, "tempdir", str(small))  # TMPDIR, as the process read it

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ray_head import free_ports
 
 from raytuner import runs
 
@@ -111,7 +112,7 @@ def _export(checkpoint: Path, out: Path, how: str) -> dict:
 def test_the_export_of_a_sharded_checkpoint_holds_a_block_not_the_model(tmp_path):
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "model" / "transformer"
     checkpoint.mkdir()
-    mp.spawn(_write_shards, args=(2, str(checkpoint), 29531), nprocs=2)
+    mp.spawn(_write_shards, args=(2, str(checkpoint), free_ports(1)[0]), nprocs=2)
     assert len(list((checkpoint / runs.WEIGHTS_DIR).glob("*.safetensors"))) == 2
 
     report = _export(checkpoint, out, "blocks")

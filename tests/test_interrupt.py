@@ -2,7 +2,9 @@
 saying where the run stands and that the same command resumes, exit 130; the next submission
 resumes from the newest complete checkpoint on disk (Ray Train's own list may lack the newest,
 its reports never taken), keeps at most ``checkpoint.keep`` + 1 checkpoint folders, logs no step
-twice to TensorBoard and ends with the weights of an uninterrupted run.
+twice to TensorBoard and ends with the weights of an uninterrupted run. SIGTERM to `raytuner
+run` (`kill`, `ray job stop`) stops it the same way; a second Ctrl-C during the stop ends the
+command at once, and no process of its local Ray outlives it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from test_train_exact import assert_same_weights, run
 
@@ -35,39 +39,91 @@ def _complete_steps(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
+# (to whom, which signal, a line of stderr to wait for first): Ctrl-C, as a terminal sends it
+# to the process group; again once the run says it is stopping
+GROUP_SIGINT = ("group", signal.SIGINT, None)
+AGAIN = ("group", signal.SIGINT, "Ctrl-C again to exit at once")
+
+
 def _interrupt_after(
-    job_file: Path, run_dir: Path, step: int, as_ray_job_stop: bool = False
-) -> tuple[int, str, float]:
-    """`raytuner train` of a long run in its own session; SIGINT to its process group once a
-    complete checkpoint of ``step`` or later exists: (exit code, stderr, seconds to exit).
-    ``as_ray_job_stop``: as Ray's job supervisor runs and stops a driver instead: SIGINT
-    blocked in it (Ray blocks it in its workers, the entrypoint inherits the mask), SIGTERM to
-    it."""
-    command = [sys.executable, "-m", "raytuner", "train", str(job_file)]
-    command += ["--set", f'train.name="{run_dir.name}"', "--set", "train.max_steps=400"]
+    job_file: Path,
+    name: str,
+    step: int,
+    command: str = "train",
+    signals=(GROUP_SIGINT,),
+    block_sigint: bool = False,
+) -> tuple[int, str, float, int]:
+    """`raytuner <command>` of a long run ``name`` in its own session; once a complete
+    checkpoint of ``step`` or later exists, ``signals`` in turn, each to the process group
+    ("group", as a terminal sends Ctrl-C) or to the process alone ("process", as `kill` and
+    `ray job stop` send SIGTERM), once its stderr has the line it waits for: (exit code,
+    stderr, seconds from the last signal to the exit, the process id, which is its session's).
+    Its stderr is read as it comes (a full pipe would stop it). ``block_sigint``: SIGINT
+    blocked in it, as in a `ray job submit` driver (Ray blocks it in its workers and the
+    entrypoint inherits the mask)."""
+    run_dir = job_file.parent / "runs" / name
+    argv = [sys.executable, "-m", "raytuner", command, str(job_file)]
+    argv += ["--set", f'train.name="{name}"', "--set", "train.max_steps=400"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
-    block = lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # noqa: E731
     process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=block if as_ray_job_stop else None,
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=_block_sigint if block_sigint else None,
     )  # fmt: skip
-    deadline = time.monotonic() + 240
-    while not any(s >= step for s in _complete_steps(run_dir)):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"no checkpoint of step {step}: {process.stderr.read()[-2000:]}")
-        time.sleep(0.2)
-    if as_ray_job_stop:  # the driver alone: here its children are the local Ray's processes
-        process.send_signal(signal.SIGTERM)
-    else:
-        os.killpg(process.pid, signal.SIGINT)
-    sent = time.monotonic()
+    lines: list[str] = []
+    reader = threading.Thread(target=lines.extend, args=(process.stderr,))  # line by line
+    reader.start()
     try:
-        _, err = process.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    return process.returncode, err, time.monotonic() - sent
+        _wait(process, lines, f"a checkpoint of step {step}",
+              lambda: any(s >= step for s in _complete_steps(run_dir)))  # fmt: skip
+        for to, signum, after in signals:
+            if after:
+                _wait(process, lines, repr(after), lambda: after in "".join(lines))  # noqa: B023
+            if to == "group":
+                os.killpg(process.pid, signum)
+            else:
+                process.send_signal(signum)
+        sent = time.monotonic()
+        process.wait(timeout=90)
+        seconds = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        reader.join(timeout=60)
+    return process.returncode, "".join(lines), seconds, process.pid
+
+
+def _block_sigint() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _wait(process: subprocess.Popen, lines: list[str], what: str, found) -> None:
+    deadline = time.monotonic() + 240
+    while not found():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"no {what}: {''.join(lines)[-3000:]}")
+        time.sleep(0.2)
+
+
+def _left_in_session(session: int, wait_s: float = 30.0) -> list[str]:
+    """The processes of ``session`` (a `raytuner` command's, and its local Ray's) still running
+    after up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(p.pid) == session and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:80]}")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _resume_line(command: str, newest: int) -> str:
+    return (
+        rf"raytuner: {command} interrupted: the newest complete checkpoint is step {newest} "
+        r"\(.+\): the same command resumes from it"
+    )
 
 
 def _tensorboard_steps(run_dir: Path) -> list[int]:
@@ -83,16 +139,12 @@ def _tensorboard_steps(run_dir: Path) -> list[int]:
 @pytest.mark.timeout(900)
 def test_ctrl_c_says_where_to_resume_and_the_rerun_resumes_from_the_newest_checkpoint(job_file):
     run_dir = job_file.parent / "runs" / "interrupted"
-    code, err, seconds = _interrupt_after(job_file, run_dir, 2 * EVERY)
+    code, err, seconds, _ = _interrupt_after(job_file, "interrupted", 2 * EVERY)
     lines = [line for line in err.splitlines() if line.startswith("raytuner:")]
     newest = _complete_steps(run_dir)[-1]
     print(f"interrupted at checkpoint {newest}: exit {code} after {seconds:.1f} s")
     assert code == 130, err[-3000:]
-    assert re.fullmatch(
-        rf"raytuner: train interrupted: the newest complete checkpoint is step {newest} "
-        r"\(.+\): the same command resumes from it",
-        lines[-1],
-    ), lines
+    assert re.fullmatch(_resume_line("train", newest), lines[-1]), lines
     assert seconds < 30
 
     # Ray's own list may lack it (its controller never took the last reports): resume from disk
@@ -113,22 +165,39 @@ def test_ctrl_c_says_where_to_resume_and_the_rerun_resumes_from_the_newest_check
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigterm_as_ray_job_stop_sends_it_says_where_to_resume_and_exits_130(job_file):
-    """What `ray job stop` does to a job's driver (README step 7): the run stops as on Ctrl-C,
-    the last line names the newest complete checkpoint, exit 130, and Ray's C++ "SIGTERM
-    received ... PC: @" dump is not printed (``ray.init`` had replaced raytuner's handler)."""
-    run_dir = job_file.parent / "runs" / "terminated"
-    code, err, seconds = _interrupt_after(job_file, run_dir, EVERY, as_ray_job_stop=True)
-    newest = _complete_steps(run_dir)[-1]
+def test_sigterm_stops_raytuner_run_as_ctrl_c_does(job_file):
+    """SIGTERM to the process alone (`kill`; `ray job stop` sends it to a job's driver, whose
+    SIGINT Ray has blocked): the same clean stop as Ctrl-C, the line naming the newest
+    checkpoint, exit 130, no Ray "SIGTERM received ... PC: @" dump (``ray.init`` had replaced
+    raytuner's handler with one that prints it and aborts), nothing of it left running."""
+    code, err, seconds, session = _interrupt_after(
+        job_file, "terminated", EVERY, command="run",
+        signals=[("process", signal.SIGTERM, None)], block_sigint=True,
+    )  # fmt: skip
+    lines = [line for line in err.splitlines() if line.startswith("raytuner:")]
+    newest = _complete_steps(job_file.parent / "runs" / "terminated")[-1]
     print(f"SIGTERM at checkpoint {newest}: exit {code} after {seconds:.1f} s")
     assert code == 130, err[-3000:]
     assert "SIGTERM received" not in err and "PC: @" not in err, err[-3000:]
-    assert re.fullmatch(
-        rf"raytuner: train interrupted: the newest complete checkpoint is step {newest} "
-        r"\(.+\): the same command resumes from it",
-        err.splitlines()[-1],
-    ), err[-3000:]
+    assert re.fullmatch(_resume_line("run", newest), lines[-1]), lines
     assert seconds < 30
+    assert _left_in_session(session) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_second_ctrl_c_during_the_stop_exits_at_once_and_leaves_no_process(job_file):
+    """Ctrl-C twice: the first starts the clean stop, the second (once the run says it is
+    stopping) ends the command at once, exit 130; its local Ray goes with it."""
+    code, err, seconds, session = _interrupt_after(
+        job_file, "twice", EVERY, signals=[GROUP_SIGINT, AGAIN]
+    )
+    lines = [line for line in err.splitlines() if line.startswith("raytuner:")]
+    print(f"second Ctrl-C: exit {code} after {seconds:.1f} s")
+    assert code == 130, err[-3000:]
+    assert lines[-1] == "raytuner: interrupted again: exiting at once", lines
+    assert seconds < 5
+    assert _left_in_session(session) == []
 
 
 def test_a_job_driver_given_3_s_says_where_the_run_stands_and_exits_before_the_sigkill():

@@ -6,7 +6,6 @@ the meta device and filled from the folder, holds the weights ``from_pretrained`
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -44,7 +43,6 @@ def _sharded_from_folder(rank: int, folder: str, out: str) -> None:
     from raytuner.placement import sharding
     from raytuner.train.weights import trainable_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581")
     sharding.single_process_group(torch.device("cpu"))
     model = ModelConfig(family="flux", pretrained=folder)
     train = TrainConfig(output="unused", mode="full")

@@ -5,6 +5,7 @@ export a LoRA that loads."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,37 @@ def test_plan_json_names_the_settings_that_fit(capsys):
     assert not result["fits"]
     assert result["worker"]["peak_bytes_with_checkpointing"] < result["peak_bytes"]
     assert any(s["fits"] for s in result["suggestions"])
+
+
+def _overrides(setting: str) -> list[str]:
+    """A suggestion's settings as --set overrides: 'a = 1, b = "x" (or more)' -> a=1, b="x"."""
+    text = re.sub(r"\s*\(.*?\)", "", setting)
+    return [part.strip().replace(" = ", "=") for part in text.split(", ")]
+
+
+def test_a_faster_suggestion_does_less_work_or_the_same_in_larger_micro_batches_and_fits():
+    """Each suggestion plan lists as faster, applied to the job and planned again: it fits, and
+    its traced step does less work a sample (no gradient checkpointing: no forward again) or
+    the same in larger micro-batches. On 24 GiB, where the tiny job fits either way, there
+    are some; on a GPU the job fills exactly, none that needs more memory."""
+    tiny, sdxl = REPO / "jobs" / "tiny.toml", FAMILIES["sdxl"]
+    settings = ["train.gradient_checkpointing=true", "train.micro_batch_size=1"]
+    settings += ["train.global_batch_size=8"]
+    job = load_job(tiny, settings)
+    roomy = plan(job, sdxl, parse_size("24GiB"))
+    filled = plan(job, sdxl, roomy["peak_bytes"])
+    faster = {id(r): [s for s in r["suggestions"] if s.get("faster")] for r in (roomy, filled)}
+    assert len(faster[id(roomy)]) >= 2, roomy["suggestions"]
+    for result in (roomy, filled):
+        gpu, before = result["gpu_memory_bytes"], result["tflops_per_sample"]
+        for suggestion in faster[id(result)]:
+            again = plan(load_job(tiny, settings + _overrides(suggestion["set"])), sdxl, gpu,
+                         compare=False)  # fmt: skip
+            assert suggestion["fits"] and again["fits"], (suggestion, again["peak_bytes"], gpu)
+            work = again["tflops_per_sample"]
+            same = work == pytest.approx(before, rel=1e-9)
+            larger = again["micro_batch"] > result["micro_batch"]
+            assert (work < before and not same) or (same and larger), (suggestion, work, before)
 
 
 def test_a_bad_gpu_memory_is_a_usage_error(capsys):

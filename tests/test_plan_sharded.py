@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ray_head import free_ports
 from test_jobcheck import accepted, refused
 
 from raytuner.config import load_job
@@ -54,27 +55,42 @@ def test_a_flux_full_finetune_fits_80gib_sharded_over_8_and_plan_says_so():
     assert result["fits"] and result["peak_bytes"] < 40 * GiB
 
 
-def _gathered_in_a_step(job, family, trained) -> int:
+def _autograd_nodes(root) -> list:
+    """Every node of the autograd graph behind ``root`` (a loss's ``grad_fn``)."""
+    found, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        found.append(node)
+        stack += [child for child, _ in node.next_functions]
+    return found
+
+
+def _gathered_in_a_step(job, family, trained) -> tuple[int, int]:
     """The most parameter elements a sharded worker holds whole at once (gathered from the
-    other worker, or the root's) in a forward and backward of the job's loss, looked at as every
-    module starts its forward."""
+    other worker, or the root's) in the forward and in the backward of the job's loss: looked
+    at as every module starts its forward, and as every node of the backward starts."""
     from torch.distributed.tensor import DTensor
 
-    denoiser, most = trained.denoiser, 0
+    denoiser, most = trained.denoiser, {"forward": 0, "backward": 0}
 
-    def look(*_):
-        nonlocal most
+    def look(phase: str) -> None:
         whole = sum(p.numel() for p in denoiser.parameters() if not isinstance(p, DTensor))
-        most = max(most, whole)
+        most[phase] = max(most[phase], whole)
 
     for module in denoiser.modules():
-        module.register_forward_pre_hook(look)
+        module.register_forward_pre_hook(lambda *_: look("forward"))
     size = planner.largest_bucket(job, family)
     _, shapes = planner.trace_encoders(job, family, size)
     batch = family.example_batch(shapes, 1, size, torch.device("cpu"), torch.float32)
     loss_fn = family.loss(trained.source, job.objective.for_family(family))
-    loss_fn(denoiser, batch, [torch.Generator().manual_seed(0)]).sum().backward()
-    return most
+    loss = loss_fn(denoiser, batch, [torch.Generator().manual_seed(0)]).sum()
+    for node in _autograd_nodes(loss.grad_fn):
+        node.register_prehook(lambda *_: look("backward"))
+    loss.backward()
+    return most["forward"], most["backward"]
 
 
 def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
@@ -91,7 +107,6 @@ def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
     cpu = torch.device("cpu")
     trained = trainable_model(job.model, job.train, job.lora, family, cpu, strategy="fsdp")
     params = trained.weights.params
-    gathered = _gathered_in_a_step(job, family, trained)
     opt = torch.optim.AdamW(params)
     for p in params:
         p.grad = torch.ones_like(p)
@@ -106,15 +121,16 @@ def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
         "weights_bytes": stored(trained.denoiser.parameters()),
         "gradients_bytes": stored([p.grad for p in params]),
         "optimizer_bytes": stored(moments),
-        "gathered_elements": gathered,
         "up_block_elements": sum(p.numel() for p in trained.denoiser.up_blocks[0].parameters()),
     }
+    # last: what is whole during a forward and backward (forward, backward)
+    figures["gathered_elements"] = _gathered_in_a_step(job, family, trained)
     Path(out, f"{rank}.json").write_text(json.dumps(figures))
     dist.destroy_process_group()
 
 
 def test_plan_divides_the_state_as_fsdp_does(tmp_path):
-    mp.spawn(_sharded_bytes, args=(2, str(tmp_path), 29541), nprocs=2)
+    mp.spawn(_sharded_bytes, args=(2, str(tmp_path), free_ports(1)[0]), nprocs=2)
     measured = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     job = load_job(REPO / "jobs" / "tiny.toml", FULL)
     family = FAMILIES["sdxl"]
@@ -129,7 +145,10 @@ def test_plan_divides_the_state_as_fsdp_does(tmp_path):
     # blocks are units, not its down and up blocks)
     itemsize = getattr(torch, parts["compute_dtype"]).itemsize
     in_flight = (planned["root_bytes"] + planned["gathered_bytes"]) // itemsize
-    assert 0 < max(m["gathered_elements"] for m in measured) <= in_flight
+    for i, phase in enumerate(("forward", "backward")):
+        most = max(m["gathered_elements"][i] for m in measured)
+        print(f"{phase}: at most {most} elements whole; plan's root and two units {in_flight}")
+        assert 0 < most <= in_flight, (phase, most, in_flight)
     assert planned["gathered_bytes"] // itemsize < measured[0]["up_block_elements"]
 
 

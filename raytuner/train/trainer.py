@@ -313,6 +313,7 @@ class _Trainer(TorchTrainer):
         def interrupt(signum, frame) -> None:
             if self.interrupted:
                 print("raytuner: interrupted again: exiting at once", file=sys.stderr, flush=True)
+                runtime.kill_started_processes()  # a local Ray's agents would outlive the exit
                 os._exit(130)
             self.interrupted = True
             log.warning("interrupted: stopping the run (Ctrl-C again to exit at once)")
