@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from test_jobcheck import accepted, refused
 from test_lora_files import exported, meta
 
-from raytuner import runs
+from raytuner.checkpoint import layout
 from raytuner.config import ConfigError, LoraConfig
 
 
@@ -29,7 +29,7 @@ def known(tmp_path_factory):
     return folder / "lora"
 
 
-@pytest.mark.parametrize("file", [runs.DIFFUSERS_FILE, runs.KOHYA_FILE])
+@pytest.mark.parametrize("file", [layout.DIFFUSERS_FILE, layout.KOHYA_FILE])
 def test_check_refuses_an_init_from_lora_of_another_rank_or_alpha(tmp_path, capsys, known, file):
     path = f"lora.init_from={known / file}"
     accepted(tmp_path, capsys, path, "lora.rank=2", "lora.alpha=4")
@@ -41,7 +41,7 @@ def test_check_refuses_an_init_from_lora_of_another_rank_or_alpha(tmp_path, caps
 
 
 def test_check_refuses_an_init_from_of_another_model_or_targets(tmp_path, capsys, known):
-    kohya = known / runs.KOHYA_FILE
+    kohya = known / layout.KOHYA_FILE
     err = refused(tmp_path, capsys, f"lora.init_from={kohya}", family="flux")
     assert "lora.init_from" in err and "name no module of this model" in err
     narrow = ["lora.rank=2", "lora.alpha=4", "lora.target_modules=['to_q']"]
@@ -60,7 +60,7 @@ def test_check_refuses_an_init_from_of_another_model_or_targets(tmp_path, capsys
 def test_check_reads_the_header_and_not_the_weights(tmp_path, capsys, known):
     """Weights overwritten with NaN bytes (the header and the alphas kept): `check` does not
     read them, so it accepts the file as it would an intact one."""
-    path, source = tmp_path / "nan.safetensors", known / runs.DIFFUSERS_FILE
+    path, source = tmp_path / "nan.safetensors", known / layout.DIFFUSERS_FILE
     tensors = load_file(str(source))
     nan = {k: torch.full_like(v, float("nan")) for k, v in tensors.items()}
     save_file(nan, str(path), metadata=meta(source))  # its alphas: the stored peft config

@@ -12,17 +12,15 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from raytuner import runs
+from raytuner.checkpoint import files, layout
 from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.train import checkpoints
-from raytuner.train.weights import Weights
+from raytuner.train.model import adapt
 
 
 def _truncate(path: Path) -> Path:
@@ -46,24 +44,24 @@ def _flip(path: Path) -> Path:
 
 
 def _exported(d: Path) -> Path:
-    return next(p for p in sorted((d / runs.EXPORT).rglob("*.safetensors")))
+    return next(p for p in sorted((d / layout.EXPORT).rglob("*.safetensors")))
 
 
 # each damage returns the damaged file (None: no one file)
 DAMAGE = {
-    "truncated optimizer state": lambda d: _truncate(d / runs.OPTIMIZER),
-    "empty optimizer state": lambda d: _empty(d / runs.OPTIMIZER),
-    "empty weights file": lambda d: _empty(d / runs.WEIGHTS),
+    "truncated optimizer state": lambda d: _truncate(d / layout.OPTIMIZER),
+    "empty optimizer state": lambda d: _empty(d / layout.OPTIMIZER),
+    "empty weights file": lambda d: _empty(d / layout.WEIGHTS),
     "missing export": lambda d: (
-        [p.unlink() for p in (d / runs.EXPORT).rglob("*") if p.is_file()] and None
+        [p.unlink() for p in (d / layout.EXPORT).rglob("*") if p.is_file()] and None
     ),
     "empty exported file": lambda d: _empty(_exported(d)),
-    "missing state (incomplete)": lambda d: (d / runs.STATE).unlink(),
+    "missing state (incomplete)": lambda d: (d / layout.STATE).unlink(),
     # loaded without an error before checksums, each a silently different run
-    "8 flipped bytes in the weights": lambda d: _flip(d / runs.WEIGHTS),
-    "8 flipped bytes in the optimizer state": lambda d: _flip(d / runs.OPTIMIZER),
+    "8 flipped bytes in the weights": lambda d: _flip(d / layout.WEIGHTS),
+    "8 flipped bytes in the optimizer state": lambda d: _flip(d / layout.OPTIMIZER),
     "8 flipped bytes in an exported file": lambda d: _flip(_exported(d)),
-    "truncated weights": lambda d: _truncate(d / runs.WEIGHTS),
+    "truncated weights": lambda d: _truncate(d / layout.WEIGHTS),
 }
 
 
@@ -72,7 +70,7 @@ def trained(steps: int = 1):
     schedule after ``steps`` optimizer steps, and the export of its weights into a folder."""
     family = FAMILIES["sd15"]
     torch.manual_seed(0)
-    weights = Weights(
+    weights = adapt(
         family.denoiser(Source("tiny")),
         mode="lora",
         lora=LoraConfig(rank=2, alpha=2.0),
@@ -92,8 +90,8 @@ def trained(steps: int = 1):
 
 def _checkpoint(directory: Path, steps: int = 1):
     weights, opt, sched, export = trained(steps)
-    state = checkpoints.TrainState(step=steps)
-    checkpoints.save_checkpoint(str(directory), weights, opt, sched, state, {}, export)
+    state = files.TrainState(step=steps)
+    files.save_checkpoint(str(directory), weights, opt, sched, state, {}, export)
     return weights, opt, sched
 
 
@@ -101,25 +99,36 @@ def _checkpoint(directory: Path, steps: int = 1):
 def test_a_damaged_checkpoint_file_is_a_checkpoint_error(damage, tmp_path):
     weights, opt, sched = _checkpoint(tmp_path)
     assert (
-        checkpoints.load_checkpoint(str(tmp_path), weights, opt, sched).step == 1
+        files.load_checkpoint(str(tmp_path), weights, opt, sched).step == 1
     )  # intact: loads
     damaged = DAMAGE[damage](tmp_path)
-    with pytest.raises(checkpoints.CheckpointError) as error:
-        checkpoints.load_checkpoint(str(tmp_path), weights, opt, sched)
+    with pytest.raises(files.CheckpointError) as error:
+        files.load_checkpoint(str(tmp_path), weights, opt, sched)
     assert os.path.isdir(tmp_path)
     if damaged is not None:  # the message names the damaged file
         assert str(error.value).startswith(f"{damaged}: "), str(error.value)
 
 
-def _restoring_worker(run_dir: Path):
-    """A training worker as far as ``Worker.restore`` needs one: its run folder, rank and the
-    fresh (untrained) weights, optimizer and schedule it restores into."""
-    from raytuner.train.loop import Worker
+class _Restoring:
+    """A training worker as far as restoring goes: its checkpoints (the run folder, rank 0,
+    replicated) and the fresh (untrained) weights, optimizer and schedule it restores into."""
 
-    worker = Worker.__new__(Worker)
-    worker.cfg, worker.rank = SimpleNamespace(run_dir=str(run_dir)), 0
-    worker.weights, worker.opt, worker.sched, _ = trained(steps=0)
-    return worker
+    def __init__(self, run_dir: Path) -> None:
+        from raytuner.checkpoint.checkpointer import Checkpointer
+        from raytuner.config import CheckpointConfig
+
+        settings = CheckpointConfig()
+        self.checkpoints = Checkpointer(
+            str(run_dir), settings, rank=0, sharded=False, max_steps=10
+        )
+        self.weights, self.opt, self.sched, _ = trained(steps=0)
+
+    def restore(self):
+        return self.checkpoints.restore(self.weights, self.opt, self.sched)
+
+
+def _restoring_worker(run_dir: Path):
+    return _Restoring(run_dir)
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
@@ -160,6 +169,6 @@ def test_a_worker_refuses_a_run_folder_whose_every_checkpoint_is_damaged(tmp_pat
     folder = tmp_path / "checkpoint_2026-01-01_00-00-01.000000"
     folder.mkdir()
     _checkpoint(folder)
-    (folder / runs.WEIGHTS).write_bytes(b"")
+    (folder / layout.WEIGHTS).write_bytes(b"")
     with pytest.raises(RuntimeError, match="no readable checkpoint in .*start a new run"):
         _restoring_worker(tmp_path).restore()

@@ -21,13 +21,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from raytuner.checkpoint import files
 from raytuner.config import LoraConfig, MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.train import checkpoints, optim
+from raytuner.train import optim
 from raytuner.train.feed import RankSlice
+from raytuner.train.model import trainable_model
 from raytuner.train.step import train_step
-from raytuner.train.weights import trainable_model
 
 BUCKETS = [(64, 64), (96, 64)] * 3  # (width, height), back and forth
 TOLERANCE = 1e-4
@@ -58,7 +59,7 @@ def _run(name: str, train: TrainConfig, batches, steps, restored=None):
     trained = trainable_model(model, train, lora, family, cpu)
     opt, sched = optim.for_run(train, trained.weights.params)
     if restored is not None:
-        checkpoints.load_checkpoint(restored, trained.weights, opt, sched)
+        files.load_checkpoint(restored, trained.weights, opt, sched)
     loss_fn = family.loss(trained.source, ObjectiveConfig().for_family(family))
     step = train_step(trained, trained.denoiser, loss_fn, opt, sched, train, MemoryConfig(), cpu)
     losses, graphs = [], []
@@ -111,8 +112,8 @@ def test_compiled_blocks_train_as_eager_and_resume_exactly(name, mode, checkpoin
     folder = tmp_path / "checkpoint"
     folder.mkdir()
     export = lambda d: w.export_lora(d, family, {}) if w.mode == "lora" else None  # noqa: E731
-    state = checkpoints.TrainState(step=2)
-    checkpoints.save_checkpoint(str(folder), w, opt, sched, state, {}, export)
+    state = files.TrainState(step=2)
+    files.save_checkpoint(str(folder), w, opt, sched, state, {}, export)
     rest, _, resumed, _ = _run(name, compiled, batches, steps[2:], restored=str(folder))
     for a, b in zip(losses[2:], rest, strict=True):  # its first steps eager again (counted)
         assert abs(a - b) <= TOLERANCE * abs(a), (losses, rest)

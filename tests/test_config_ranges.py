@@ -190,8 +190,8 @@ def test_max_grad_norm_0_trains_unclipped_not_zero(tmp_path):
     from raytuner.families.parts import Source
     from raytuner.train import optim
     from raytuner.train.feed import RankSlice
+    from raytuner.train.model import trainable_model
     from raytuner.train.step import train_step
-    from raytuner.train.weights import trainable_model
 
     family, cpu = FAMILIES["sd15"], torch.device("cpu")
     tiny = Source("tiny")

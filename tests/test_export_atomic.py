@@ -25,20 +25,20 @@ import ray.train
 import torch
 from test_checkpoint_damage import _checkpoint
 
-from raytuner import checksums, runs, storage
+from raytuner import storage
+from raytuner.checkpoint import checksums, files, layout
+from raytuner.checkpoint.export import final as export_final
 from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.train import checkpoints
-from raytuner.train.trainer import export_final
-from raytuner.train.weights import Weights
+from raytuner.train.model import adapt
 
 
 def _full_checkpoint(folder: Path, step: int) -> Path:
     """The checkpoint of a full fine-tune of the tiny SD1.5 UNet at ``step``, as a worker writes
     it (its weights all ``step``, so two steps' files differ)."""
     family = FAMILIES["sd15"]
-    weights = Weights(
+    weights = adapt(
         family.denoiser(Source("tiny")),
         mode="full",
         lora=LoraConfig(),
@@ -50,10 +50,10 @@ def _full_checkpoint(folder: Path, step: int) -> Path:
             p.fill_(step)
     opt = torch.optim.AdamW(weights.params, lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    records = {runs.EXPORT_META: {"raytuner.steps": str(step)}}
+    records = {layout.EXPORT_META: {"raytuner.steps": str(step)}}
     folder.mkdir(parents=True)
-    state = checkpoints.TrainState(step=step)
-    checkpoints.save_checkpoint(str(folder), weights, opt, sched, state, records, None)
+    state = files.TrainState(step=step)
+    files.save_checkpoint(str(folder), weights, opt, sched, state, records, None)
     return folder
 
 
@@ -98,8 +98,8 @@ def _interrupted_at_file(monkeypatch, n: int):
     assert len(opened) == n
 
 
-MAKE = {"full": (_full_checkpoint, Path(runs.MODEL_DIR, "unet")), "lora": (_lora_checkpoint,
-        Path(runs.LORA_DIR))}  # fmt: skip
+MAKE = {"full": (_full_checkpoint, Path(layout.MODEL_DIR, "unet")), "lora": (_lora_checkpoint,
+        Path(layout.LORA_DIR))}  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", sorted(MAKE))
@@ -127,16 +127,16 @@ def test_a_truncated_weights_file_fails_the_export_naming_it_and_keeps_the_older
     before them: the file ends before its header says its tensors do)."""
     out = tmp_path / "out"
     _export(_full_checkpoint(tmp_path / "checkpoint_1", 1), out)
-    before = _files(out / "job" / runs.MODEL_DIR)
+    before = _files(out / "job" / layout.MODEL_DIR)
     for with_sums in (True, False):
         folder = _full_checkpoint(tmp_path / f"checkpoint_2_{with_sums}", 2)
         if not with_sums:
-            shutil.rmtree(folder / runs.CHECKSUMS)
-        weights = folder / runs.WEIGHTS
+            shutil.rmtree(folder / layout.CHECKSUMS)
+        weights = folder / layout.WEIGHTS
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size * 2 // 3])
         with pytest.raises(checksums.DamagedFileError, match=rf"^{weights}: .*truncated"):
             _export(folder, out)
-        assert _files(out / "job" / runs.MODEL_DIR) == before
+        assert _files(out / "job" / layout.MODEL_DIR) == before
 
 
 KILLED = """
@@ -144,7 +144,7 @@ import os, signal, sys
 import pyarrow.fs as pafs
 import ray.train
 from raytuner import storage
-from raytuner.train.trainer import export_final
+from raytuner.checkpoint.export import final as export_final
 
 written, original = [], storage.write_atomic
 def write_atomic(fs, path, data):
@@ -159,7 +159,7 @@ export_final(checkpoint, sys.argv[2], "job", "unet")
 
 
 def test_an_export_killed_midway_leaves_the_older_one_and_the_next_export_tidies_up(tmp_path):
-    out, model = tmp_path / "out", tmp_path / "out" / "job" / runs.MODEL_DIR
+    out, model = tmp_path / "out", tmp_path / "out" / "job" / layout.MODEL_DIR
     _export(_full_checkpoint(tmp_path / "checkpoint_1", 1), out)
     before = _files(model / "unet")
     newer = _full_checkpoint(tmp_path / "checkpoint_2", 2)

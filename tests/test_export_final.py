@@ -1,4 +1,4 @@
-"""The final export streams (``train/trainer.export_final``): file by file from the
+"""The final export streams (``checkpoint/export.final``): file by file from the
 checkpoint's own filesystem, in pieces of at most ``storage.COPY_CHUNK``, and it never reads the
 optimizer state (nor anything else outside ``export/`` but ``state.json``, where the step is,
 and the checksums every copied byte is checked against).
@@ -16,9 +16,9 @@ import pyarrow.fs as pafs
 import ray.train
 from test_checkpoint_damage import _checkpoint
 
-from raytuner import runs, storage
-from raytuner.train import checkpoints
-from raytuner.train.trainer import export_final
+from raytuner import storage
+from raytuner.checkpoint import files, layout
+from raytuner.checkpoint.export import final as export_final
 
 
 class _Reads:
@@ -107,13 +107,13 @@ def test_the_final_export_streams_the_export_alone(tmp_path):
     folder = tmp_path / "runs" / "job" / "checkpoint_2026-01-01_00-00-01.000000"
     folder.mkdir(parents=True)
     _checkpoint(folder)
-    big = folder / runs.EXPORT / runs.LORA_DIR / "big.bin"  # 2.5 pieces
+    big = folder / layout.EXPORT / layout.LORA_DIR / "big.bin"  # 2.5 pieces
     big.write_bytes(os.urandom(storage.COPY_CHUNK * 5 // 2))
-    checkpoints.write_checksums(str(folder), 0)  # big.bin among the files it lists
-    (folder / runs.OPTIMIZER).unlink()  # the optimizer state: a folder, not readable as a file
-    (folder / runs.OPTIMIZER).mkdir()
-    (folder / runs.OPTIMIZER / "state").write_bytes(b"never read")
-    expected = _files(folder / runs.EXPORT)
+    files.write_checksums(str(folder), 0)  # big.bin among the files it lists
+    (folder / layout.OPTIMIZER).unlink()  # the optimizer state: a folder, not readable as a file
+    (folder / layout.OPTIMIZER).mkdir()
+    (folder / layout.OPTIMIZER / "state").write_bytes(b"never read")
+    expected = _files(folder / layout.EXPORT)
 
     handler = Recording()
     checkpoint = ray.train.Checkpoint(str(folder), filesystem=pafs.PyFileSystem(handler))
@@ -121,12 +121,12 @@ def test_the_final_export_streams_the_export_alone(tmp_path):
     summary = export_final(checkpoint, str(out), "job", "unet")
 
     assert _files(out / "job") == expected  # every file of the export, nothing else
-    assert summary["lora"] == str(out / "job" / runs.LORA_DIR / runs.DIFFUSERS_FILE)
-    assert summary["kohya"] == str(out / "job" / runs.LORA_DIR / runs.KOHYA_FILE)
+    assert summary["lora"] == str(out / "job" / layout.LORA_DIR / layout.DIFFUSERS_FILE)
+    assert summary["kohya"] == str(out / "job" / layout.LORA_DIR / layout.KOHYA_FILE)
     assert summary["step"] == 1
     opened = {str(Path(p).relative_to(folder)) for p in handler.opened}
-    sums = f"{runs.CHECKSUMS}/rank-00000.json"  # what each copied file is checked against
-    assert opened == {runs.STATE, sums} | {f"{runs.EXPORT}/{name}" for name in expected}
+    sums = f"{layout.CHECKSUMS}/rank-00000.json"  # what each copied file is checked against
+    assert opened == {layout.STATE, sums} | {f"{layout.EXPORT}/{name}" for name in expected}
     chunk = storage.COPY_CHUNK  # the big file in its three pieces (a whole read: 80 of 256 KiB)
     assert [n for n in handler.opened[str(big)] if n] == [chunk, chunk, chunk // 2]
     assert all(max(s, default=0) <= storage.COPY_CHUNK for s in handler.opened.values())

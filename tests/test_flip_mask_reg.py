@@ -22,8 +22,8 @@ from PIL import Image, ImageOps
 from run_checks import lora_changes_the_pipeline
 from safetensors.torch import load_file
 
-from raytuner import runs
 from raytuner.api import preprocess, train
+from raytuner.checkpoint import layout
 from raytuner.config import ObjectiveConfig, load_job
 from raytuner.data import cache
 from raytuner.data.reader import CachedDataset, open_dataset
@@ -349,7 +349,7 @@ def test_regularization_samples_weigh_the_prior_loss_weight(features):
 
 def _checkpoint_weights(run_dir: str) -> dict[str, torch.Tensor]:
     """The trained tensors of the run's newest checkpoint (float32, as training keeps them)."""
-    _, folders = runs.complete_checkpoints(run_dir)
+    _, folders = layout.complete_checkpoints(run_dir)
     return load_file(str(Path(folders[0]) / "weights.safetensors"))
 
 

@@ -10,8 +10,8 @@ from raytuner.config import FlowObjective, LoraConfig, MemoryConfig, ModelConfig
 from raytuner.families import FAMILIES
 from raytuner.train import float8_matmul, optim
 from raytuner.train.feed import RankSlice
+from raytuner.train.model import trainable_model
 from raytuner.train.step import train_step
-from raytuner.train.weights import trainable_model
 
 pytest.importorskip("torchao")
 

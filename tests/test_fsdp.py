@@ -38,10 +38,11 @@ from run_checks import TINY, lora_changes_the_pipeline, pipeline_image
 from safetensors.torch import load_file
 from test_train_exact import _workers_of_this_test
 
-from raytuner import runs
 from raytuner.api import preprocess, sample, train
+from raytuner.checkpoint import layout
 from raytuner.config import ConfigError, load_job
 from raytuner.families import FAMILIES
+from raytuner.placement.strategy import SHARDED
 from raytuner.train import sample_log
 
 STEPS = 16
@@ -141,7 +142,7 @@ def losses(run_dir: Path) -> dict[int, float]:
     """``train/loss`` at every step, as TensorBoard shows it (a resume's purge applied)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir / runs.TENSORBOARD))
+    events = EventAccumulator(str(run_dir / layout.TENSORBOARD))
     events.Reload()
     return {e.step: e.value for e in events.Scalars("train/loss")}
 
@@ -160,7 +161,7 @@ def _kill_after_checkpoint(run_dir: Path, killed: list, errors: list) -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not killed:
             attempts = sample_log.read_attempts(str(run_dir))
-            complete = runs.complete_checkpoints(str(run_dir))[1]
+            complete = layout.complete_checkpoints(str(run_dir))[1]
             if complete and attempts and max(attempts[0], default=0) > EVERY:
                 workers = _workers_of_this_test()
                 for worker in workers:
@@ -207,10 +208,10 @@ def test_sharded_full_finetune_trains_as_ddp_and_resumes_a_killed_worker(flux_jo
     assert_same_losses(reference, run_dir)
 
     # the sharded checkpoint: every worker's rows in a file of its own, no export inside
-    newest = Path(runs.complete_checkpoints(str(run_dir))[1][0])
+    newest = Path(layout.complete_checkpoints(str(run_dir))[1][0])
     assert newest.name.endswith(f"_step-{STEPS:06d}")
-    assert len(list((newest / runs.WEIGHTS_DIR).glob("*.safetensors"))) == 2
-    assert not (newest / runs.EXPORT).exists() and not (newest / runs.WEIGHTS).exists()
+    assert len(list((newest / layout.WEIGHTS_DIR).glob("*.safetensors"))) == 2
+    assert not (newest / layout.EXPORT).exists() and not (newest / layout.WEIGHTS).exists()
 
     # `raytuner sample` reads the newest (sharded) checkpoint's weights a block at a time
     job = load_job(flux_job, ['train.name="fsdp"', 'scaling.strategy="fsdp"'])
@@ -288,8 +289,8 @@ def _bf16_sharded_step(rank: int, port: int, out: str) -> None:
     from raytuner.config import LoraConfig, MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
     from raytuner.placement import sharding
     from raytuner.train import optim
+    from raytuner.train.model import trainable_model
     from raytuner.train.step import train_step
-    from raytuner.train.weights import trainable_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -297,7 +298,7 @@ def _bf16_sharded_step(rank: int, port: int, out: str) -> None:
     model = ModelConfig(family="flux", pretrained="tiny", dtype="bfloat16")
     train = TrainConfig(output="unused", global_batch_size=4, max_steps=10)
     lora = LoraConfig(rank=4, alpha=4.0)
-    trained = trainable_model(model, train, lora, flux, cpu, strategy="fsdp")
+    trained = trainable_model(model, train, lora, flux, cpu, strategy=SHARDED)
     opt, sched = optim.for_run(train, trained.weights.params)
     loss_fn = flux.loss(trained.source, ObjectiveConfig().for_family(flux))
     step = train_step(trained, trained.denoiser, loss_fn, opt, sched, train, MemoryConfig(), cpu, 2)
@@ -358,8 +359,8 @@ def test_a_bfloat16_lora_sharded_trains_as_ddp(flux_job):
     fsdp, fsdp_dir = run(flux_job, "bf16-fsdp", *bf16, 'scaling.strategy="fsdp"')
     for run_dir in (ddp_dir, fsdp_dir):
         assert all(np.isfinite(v) for v in losses(run_dir).values()), losses(run_dir)
-    newest = Path(runs.complete_checkpoints(str(fsdp_dir))[1][0])
-    shards = sorted((newest / runs.WEIGHTS_DIR).glob("*.safetensors"))
+    newest = Path(layout.complete_checkpoints(str(fsdp_dir))[1][0])
+    shards = sorted((newest / layout.WEIGHTS_DIR).glob("*.safetensors"))
     assert len(shards) == 2
     for shard in shards:
         assert {t.dtype for t in load_file(shard).values()} == {torch.float32}, shard.name
@@ -379,8 +380,8 @@ def test_a_sharded_sdxl_full_finetune_trains_as_ddp(job_file):
     validation = ("validation.every_steps=12", 'validation.prompts=["a red circle"]')
     validation += ("validation.steps=2",)
     fsdp, fsdp_dir = run(job_file, "full-fsdp", *full, 'scaling.strategy="fsdp"', *validation)
-    rendered = json.loads((fsdp_dir / runs.VALIDATION / "step_000012.json").read_text())
-    assert "error" not in rendered and (fsdp_dir / runs.VALIDATION / "step_000012.png").is_file()
+    rendered = json.loads((fsdp_dir / layout.VALIDATION / "step_000012.json").read_text())
+    assert "error" not in rendered and (fsdp_dir / layout.VALIDATION / "step_000012.png").is_file()
     worst = assert_close(model_weights(ddp, "unet"), model_weights(fsdp, "unet"))
     print(f"SDXL fsdp against ddp: largest relative difference {worst:.2e}")
     assert sample_log.trained(str(ddp_dir)) == sample_log.trained(str(fsdp_dir))
@@ -419,7 +420,7 @@ def _sigkill_a_worker_after_a_checkpoint(run_dir: Path):
     def kill(process) -> int | None:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline and process.poll() is None:
-            if runs.complete_checkpoints(str(run_dir))[1]:
+            if layout.complete_checkpoints(str(run_dir))[1]:
                 children = psutil.Process(process.pid).children(recursive=True)
                 workers = [p for p in children if "RayTrainWorker" in " ".join(p.cmdline())]
                 workers[-1].kill()
@@ -431,13 +432,13 @@ def _sigkill_a_worker_after_a_checkpoint(run_dir: Path):
 
 
 def _newest_step(run_dir: Path) -> int:
-    newest = runs.complete_checkpoints(str(run_dir))[1][0]
-    return json.loads(Path(newest, runs.STATE).read_text())["step"]
+    newest = layout.complete_checkpoints(str(run_dir))[1][0]
+    return json.loads(Path(newest, layout.STATE).read_text())["step"]
 
 
 def _flip_a_shard(checkpoint: Path) -> Path:
     """8 bytes flipped in the middle of the tensor data of the second worker's weights shard."""
-    shard = sorted((checkpoint / runs.WEIGHTS_DIR).glob("*.safetensors"))[1]
+    shard = sorted((checkpoint / layout.WEIGHTS_DIR).glob("*.safetensors"))[1]
     data = bytearray(shard.read_bytes())
     middle = (8 + int.from_bytes(data[:8], "little") + len(data)) // 2
     data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
@@ -482,9 +483,9 @@ def test_a_killed_worker_and_a_damaged_sharded_checkpoint_say_what_happened(flux
     assert code == 0, err[-3000:]
     assert f"rank 0 resumed at step {newest} " in err
     assert not list((tmp_path / "2").glob("raytuner-ckpt-*")), "temporary copies left behind"
-    expected = model_weights({"model": str(run_dir / runs.MODEL_DIR)})
+    expected = model_weights({"model": str(run_dir / layout.MODEL_DIR)})
 
-    final = Path(runs.complete_checkpoints(str(run_dir))[1][0])
+    final = Path(layout.complete_checkpoints(str(run_dir))[1][0])
     shard = _flip_a_shard(final)
     (tmp_path / "3").mkdir()
     code, err, _ = _raytuner_train(flux_job, tmp_path / "3", *settings, f"train.max_steps={steps}")
@@ -493,6 +494,6 @@ def test_a_killed_worker_and_a_damaged_sharded_checkpoint_say_what_happened(flux
                      rf"{re.escape(str(shard))}: the bytes of ", err), err[-3000:]  # fmt: skip
     assert f"skipping unreadable checkpoint: {shard}: " in err
     assert f"rank 0 resumed at step {steps - EVERY} " in err
-    again = model_weights({"model": str(run_dir / runs.MODEL_DIR)})
+    again = model_weights({"model": str(run_dir / layout.MODEL_DIR)})
     assert again.keys() == expected.keys()
     assert all(torch.equal(again[k], expected[k]) for k in expected)

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 from test_checkpoint_damage import trained
 
-from raytuner import runs
-from raytuner.train import checkpoints
+from raytuner.checkpoint import files, layout
 
 # The skewed job's LoRA (rank 4 on the tiny SDXL UNet) holds 262,144 bytes of float32 weights:
 # its checkpoint is about 1.3 MB (weights, optimizer state twice their size, two exported
@@ -86,6 +85,7 @@ def _worker(tmp_path: Path, steps: int = 1):
     """Rank 0 of a run as far as its checkpoint goes: a LoRA on the tiny SD1.5 UNet after
     ``steps`` steps, and the worker's own ``save`` (the files and records of a real run)."""
     from raytuner import config as c
+    from raytuner.checkpoint.checkpointer import Checkpointer
     from raytuner.families import FAMILIES
     from raytuner.train.loop import LoopConfig, Worker
 
@@ -99,8 +99,12 @@ def _worker(tmp_path: Path, steps: int = 1):
         fingerprint="0" * 16, manifest={}, dataset={"id": "0" * 16, "rows": 1},
         run_dir=str(tmp_path / "runs" / "run"), job={"model": {"family": "sd15"}},
     )  # fmt: skip
-    worker.rank, worker.state = 0, checkpoints.TrainState(step=steps)
+    worker.rank, worker.state = 0, files.TrainState(step=steps)
     worker.weights, worker.opt, worker.sched = weights, opt, sched
+    worker.checkpoints = Checkpointer(
+        worker.cfg.run_dir, worker.cfg.checkpoint, rank=0, sharded=False, max_steps=100
+    )
+    worker.observer = None
     return worker
 
 
@@ -111,13 +115,13 @@ def test_a_full_disk_at_any_checkpoint_file_removes_the_folder_and_names_it(
     worker = _worker(tmp_path)
     reference = tmp_path / "reference"
     reference.mkdir()
-    worker.save(str(reference))
+    worker.checkpoints.write(str(reference), worker.state, worker.contents())
     files = [p for p in reference.rglob("*") if p.is_file()]
-    assert not (reference / runs.STATE).exists()  # written after the upload, elsewhere
-    records = [reference / name for name in (runs.RUN, runs.JOB, runs.DATASET)]
+    assert not (reference / layout.STATE).exists()  # written after the upload, elsewhere
+    records = [reference / name for name in (layout.RUN, layout.JOB, layout.DATASET)]
     sizes = {
-        "weights": _pages(reference / runs.WEIGHTS),
-        "optimizer": _pages(reference / runs.OPTIMIZER),
+        "weights": _pages(reference / layout.WEIGHTS),
+        "optimizer": _pages(reference / layout.OPTIMIZER),
         "records": sum(_pages(p) for p in records),
         "all": sum(_pages(p) for p in files),
     }
@@ -139,7 +143,7 @@ def _trained_bytes(job_file: Path) -> int:
 
     from raytuner.config import load_job
     from raytuner.families import get_family
-    from raytuner.train.weights import trainable_model
+    from raytuner.train.model import trainable_model
 
     job = load_job(job_file)
     family = get_family(job.model.family)
@@ -171,4 +175,4 @@ def test_a_full_disk_fails_the_checkpoint_naming_the_folder_and_leaves_nothing(j
     message = _room_message(small, 4, _trained_bytes(job_file))
     assert re.fullmatch("raytuner: train failed: RuntimeError: " + message, lines[0]), lines[0]
     assert not [n for n in left if n.startswith("raytuner-ckpt-")], left
-    assert runs.complete_checkpoints(str(run_dir))[1] == []  # nothing reached the run folder
+    assert layout.complete_checkpoints(str(run_dir))[1] == []  # nothing reached the run folder

@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from ray_head import free_ports
 
-from raytuner import runs
+from raytuner.checkpoint import layout
 
 CONFIG = dict(
     patch_size=1,
@@ -60,16 +60,18 @@ def _write_shards(rank: int, world: int, folder: str, port: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().normal_(std=0.02)
-    writer = HuggingFaceStorageWriter(os.path.join(folder, runs.WEIGHTS_DIR), save_distributed=True)
+    writer = HuggingFaceStorageWriter(
+        os.path.join(folder, layout.WEIGHTS_DIR), save_distributed=True
+    )
     dcp.save(dict(model.state_dict()), storage_writer=writer)
     if rank == 0:
-        Path(folder, runs.DENOISER).write_text(model.to_json_string())
+        Path(folder, layout.DENOISER).write_text(model.to_json_string())
     dist.destroy_process_group()
 
 
 EXPORT = """
 import json, sys, threading, psutil
-from raytuner.lora import full_model
+from raytuner.checkpoint import full_model
 trained = full_model.Trained(sys.argv[1])
 me, peak, done = psutil.Process(), [0], threading.Event()
 def sample():
@@ -113,7 +115,7 @@ def test_the_export_of_a_sharded_checkpoint_holds_a_block_not_the_model(tmp_path
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "model" / "transformer"
     checkpoint.mkdir()
     mp.spawn(_write_shards, args=(2, str(checkpoint), free_ports(1)[0]), nprocs=2)
-    assert len(list((checkpoint / runs.WEIGHTS_DIR).glob("*.safetensors"))) == 2
+    assert len(list((checkpoint / layout.WEIGHTS_DIR).glob("*.safetensors"))) == 2
 
     report = _export(checkpoint, out, "blocks")
     largest, whole = max(report["blocks"].values()), sum(report["blocks"].values())
@@ -126,7 +128,7 @@ def test_the_export_of_a_sharded_checkpoint_holds_a_block_not_the_model(tmp_path
 
     from diffusers import FluxTransformer2DModel
 
-    from raytuner.lora import full_model
+    from raytuner.checkpoint import full_model
 
     exported = FluxTransformer2DModel.from_pretrained(out).state_dict()
     trained = full_model.Trained(str(checkpoint))

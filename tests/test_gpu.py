@@ -15,7 +15,7 @@ from raytuner.families import get_family
 from raytuner.tools import synthetic
 from raytuner.tools.bench.step import bench_step
 from raytuner.train.feed import Feed
-from raytuner.train.weights import trainable_model
+from raytuner.train.model import trainable_model
 
 pytestmark = [
     pytest.mark.gpu,

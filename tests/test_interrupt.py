@@ -24,18 +24,18 @@ import psutil
 import pytest
 from test_train_exact import assert_same_weights, run
 
-from raytuner import runs
+from raytuner.checkpoint import layout
 from raytuner.train import sample_log
 
 EVERY = 4  # the skewed job's checkpoint.every_steps
 
 
 def _complete_steps(run_dir: Path) -> list[int]:
-    _, folders = runs.complete_checkpoints(str(run_dir))
+    _, folders = layout.complete_checkpoints(str(run_dir))
     steps = []
     for folder in folders:
         with contextlib.suppress(OSError, ValueError):  # being deleted by Ray's retention
-            steps.append(json.loads(Path(folder, runs.STATE).read_text())["step"])
+            steps.append(json.loads(Path(folder, layout.STATE).read_text())["step"])
     return sorted(steps)
 
 
@@ -130,7 +130,7 @@ def _tensorboard_steps(run_dir: Path) -> list[int]:
     """The steps of ``train/loss`` TensorBoard shows (an event file's purge applied)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir / runs.TENSORBOARD))
+    events = EventAccumulator(str(run_dir / layout.TENSORBOARD))
     events.Reload()
     return [e.step for e in events.Scalars("train/loss")]
 
@@ -156,7 +156,7 @@ def test_ctrl_c_says_where_to_resume_and_the_rerun_resumes_from_the_newest_check
     assert summary["step"] == final
     assert_same_weights(summary, expected, tolerance=1e-6)
 
-    folders = runs.checkpoint_folders(str(run_dir))[1]
+    folders = layout.checkpoint_folders(str(run_dir))[1]
     assert len(folders) <= 2 + 1, f"checkpoint.keep = 2, yet {len(folders)} folders remain"
     steps = _tensorboard_steps(run_dir)
     assert steps == sorted(set(steps)), "a step was logged twice"

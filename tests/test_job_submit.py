@@ -229,12 +229,12 @@ def test_ray_job_submit_tiny(ray_cluster: Cluster, tmp_path: Path) -> None:
 
 def _complete_steps(run_dir: Path) -> list[int]:
     """The steps of the run's complete checkpoints (state.json written last)."""
-    from raytuner import runs
+    from raytuner.checkpoint import layout
 
     steps = []
-    for folder in runs.complete_checkpoints(str(run_dir))[1]:
+    for folder in layout.complete_checkpoints(str(run_dir))[1]:
         with contextlib.suppress(OSError, ValueError):  # being deleted by Ray's retention
-            steps.append(json.loads(Path(folder, runs.STATE).read_text())["step"])
+            steps.append(json.loads(Path(folder, layout.STATE).read_text())["step"])
     return sorted(steps)
 
 

@@ -383,7 +383,7 @@ def test_auto_compiles_on_gpus_where_it_was_measured_faster():
     import torch
 
     from raytuner.families import FAMILIES
-    from raytuner.train.weights import compiles
+    from raytuner.train.model import compiles
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     auto = {name: compiles("auto", f, cuda) for name, f in FAMILIES.items()}

@@ -17,14 +17,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from raytuner import runs
+from raytuner.checkpoint import layout
 from raytuner.cli import main
 from raytuner.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from raytuner.families import FAMILIES
 from raytuner.families.flux import kohya_names as flux_kohya_names
 from raytuner.families.parts import Source
 from raytuner.lora import export, kohya
-from raytuner.train.weights import Weights, trainable_model
+from raytuner.train.model import adapt, trainable_model
+from raytuner.train.weights import Weights
 
 TINY = Source("tiny")
 # every Flux module sd-scripts' layout and diffusers' converter share at any width: the double
@@ -42,7 +43,7 @@ FLUX_TARGETS += [f"single_transformer_blocks.{i}.proj_out" for i in (0, 1)]
 def exported(name: str, out: Path, lora: LoraConfig, seed: int = 0) -> Weights:
     """A known LoRA (random A and B) on the family's tiny denoiser, exported to ``out``."""
     family = FAMILIES[name]
-    weights = Weights(
+    weights = adapt(
         family.denoiser(TINY),
         mode="lora",
         lora=lora,
@@ -85,12 +86,12 @@ def test_kohya_file_is_sd_scripts_layout_and_renders_like_the_diffusers_file(nam
     targets = FLUX_TARGETS if name == "flux" else []
     exported(name, tmp_path, LoraConfig(rank=2, alpha=4.0, target_modules=targets))
     lora = tmp_path / "lora"
-    keys = load_file(str(lora / runs.KOHYA_FILE)).keys()
+    keys = load_file(str(lora / layout.KOHYA_FILE)).keys()
     if name == "flux":  # sd-scripts' names, q/k/v as one fused LoRA of rank 3 x 2
         assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in keys
         assert "lora_unet_double_blocks_1_txt_attn_qkv.lora_up.weight" in keys
         assert "lora_unet_single_blocks_0_linear2.alpha" in keys
-        qkv = load_file(str(lora / runs.KOHYA_FILE))[
+        qkv = load_file(str(lora / layout.KOHYA_FILE))[
             "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"
         ]
         assert qkv.shape[0] == 6
@@ -98,8 +99,8 @@ def test_kohya_file_is_sd_scripts_layout_and_renders_like_the_diffusers_file(nam
         assert "lora_unet_input_blocks_3_1_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
     assert not any("transformer_blocks_0_attn_to_q" in k for k in keys)
 
-    with_diffusers = image(name, lora, runs.DIFFUSERS_FILE)
-    with_kohya = image(name, lora, runs.KOHYA_FILE)
+    with_diffusers = image(name, lora, layout.DIFFUSERS_FILE)
+    with_kohya = image(name, lora, layout.KOHYA_FILE)
     assert not np.allclose(with_diffusers, image(name), atol=1e-3)  # the LoRA shows
     np.testing.assert_allclose(with_kohya, with_diffusers, atol=1e-5)
 
@@ -160,7 +161,7 @@ def test_save_dtype_writes_half_the_bytes_and_diffusers_loads_the_files(dtype, t
     lora = {"rank": 4, "alpha": 4.0}
     exported("sdxl", tmp_path / "full", LoraConfig(**lora, save_dtype="float32"))
     exported("sdxl", tmp_path / "half", LoraConfig(**lora, save_dtype=dtype))
-    for file in (runs.DIFFUSERS_FILE, runs.KOHYA_FILE):
+    for file in (layout.DIFFUSERS_FILE, layout.KOHYA_FILE):
         full, half = tmp_path / "full" / "lora" / file, tmp_path / "half" / "lora" / file
         assert {t.dtype for t in load_file(str(half)).values()} == {getattr(torch, dtype)}
         assert {t.dtype for t in load_file(str(full)).values()} == {torch.float32}
@@ -191,7 +192,7 @@ def test_files_carry_the_metadata_the_uis_classify_by(tmp_path):
     }
     for name, (version, architecture, implementation) in expected.items():
         exported(name, tmp_path / name, LoraConfig(rank=2, alpha=2.0))
-        for file in (runs.KOHYA_FILE, runs.DIFFUSERS_FILE):
+        for file in (layout.KOHYA_FILE, layout.DIFFUSERS_FILE):
             m = meta(tmp_path / name / "lora" / file)
             assert m["ss_base_model_version"] == version, (name, file)
             assert m["modelspec.architecture"] == architecture
@@ -200,14 +201,14 @@ def test_files_carry_the_metadata_the_uis_classify_by(tmp_path):
             assert m["modelspec.title"] == f"known-{name}"
             assert m["ss_network_dim"] == "2" and m["ss_network_alpha"] == "2.0"
             assert float(m["ss_training_started_at"]) <= float(m["ss_training_finished_at"])
-    assert meta(tmp_path / "flux" / "lora" / runs.KOHYA_FILE)["ss_network_module"] == (
+    assert meta(tmp_path / "flux" / "lora" / layout.KOHYA_FILE)["ss_network_module"] == (
         "networks.lora_flux"
     )
     # Sana: no tool reads a kohya Sana LoRA, so only the diffusers file, without modelspec
     exported("sana", tmp_path / "sana", LoraConfig(rank=2, alpha=2.0))
-    assert sorted(p.name for p in (tmp_path / "sana" / "lora").iterdir()) == [runs.DIFFUSERS_FILE]
+    assert sorted(p.name for p in (tmp_path / "sana" / "lora").iterdir()) == [layout.DIFFUSERS_FILE]
     assert not any(
-        k.startswith("modelspec.") for k in meta(tmp_path / "sana" / "lora" / runs.DIFFUSERS_FILE)
+        k.startswith("modelspec.") for k in meta(tmp_path / "sana" / "lora" / layout.DIFFUSERS_FILE)
     )
 
 
@@ -221,7 +222,7 @@ def trained_from(name: str, path: Path, lora: LoraConfig):
 def test_init_from_either_export_starts_from_its_weights(name, tmp_path):
     lora = LoraConfig(rank=2, alpha=4.0)
     known = exported(name, tmp_path / "known", lora).state()
-    for file in (runs.DIFFUSERS_FILE, runs.KOHYA_FILE):
+    for file in (layout.DIFFUSERS_FILE, layout.KOHYA_FILE):
         path = tmp_path / "known" / "lora" / file
         weights = trained_from(name, path, LoraConfig(rank=2, alpha=4.0, init_from=str(path)))
         start = weights.state()
@@ -231,7 +232,7 @@ def test_init_from_either_export_starts_from_its_weights(name, tmp_path):
             torch.testing.assert_close(start[key], expected, msg=f"{file}: {key}")
 
         weights.export_lora(str(tmp_path / "next"), FAMILIES[name], {"raytuner.run": "next"})
-        m = meta(tmp_path / "next" / "lora" / runs.DIFFUSERS_FILE)
+        m = meta(tmp_path / "next" / "lora" / layout.DIFFUSERS_FILE)
         assert m["raytuner.init_from"] == str(path)
         assert (
             m["raytuner.init_from_sha256"]
@@ -290,7 +291,7 @@ def test_init_from_sd_scripts_fused_lora_of_rank_r(tmp_path):
 
 def test_init_from_refuses_what_it_cannot_start_from(tmp_path):
     exported("sdxl", tmp_path / "known", LoraConfig(rank=2, alpha=4.0))
-    path = tmp_path / "known" / "lora" / runs.KOHYA_FILE
+    path = tmp_path / "known" / "lora" / layout.KOHYA_FILE
     with pytest.raises(ConfigError, match=r"rank 2 and alpha 4.*lora.rank = 4.*lora.rank = 2"):
         trained_from("sdxl", path, LoraConfig(rank=4, alpha=4.0, init_from=str(path)))
     with pytest.raises(ConfigError, match="alpha 4.*lora.alpha = 8"):

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from raytuner import placement
+from raytuner.checkpoint import files
 from raytuner.cli import main
 from raytuner.config import LoraConfig, MemoryConfig, ModelConfig, TrainConfig
 from raytuner.families import FAMILIES
-from raytuner.train import checkpoints, optim
+from raytuner.train import optim
+from raytuner.train.model import trainable_model
 from raytuner.train.step import forward_backward
-from raytuner.train.weights import trainable_model
 
 CPU = torch.device("cpu")
 LORA = LoraConfig(rank=4, alpha=4.0)
@@ -164,11 +165,11 @@ def test_every_optimizer_and_schedule_resumes_exactly_with_blocks_swapped(
     _steps(whole, opt, sched, [0, 2, 4, 6])
     first, opt, sched = worker()
     _steps(first, opt, sched, [0, 2])
-    state = checkpoints.TrainState(step=2)
+    state = files.TrainState(step=2)
     export = lambda folder: first.weights.export_lora(folder, FAMILIES["sana"], {})  # noqa: E731
-    checkpoints.save_checkpoint(str(tmp_path), first.weights, opt, sched, state, {}, export)
+    files.save_checkpoint(str(tmp_path), first.weights, opt, sched, state, {}, export)
     resumed, opt, sched = worker(MemoryConfig(blocks_to_swap=2))
-    assert checkpoints.load_checkpoint(str(tmp_path), resumed.weights, opt, sched).step == 2
+    assert files.load_checkpoint(str(tmp_path), resumed.weights, opt, sched).step == 2
     resumed.placement.check(opt)
     _steps(resumed, opt, sched, [4, 6])
     resumed.placement.check(opt)

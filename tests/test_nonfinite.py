@@ -25,7 +25,7 @@ import torch
 from conftest import SKEWED_JOB
 from safetensors.torch import load_file
 
-from raytuner import runs
+from raytuner.checkpoint import layout
 from raytuner.train.finite import FiniteGuard
 
 STEP = re.compile(r"not finite (?:at|after) step (\d+)")
@@ -49,8 +49,8 @@ def test_a_non_finite_loss_is_named_by_its_step_a_step_late_or_at_once():
 
 
 def _steps(run_dir: Path) -> list[int]:
-    _, folders = runs.complete_checkpoints(str(run_dir))
-    return sorted(json.loads(Path(f, runs.STATE).read_text())["step"] for f in folders)
+    _, folders = layout.complete_checkpoints(str(run_dir))
+    return sorted(json.loads(Path(f, layout.STATE).read_text())["step"] for f in folders)
 
 
 @pytest.mark.slow
@@ -91,7 +91,7 @@ def test_a_run_that_turns_to_nan_stops_at_that_step_and_keeps_its_last_good_chec
     assert steps and steps[-1] < step, (steps, step)  # no checkpoint of the NaN or after it
     assert steps == list(range(1, steps[-1] + 1))  # every step's before it
     assert f"The newest complete checkpoint is step {steps[-1]} (" in lines[-1]
-    newest = Path(runs.complete_checkpoints(str(run_dir))[1][0])
-    assert all(torch.isfinite(t).all() for t in load_file(newest / runs.WEIGHTS).values())
-    assert not (run_dir / runs.LORA_DIR).exists(), "a LoRA of the NaN weights was exported"
+    newest = Path(layout.complete_checkpoints(str(run_dir))[1][0])
+    assert all(torch.isfinite(t).all() for t in load_file(newest / layout.WEIGHTS).values())
+    assert not (run_dir / layout.LORA_DIR).exists(), "a LoRA of the NaN weights was exported"
     assert not left, f"checkpoints' temporary copies left in TMPDIR: {left}"

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
+from raytuner.placement.strategy import SHARDED
 
 
 def _folder(root: Path) -> Path:
@@ -41,13 +42,13 @@ def test_a_folder_is_read_tensor_by_tensor(tmp_path):
 def _sharded_from_folder(rank: int, folder: str, out: str) -> None:
     from raytuner.config import LoraConfig, ModelConfig, TrainConfig
     from raytuner.placement import sharding
-    from raytuner.train.weights import trainable_model
+    from raytuner.train.model import trainable_model
 
     sharding.single_process_group(torch.device("cpu"))
     model = ModelConfig(family="flux", pretrained=folder)
     train = TrainConfig(output="unused", mode="full")
     cpu = torch.device("cpu")
-    trained = trainable_model(model, train, LoraConfig(), FAMILIES["flux"], cpu, strategy="fsdp")
+    trained = trainable_model(model, train, LoraConfig(), FAMILIES["flux"], cpu, strategy=SHARDED)
     assert trained.weights.sharded
     state = {k: sharding.gather(v).contiguous() for k, v in trained.denoiser.state_dict().items()}
     save_file(state, out)

@@ -19,8 +19,8 @@ from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.tools.plan import GiB, plan
 from raytuner.tools.plan_report import parse_size
+from raytuner.train.model import adapt, autocast_dtype
 from raytuner.train.step import forward_backward
-from raytuner.train.weights import Weights, autocast_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 # published denoiser sizes (parameters) and how close the shipped architecture must come
@@ -171,7 +171,7 @@ def test_plan_matches_what_a_real_step_allocates_on_cpu():
     from torch.profiler._memory_profiler import Action
 
     from raytuner.tools import plan_trace as planner
-    from raytuner.train.weights import trainable_model
+    from raytuner.train.model import trainable_model
 
     overrides = ['model.pretrained="random"', 'model.dtype="float32"', "train.micro_batch_size=1"]
     overrides += ["preprocess.resolution=256", "train.gradient_checkpointing=false"]
@@ -208,7 +208,7 @@ def test_bfloat16_frozen_weights_train_and_export_a_lora_that_loads(name, tmp_pa
     batch |= {k: v.float() for k, v in text.items()}
     batch |= {"original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes}
     denoiser = family.denoiser(source).train()
-    weights = Weights(
+    weights = adapt(
         denoiser, mode="lora", lora=LoraConfig(rank=4), targets=family.lora_targets, ema_decay=0
     )
     frozen = [p for p in denoiser.parameters() if not p.requires_grad]

@@ -98,7 +98,7 @@ def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
     its rows of the weights, the gradients and AdamW's moments (each storage once)."""
     import torch.distributed as dist
 
-    from raytuner.train.weights import trainable_model
+    from raytuner.train.model import trainable_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from raytuner.checkpoint.layout import EXPORT
 from raytuner.cli import main
 from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
@@ -29,8 +30,7 @@ from raytuner.render.prompts import (
     resolve,
 )
 from raytuner.render.validation import RenderSpec, Validator
-from raytuner.runs import EXPORT
-from raytuner.train.weights import Weights
+from raytuner.train.model import adapt
 
 JOB = """
 [model]
@@ -253,7 +253,7 @@ def _lora_checkpoint(folder: Path) -> Path:
     """A checkpoint folder whose export is an SD1.5 LoRA with non-zero weights."""
     family = FAMILIES["sd15"]
     torch.manual_seed(0)
-    weights = Weights(
+    weights = adapt(
         family.denoiser(Source("tiny")),
         mode="lora",
         lora=LoraConfig(rank=4),

@@ -203,7 +203,7 @@ def test_sharded_checkpoint_files_are_read_in_place_on_s3(s3, tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from raytuner.shards import RangeReader
+    from raytuner.checkpoint.ranges import RangeReader
 
     full = {"blocks.0.weight": torch.randn(5, 3), "blocks.0.bias": torch.randn(5)}
     folder = tmp_path / "weights"

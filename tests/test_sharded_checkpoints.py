@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from ray_head import free_ports
 from safetensors.torch import load_file, save_file
 
-from raytuner import runs
+from raytuner.checkpoint import layout
 
 STEPS = 2
 
@@ -30,9 +30,10 @@ def _setup(world: int, port: int):
 
     from raytuner.config import LoraConfig, MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
     from raytuner.families import FAMILIES
+    from raytuner.placement.strategy import SHARDED
     from raytuner.train import optim
+    from raytuner.train.model import trainable_model
     from raytuner.train.step import train_step
-    from raytuner.train.weights import trainable_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=world)
@@ -50,7 +51,7 @@ def _setup(world: int, port: int):
     memory = MemoryConfig(activation_offload=True)
     model = ModelConfig(family="flux", pretrained="tiny")
     trained = trainable_model(model, train, LoraConfig(rank=4, alpha=4.0), family, cpu, memory,
-                              strategy="fsdp")  # fmt: skip
+                              strategy=SHARDED)  # fmt: skip
     opt, sched = optim.for_run(train, trained.weights.params)
     loss_fn = family.loss(trained.source, ObjectiveConfig().for_family(family))
     step = train_step(trained, trained.denoiser, loss_fn, opt, sched, train, memory, cpu, world)
@@ -89,15 +90,15 @@ def _slice(i: int, rank: int, world: int):
 
 
 def _train_and_save(rank: int, world: int, folder: str, port: int) -> None:
-    from raytuner.train import checkpoints
+    from raytuner.checkpoint import files
 
     os.environ["RANK"] = str(rank)
     weights, opt, sched, step = _setup(world, port)
     for i in range(STEPS):
         step(_slice(i, rank, world))
-    state = checkpoints.TrainState(step=STEPS)
+    state = files.TrainState(step=STEPS)
     export = lambda d: weights.export_lora(None, None, {})  # noqa: E731 (gathered, not written)
-    checkpoints.save_checkpoint(folder, weights, opt, sched, state, {}, export, rank=rank)
+    files.save_checkpoint(folder, weights, opt, sched, state, {}, export, rank=rank)
     reference = _state(weights, opt, sched)
     if rank == 0:
         save_file(reference, os.path.join(folder, "..", "reference.safetensors"))
@@ -108,7 +109,7 @@ def _load(rank: int, world: int, folder: str, port: int) -> None:
     workers, then damage a shard and load again."""
     import torch.distributed as dist
 
-    from raytuner.train import checkpoints
+    from raytuner.checkpoint import files
 
     os.environ["RANK"] = str(rank)
     weights, opt, sched, step = _setup(world, port)
@@ -116,22 +117,22 @@ def _load(rank: int, world: int, folder: str, port: int) -> None:
     from test_export_final import Recording  # the local filesystem, noting every read
 
     reads = Recording()
-    loaded = checkpoints.load_checkpoint(folder, weights, opt, sched, pafs.PyFileSystem(reads))
+    loaded = files.load_checkpoint(folder, weights, opt, sched, pafs.PyFileSystem(reads))
     result = {"step": loaded.step, "read": {p: sum(n) for p, n in reads.opened.items()}}
     got = _state(weights, opt, sched)
     if rank == 0:
         save_file(got, os.path.join(folder, "..", f"loaded-{world}.safetensors"))
     step(_slice(STEPS, rank, world))  # the restored optimizer steps its sharded state
     if world > 1:
-        shard = sorted(Path(folder, runs.WEIGHTS_DIR).glob("*.safetensors"))[1]
+        shard = sorted(Path(folder, layout.WEIGHTS_DIR).glob("*.safetensors"))[1]
         result["shard"], result["errors"] = str(shard), []
         for damage in (_flip_rows, _truncate):  # rank 1's rows; then the file cut short
             if rank == 0:
                 damage(shard)
             dist.barrier()
             try:
-                checkpoints.load_checkpoint(folder, weights, opt, sched)
-            except checkpoints.CheckpointError as e:
+                files.load_checkpoint(folder, weights, opt, sched)
+            except files.CheckpointError as e:
                 result["errors"].append(str(e))
             dist.barrier()
     Path(folder, "..", f"result-{world}-{rank}.json").write_text(json.dumps(result))
@@ -154,12 +155,14 @@ def _truncate(shard: Path) -> None:
 def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(tmp_path):
     folder = tmp_path / "checkpoint"
     folder.mkdir()
-    (folder / runs.EXPORT).mkdir()  # what _trained_files_complete looks for (a LoRA's export)
-    (folder / runs.EXPORT / "lora.safetensors").write_bytes(b"x")
+    (folder / layout.EXPORT).mkdir()  # what _trained_files_complete looks for (a LoRA's export)
+    (folder / layout.EXPORT / "lora.safetensors").write_bytes(b"x")
     mp.spawn(_train_and_save, args=(2, str(folder), free_ports(1)[0]), nprocs=2)
     names = sorted(p.name for p in folder.iterdir())
-    assert {runs.WEIGHTS_DIR, runs.EMA_DIR, runs.OPTIMIZER_DIR, runs.OPTIMIZER_JSON} <= set(names)
-    assert len(list((folder / runs.OPTIMIZER_DIR).glob("*.safetensors"))) == 2
+    assert {layout.WEIGHTS_DIR, layout.EMA_DIR, layout.OPTIMIZER_DIR, layout.OPTIMIZER_JSON} <= set(
+        names
+    )
+    assert len(list((folder / layout.OPTIMIZER_DIR).glob("*.safetensors"))) == 2
 
     mp.spawn(_load, args=(1, str(folder), free_ports(1)[0]), nprocs=1)
     assert json.loads((tmp_path / "result-1-0.json").read_text())["step"] == STEPS
@@ -174,7 +177,7 @@ def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(
     # flipped bytes in the rows one worker reads, and a truncated shard, give every worker a
     # CheckpointError naming the file (before checksums the flipped bytes loaded silently)
     sizes = {}  # folder -> (bytes of the headers every worker reads, bytes of data)
-    for sub in (runs.WEIGHTS_DIR, runs.EMA_DIR, runs.OPTIMIZER_DIR):
+    for sub in (layout.WEIGHTS_DIR, layout.EMA_DIR, layout.OPTIMIZER_DIR):
         files = list((folder / sub).glob("*.safetensors"))
         headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
         sizes[sub] = headers, sum(f.stat().st_size for f in files) - headers

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from raytuner import runs
 from raytuner.api import preprocess, train
+from raytuner.checkpoint import layout
 from raytuner.cli import main
 from raytuner.config import load_job
 from raytuner.data import cache
@@ -129,13 +129,13 @@ def test_a_job_trains_its_own_rows_after_other_jobs_preprocessed(
     with caplog.at_level("INFO", logger="raytuner.train.trainer"):
         summary = train(jobs[first])
     folder = JOBS[first][0]
-    run_dir = runs.run_dir(jobs[first].train.output, jobs[first].train.name)
+    run_dir = layout.run_dir(jobs[first].train.output, jobs[first].train.name)
     trained = sorted(p for ids in sample_log.trained(run_dir).values() for p in ids)
     assert trained == sorted(made[folder])  # its own images, each once (one epoch)
     assert summary["step"] == len(made[folder])
 
-    newest = runs.complete_checkpoints(run_dir)[1][0]
-    record = json.loads(Path(newest, runs.DATASET).read_text())
+    newest = layout.complete_checkpoints(run_dir)[1][0]
+    record = json.loads(Path(newest, layout.DATASET).read_text())
     assert record["id"] == expected_id  # the rows, flips and masks its own preprocess committed
     version = cache.Version(record["cache"], record["fingerprint"])
     rows = version.read(record["index"]).to_pylist()

@@ -24,7 +24,7 @@ from raytuner.families import FAMILIES, parts
 from raytuner.families.flux import _from_bfl
 from raytuner.families.parts import Source
 from raytuner.train import optim
-from raytuner.train.weights import trainable_model
+from raytuner.train.model import trainable_model
 
 SD15, SDXL, FLUX = FAMILIES["sd15"], FAMILIES["sdxl"], FAMILIES["flux"]
 TINY = Source("tiny")

@@ -15,8 +15,8 @@ from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.train import optim
 from raytuner.train.feed import RankSlice
+from raytuner.train.model import trainable_model
 from raytuner.train.step import train_step
-from raytuner.train.weights import trainable_model
 
 TINY = Source("tiny")
 OBJECTIVES = {  # settings that draw more than noise and a timestep

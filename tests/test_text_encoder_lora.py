@@ -27,6 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_jobcheck import accepted, check, refused
 
+from raytuner.checkpoint import files
+from raytuner.checkpoint.layout import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.cli import main
 from raytuner.config import (
     ConfigError,
@@ -42,11 +44,10 @@ from raytuner.data.reader import open_dataset
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.lora import export
-from raytuner.runs import DIFFUSERS_FILE, KOHYA_FILE
-from raytuner.train import checkpoints, optim
+from raytuner.train import optim
 from raytuner.train.feed import Feed, RankSlice
+from raytuner.train.model import trainable_model
 from raytuner.train.step import forward_backward, train_step
-from raytuner.train.weights import trainable_model
 
 TINY, CPU = Source("tiny"), torch.device("cpu")
 CAPTIONS = ["a red circle", "a blue square", "", "a green triangle on white"]
@@ -205,15 +206,15 @@ def test_a_checkpoint_with_text_encoders_resumes_exactly(tmp_path):
     folder = tmp_path / "checkpoint"
     folder.mkdir()
     export = lambda d: first.weights.export_lora(d, first.family, {})  # noqa: E731
-    state = checkpoints.TrainState(step=2)
+    state = files.TrainState(step=2)
     save = (first.weights, first.opt, first.sched, state, {}, export)
-    checkpoints.save_checkpoint(str(folder), *save)
+    files.save_checkpoint(str(folder), *save)
     saved = load_file(folder / "weights.safetensors")
     assert {k.split(".")[0] for k in saved} >= {"text_encoder", "text_encoder_2"}
     assert any(k.startswith("text_encoder_2.") for k in load_file(folder / "ema.safetensors"))
 
     resumed = Run("sdxl", train, lora)
-    checkpoints.load_checkpoint(str(folder), resumed.weights, resumed.opt, resumed.sched)
+    files.load_checkpoint(str(folder), resumed.weights, resumed.opt, resumed.sched)
     resumed.steps(range(2, 4))
     for key, value in whole.weights.state().items():
         assert torch.equal(value, resumed.weights.state()[key]), key
@@ -362,11 +363,12 @@ def test_init_from_starts_the_text_encoders_from_either_layout(tmp_path):
 def test_a_run_from_before_the_text_encoder_keys_resumes(job_file, tmp_path):
     """A checkpoint's run.json written before ``lora.text_encoder`` lacks its keys: the same
     job resumes it, one that trains the text encoders is refused, naming the key."""
-    from raytuner.train.trainer import check_resumable
+    from raytuner.checkpoint.resume import check_resumable, run_identity
+    from raytuner.train.trainer import _dataset_change
 
     job = load_job(job_file, [f"train.output={tmp_path}"])
     fp, dataset = "fp", {"id": "d"}
-    identity = checkpoints.run_identity(job.model, job.lora, job.train, fp, "d", "ddp")
+    identity = run_identity(job.model, job.lora, job.train, fp, "d", "ddp")
     for key in ("text_encoder", "text_encoder_rank", "text_encoder_alpha"):
         del identity["lora"][key]
     del identity["lora"]["text_encoder_target_modules"]
@@ -374,10 +376,10 @@ def test_a_run_from_before_the_text_encoder_keys_resumes(job_file, tmp_path):
     folder.mkdir(parents=True)
     (folder / "run.json").write_text(json.dumps(identity))
     run_dir = str(tmp_path / job.train.name)
-    check_resumable(job, run_dir, fp, dataset)
+    check_resumable(job, run_dir, fp, dataset, _dataset_change)
     trains_them = dataclasses.replace(job, lora=dataclasses.replace(job.lora, text_encoder=True))
     with pytest.raises(ConfigError, match=r"lora\.text_encoder changed"):
-        check_resumable(trains_them, run_dir, fp, dataset)
+        check_resumable(trains_them, run_dir, fp, dataset, _dataset_change)
 
 
 @pytest.mark.parametrize(

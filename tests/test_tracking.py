@@ -20,10 +20,10 @@ import test_s3
 from PIL import Image
 
 from raytuner import storage
+from raytuner.checkpoint.layout import WANDB_RUN_ID
 from raytuner.cli import main
 from raytuner.config import TrackingConfig, load_job
 from raytuner.observe.observer import Observer, ValidationReport
-from raytuner.runs import WANDB_RUN_ID
 
 s3 = test_s3.s3  # the moto S3 server on 127.0.0.1 (module scope: one for this file)
 JOB = """

@@ -24,8 +24,8 @@ from conftest import SKEWED_JOB
 from run_checks import committed, lora_changes_the_pipeline
 from safetensors.torch import load_file
 
-from raytuner import runs
 from raytuner.api import preprocess, train
+from raytuner.checkpoint import layout
 from raytuner.config import ConfigError, load_job
 from raytuner.data import cache
 from raytuner.data.reader import open_dataset
@@ -225,8 +225,8 @@ def _flops_per_sample(job, size: tuple[int, int]) -> float:
     from raytuner.families.parts import Source
     from raytuner.observe import flops
     from raytuner.train.feed import RankSlice
+    from raytuner.train.model import trainable_model
     from raytuner.train.step import forward_backward
-    from raytuner.train.weights import trainable_model
 
     family, cpu = FAMILIES[job.model.family], torch.device("cpu")
     trained = trainable_model(job.model, job.train, job.lora, family, cpu)
@@ -252,7 +252,7 @@ def test_the_tflops_a_run_reports_are_each_workers_counted_flops_over_its_time(j
 
     _, run_dir = reference(job_file)
     job = load_job(job_file)
-    events = EventAccumulator(str(Path(run_dir, runs.TENSORBOARD)))
+    events = EventAccumulator(str(Path(run_dir, layout.TENSORBOARD)))
     events.Reload()
     tflops = {e.step: e.value for e in events.Scalars("train/tflops_per_s")}
     samples = {e.step: e.value for e in events.Scalars("train/samples_per_s")}

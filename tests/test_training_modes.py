@@ -10,8 +10,8 @@ import torch
 from raytuner.config import LoraConfig, ObjectiveConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
+from raytuner.train.model import autocast_dtype
 from raytuner.train.step import forward_backward
-from raytuner.train.weights import autocast_dtype
 
 TINY = Source("tiny")
 
@@ -29,13 +29,13 @@ def _batch(family) -> dict[str, torch.Tensor]:
 
 def _gradients(family, batch, mode: str, checkpointing: bool):
     """(per-sample loss, name -> gradient) of one backward pass in train mode."""
-    from raytuner.train.weights import Weights
+    from raytuner.train.model import adapt
 
     torch.manual_seed(0)  # the same LoRA init both times
     denoiser = family.denoiser(TINY)
     if checkpointing:
         denoiser.enable_gradient_checkpointing()
-    weights = Weights(
+    weights = adapt(
         denoiser, mode=mode, lora=LoraConfig(rank=4), targets=family.lora_targets, ema_decay=0
     )
     denoiser.train()

@@ -15,12 +15,12 @@ import pyarrow.fs as pafs
 import torch
 from PIL import Image
 
+from raytuner.checkpoint.layout import EXPORT
 from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.render.validation import RenderSpec, Validator
-from raytuner.runs import EXPORT
-from raytuner.train.weights import Weights
+from raytuner.train.model import adapt
 
 TINY = Source("tiny")
 
@@ -29,7 +29,7 @@ def _checkpoint(folder: Path) -> Path:
     """A checkpoint folder holding the export of a LoRA whose up-projections are non-zero."""
     family = FAMILIES["sd15"]
     torch.manual_seed(0)
-    weights = Weights(
+    weights = adapt(
         family.denoiser(TINY),
         mode="lora",
         lora=LoraConfig(rank=4),

@@ -10,6 +10,7 @@ import posixpath
 from urllib.parse import urlsplit
 
 from raytuner.config.loader import ConfigError
+from raytuner.placement.strategy import Strategy
 
 
 def memory_needs(memory, train, model) -> None:
@@ -54,7 +55,7 @@ def gpu_needs(train, scaling, model=None, memory=None) -> None:
          'model.dtype = "float8": the weights are stored in float8 already'),
         (memory is not None and memory.blocks_to_swap > 0,
          "memory.blocks_to_swap: streamed blocks' weights are untried with the float8 casts"),
-        (scaling.strategy == "fsdp",
+        (Strategy.of(scaling.strategy).sharded,
          'scaling.strategy = "fsdp": sharded weights are untried with the float8 casts'),
         (train.mode != "lora", 'train.mode = "full": only frozen base weights multiply in float8'),
     ]  # fmt: skip
@@ -75,7 +76,7 @@ def text_encoder_needs(lora, train, scaling, memory) -> None:
             f'lora.text_encoder = true with train.mode = "{train.mode}": the text encoders\' '
             'LoRA trains beside a denoiser LoRA; use train.mode = "lora" or ' + fix
         )
-    if scaling.strategy != "ddp":
+    if Strategy.of(scaling.strategy).sharded:
         raise ConfigError(
             f'lora.text_encoder = true with scaling.strategy = "{scaling.strategy}": the text '
             "encoders are replicated on every worker (their gradients averaged once a step), "

@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from raytuner.checkpoint.layout import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.lora import kohya
-from raytuner.runs import DIFFUSERS_FILE, KOHYA_FILE
 from raytuner.version import __version__
 
 MODELSPEC_VERSION = "1.0.1"  # the SAI model spec sd-scripts writes

@@ -8,7 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from raytuner.runs import DENOISER, DIFFUSERS_FILE, EXPORT, KOHYA_FILE, LORA_DIR, MODEL_DIR
+from raytuner.checkpoint.layout import (
+    DENOISER,
+    DIFFUSERS_FILE,
+    EXPORT,
+    KOHYA_FILE,
+    LORA_DIR,
+    MODEL_DIR,
+)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ import datetime
 import logging
 
 from raytuner import storage
+from raytuner.checkpoint.layout import TENSORBOARD
 from raytuner.config import TrackingConfig
 from raytuner.observe import metrics, tracking
-from raytuner.runs import TENSORBOARD
 
 log = logging.getLogger("raytuner.train")
 PUSH_EVERY_S = 30.0  # a remote run's event files are copied at most this often between checkpoints

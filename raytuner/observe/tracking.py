@@ -21,8 +21,8 @@ import tempfile
 import time
 
 from raytuner import storage
+from raytuner.checkpoint.layout import WANDB, WANDB_RUN_ID
 from raytuner.config import TrackingConfig
-from raytuner.runs import WANDB, WANDB_RUN_ID
 
 log = logging.getLogger("raytuner.train")
 INSTALL = "pip install 'raytuner[tracking]'"

@@ -17,7 +17,6 @@ import weakref
 import torch
 from torch import nn
 
-from raytuner.placement import sharding
 from raytuner.placement.stream import BlockStreamer
 
 __all__ = [
@@ -64,12 +63,13 @@ def load_device(device: torch.device, memory, float8: bool = False) -> torch.dev
     return torch.device("cpu") if memory.blocks_to_swap or float8 else device
 
 
-def memory_format(denoiser: nn.Module, family, device, wanted: bool = True) -> None:
+def memory_format(
+    denoiser: nn.Module, family, device, wanted: bool = True, sharded: bool = False
+) -> None:
     """The UNets' convolutions in channels-last format on GPUs (the family's
     ``channels_last``, unless ``train.channels_last = false``): cuDNN's NHWC kernels under
     bfloat16, no layout change around each convolution. An unsharded model only (a sharded one
     keeps its rows as they are)."""
-    sharded = any(sharding.is_sharded(p) for p in denoiser.parameters())
     if wanted and family.channels_last and torch.device(device).type == "cuda" and not sharded:
         denoiser.to(memory_format=torch.channels_last)
 
@@ -176,11 +176,8 @@ class DenoiserPlacement:
         ``prepare_model``): frozen parameters are on DDP's ignore list (no broadcast of frozen
         weights at start, no bucket for them, streamed ones may be on either side), gradients
         are views of DDP's buckets, the graph is static, and the model is not moved again. A
-        sharded denoiser (``sharding``) is distributed already."""
+        sharded denoiser is distributed already (``strategy.Strategy.wrap``)."""
         from torch.nn.parallel import DistributedDataParallel
-
-        if any(sharding.is_sharded(p) for p in self.denoiser.parameters()):
-            return self.denoiser
 
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             self.denoiser, self.frozen_names()

@@ -15,8 +15,8 @@ import pyarrow.fs as pafs
 import torch
 from PIL import Image
 
-from raytuner import placement, quiet, runs, storage
-from raytuner.lora import full_model
+from raytuner import placement, quiet, storage
+from raytuner.checkpoint import full_model, layout
 from raytuner.lora.find import ExportedWeights, find_weights
 from raytuner.render.prompts import Defaults, PromptLine, Render, resolve
 
@@ -27,8 +27,8 @@ BASE = "base"  # --checkpoint: the pretrained model alone, for comparison
 def latest_checkpoint(output: str, name: str) -> tuple[pafs.FileSystem, str]:
     """The newest complete checkpoint of the job's runs (a run started beside it with
     ``checkpoint.resume = false`` included)."""
-    if (found := runs.latest_checkpoint(output, name)) is None:
-        where = runs.run_dir(output, name)
+    if (found := layout.latest_checkpoint(output, name)) is None:
+        where = layout.run_dir(output, name)
         raise FileNotFoundError(f"no complete checkpoint under {where}: train the job first")
     return found
 
@@ -156,7 +156,7 @@ def _local(fs: pafs.FileSystem, path: str, scratch: str) -> str:
     """``path`` on local disk: of a checkpoint, what renders read (never its optimizer state);
     anything else, as it is."""
     try:
-        names = runs.trained_files(fs, path)
+        names = layout.trained_files(fs, path)
     except FileNotFoundError:  # not a checkpoint: a LoRA file, a run's lora/ or model/ folder
         return storage.local_copy(fs, path, scratch)
     return storage.local_files(fs, path, names, scratch)

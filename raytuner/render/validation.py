@@ -1,4 +1,4 @@
-"""Validation images while training runs.
+"""Validation images while training layout.
 
 Every ``validation.every_steps`` the workers write a checkpoint; once Ray Train has persisted it,
 a callback on Ray Train's controller hands its path to a validation actor and returns (the
@@ -24,14 +24,15 @@ import numpy as np
 import ray
 from ray.train import UserCallback
 
-from raytuner import runs, storage
+from raytuner import storage
+from raytuner.checkpoint import layout
+from raytuner.checkpoint.layout import VALIDATION
 from raytuner.config import ConfigError, TrackingConfig
 from raytuner.lora.find import find_weights
 from raytuner.observe import metrics
 from raytuner.observe.observer import ValidationReport
 from raytuner.render import prompts
 from raytuner.render import sample as render
-from raytuner.runs import VALIDATION
 
 log = logging.getLogger("raytuner.validation")
 DRAIN_TIMEOUT_S = 900.0  # after training: how long the driver waits for the last renders
@@ -104,7 +105,7 @@ class Validator:
 
     def _copy(self, step: int, path: str, filesystem) -> str:
         target = os.path.join(self.scratch, f"step_{step:06d}")
-        names = runs.trained_files(filesystem, path)  # never the optimizer state
+        names = layout.trained_files(filesystem, path)  # never the optimizer state
         return storage.copy_named(filesystem, path, names, target)
 
     def drain(self) -> list[dict]:

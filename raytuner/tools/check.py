@@ -79,6 +79,7 @@ from raytuner.config import (
 from raytuner.config.objective import KINDS
 from raytuner.families import parts
 from raytuner.observe import tracking
+from raytuner.placement.strategy import Strategy
 from raytuner.tools import check_lora
 from raytuner.train import float8_matmul, text_lora
 from raytuner.train.optim import missing_package
@@ -117,38 +118,16 @@ def check(job: JobConfig, family, *, runs: bool = True, reads_images: bool = Tru
         _image_folders(job.data)  # last: the slow one
 
 
-# optimizers that cannot step sharded parameters (DTensors), and why
-UNSHARDABLE = {
-    "adamw8bit": "bitsandbytes' 8-bit kernels take plain tensors, not a worker's rows (DTensor)",
-    "adafactor": "its factored state (a row and a column average per matrix) is not split by "
-    "rows like the weights",
-    "prodigy": "its state keeps each weight flattened, which a weight whose rows do not split "
-    "evenly over the workers cannot be (DTensor)",
-}
-
-
 def _sharding(job: JobConfig) -> None:
-    """``scaling.strategy = "fsdp"`` shards every weight by rows over the workers and gathers a
-    block as it runs; what keeps weights elsewhere or steps them whole cannot take part."""
-    if job.scaling.strategy != "fsdp":
-        return
-    fix = 'or use scaling.strategy = "ddp"'
-    if job.memory.blocks_to_swap:
-        raise ConfigError(
-            f"memory.blocks_to_swap = {job.memory.blocks_to_swap} with scaling.strategy = "
-            '"fsdp": sharded blocks are gathered from the other workers, not streamed from '
-            f"host memory; set memory.blocks_to_swap = 0 (fsdp needs no block swap) {fix}"
-        )
-    if job.model.dtype == parts.FLOAT8:
-        raise ConfigError(
-            'model.dtype = "float8" with scaling.strategy = "fsdp": float8 storage keeps whole '
-            f'weights beside their scale; use model.dtype = "bfloat16" or "auto" {fix}'
-        )
-    if reason := UNSHARDABLE.get(job.train.optimizer):
-        raise ConfigError(
-            f'train.optimizer = "{job.train.optimizer}" with scaling.strategy = "fsdp": '
-            f'{reason}; use train.optimizer = "adamw" {fix}'
-        )
+    """What the job's strategy cannot take (``Strategy.refusal``)."""
+    strategy = Strategy.of(job.scaling.strategy)
+    refusal = strategy.refusal(
+        blocks_to_swap=job.memory.blocks_to_swap,
+        float8=job.model.dtype == parts.FLOAT8,
+        optimizer=job.train.optimizer,
+    )
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def _compile(job: JobConfig, family) -> None:

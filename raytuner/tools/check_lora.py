@@ -45,7 +45,7 @@ def adapter(job: JobConfig, family) -> None:
     import torch
 
     from raytuner.lora import init_from as lora_file
-    from raytuner.train.weights import Weights
+    from raytuner.train.model import adapt
 
     meta, source = torch.device("meta"), parts.model_source(job.model, "cpu")
     dtype = parts.DTYPES[job.model.trainable_dtype]
@@ -54,7 +54,7 @@ def adapter(job: JobConfig, family) -> None:
         with _refusing("lora.text_encoder_target_modules", lora.text_encoder_target_modules):
             text = text_lora.build(family, source, meta, lora, job.train, dtype)
     with _refusing("lora.target_modules", lora.target_modules):
-        weights = Weights(
+        weights = adapt(
             family.denoiser(source, "meta", weights=False),
             mode="lora",
             lora=dataclasses.replace(lora, init_from=""),  # its values are read below

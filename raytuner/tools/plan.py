@@ -2,7 +2,7 @@
 actor, measured by running the real step on the meta device (nothing is allocated).
 
 The training worker's figure is one real training step of the job (the worker's own model setup,
-``train.weights.trainable_model``, on the meta device; the family's loss on its example batch;
+``train.model.trainable_model``, on the meta device; the family's loss on its example batch;
 AdamW), run once on meta tensors (``tools/trace.py`` counts them); a later step is the
 same with the optimizer state alive: its peak is the weights (by dtype) plus the peak of every
 tensor the step keeps alive at once (activations saved for backward, gradients, optimizer state,
@@ -16,6 +16,7 @@ gradients; counted below) and the pinned host batches of the feed.
 from __future__ import annotations
 
 from raytuner.config import JobConfig
+from raytuner.placement.strategy import Strategy
 from raytuner.tools import plan_sharded, plan_suggest
 from raytuner.tools.plan_trace import (
     OVERHEAD,
@@ -63,7 +64,7 @@ def plan(job: JobConfig, family, gpu_memory: int, compare: bool = True) -> dict:
     checkpointing = job.train.gradient_checkpointing
     worker = trace_step(job, family, shapes, size, micro, checkpointing)
     sharded, peak = None, worker["peak_bytes"]
-    if job.scaling.strategy == "fsdp":
+    if Strategy.of(job.scaling.strategy).sharded:
         sharded = _sharded(job, family, shapes, size, micro, compare)
         peak = sharded["by_workers"][0]["peak_bytes"]
     elif compare:

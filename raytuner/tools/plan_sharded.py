@@ -25,7 +25,7 @@ import torch
 from raytuner.placement import sharding
 from raytuner.tools.trace import offloaded, traced
 from raytuner.train import optim
-from raytuner.train.weights import autocast_dtype
+from raytuner.train.model import autocast_dtype
 
 MOST_WORKERS = 64  # the largest group plan suggests
 CUDA = torch.device("cuda")

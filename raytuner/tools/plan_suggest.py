@@ -9,6 +9,7 @@ import dataclasses
 
 from raytuner.config import JobConfig
 from raytuner.families import parts
+from raytuner.placement.strategy import Strategy
 from raytuner.tools import plan_sharded
 from raytuner.tools.plan_trace import (
     OVERHEAD,
@@ -96,7 +97,7 @@ def _measure(job: JobConfig, family, shapes, size) -> tuple[int, float]:
     """A worker's peak bytes (sharded: at the fewest workers) and TFLOP a sample."""
     micro, checkpointing = micro_batch(job), job.train.gradient_checkpointing
     worker = trace_step(job, family, shapes, size, micro, checkpointing)
-    if job.scaling.strategy != "fsdp":
+    if not Strategy.of(job.scaling.strategy).sharded:
         return worker["peak_bytes"], worker["tflops_per_sample"]
     parts = sharded_parts(job, family, shapes, size, micro, checkpointing)
     fewest = plan_sharded.worker_bytes(job, parts, job.scaling.min_workers, OVERHEAD)

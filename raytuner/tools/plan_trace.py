@@ -18,7 +18,7 @@ from raytuner.preprocess.buckets import make_buckets
 from raytuner.tools import plan_sharded
 from raytuner.tools.trace import offloaded, traced
 from raytuner.train import optim
-from raytuner.train.weights import Trainable, trainable_model
+from raytuner.train.model import Trainable, trainable_model
 
 GiB = 2**30
 OVERHEAD = GiB  # CUDA context + library workspaces, per process

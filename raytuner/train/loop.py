@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -14,9 +10,10 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 
-from raytuner import runs, storage
+from raytuner import storage
+from raytuner.checkpoint import layout, resume
+from raytuner.checkpoint.checkpointer import Checkpointer, Contents
 from raytuner.config import (
     CheckpointConfig,
     LoraConfig,
@@ -30,13 +27,13 @@ from raytuner.lora import export
 from raytuner.observe import flops
 from raytuner.observe.memory import PeakMemory
 from raytuner.observe.observer import Observer
-from raytuner.placement import sharding
-from raytuner.train import checkpoints, optim
+from raytuner.placement.strategy import Strategy
+from raytuner.train import optim
 from raytuner.train.feed import open_feed
 from raytuner.train.finite import FiniteGuard
+from raytuner.train.model import trainable_model
 from raytuner.train.sample_log import SampleLog, attempt_id
 from raytuner.train.step import train_step
-from raytuner.train.weights import trainable_model
 
 log = logging.getLogger("raytuner.train")
 
@@ -133,16 +130,21 @@ class Worker:
         started = time.perf_counter()
         self.say("%d worker(s) started: building the model on %s", world, device)
         torch.manual_seed(t.seed)  # the same LoRA init on every rank
+        strategy = Strategy.of(cfg.strategy)
         trained = trainable_model(
-            cfg.model, t, cfg.lora, cfg.family, device, cfg.memory, strategy=cfg.strategy
+            cfg.model, t, cfg.lora, cfg.family, device, cfg.memory, strategy=strategy
         )
         self.say("model built in %.1f s", time.perf_counter() - started)
         self.weights, placed = trained.weights, trained.placement
         self.opt, self.sched = optim.for_run(t, self.weights.param_groups())
-        self.state = self.restore()
+        self.checkpoints = Checkpointer(
+            cfg.run_dir, cfg.checkpoint, rank=self.rank, sharded=strategy.sharded,
+            max_steps=t.max_steps, validation_every=cfg.validation_every,
+        )  # fmt: skip
+        self.state = self.checkpoints.restore(self.weights, self.opt, self.sched)
         # restored optimizer state beside its parameter, every block in its place
         placed.check(self.opt)
-        model = placed.distributed(ray.train.torch.prepare_model)
+        model = strategy.wrap(placed, ray.train.torch.prepare_model)
         loss_fn = cfg.family.loss(trained.source, cfg.objective.for_family(cfg.family))
         opt, sched = self.opt, self.sched
         self.step = train_step(trained, model, loss_fn, opt, sched, t, cfg.memory, device, world)
@@ -159,46 +161,13 @@ class Worker:
         if self.rank == 0:
             args = (cfg.run_dir, t.max_steps, t.tensorboard, cfg.tracking, cfg.job)
             self.observer = Observer(*args, resumed=self.state.step)
-        self._announced = False  # a preemption was announced and checkpointed for
-        if t.compile:
-            self.say("train.compile: the first step compiles the denoiser's blocks (minutes)")
+        if trained.compiled:
+            self.say("train.compile: the first steps compile the denoiser's blocks (minutes)")
 
     def say(self, message: str, *args) -> None:
         """A line of rank 0 about where the worker group is (each rank would repeat it)."""
         if self.rank == 0:
             log.info(message, *args)
-
-    def restore(self) -> checkpoints.TrainState:
-        """The newest readable checkpoint's state, applied to the weights, optimizer and LR
-        schedule; a broken one is skipped with a warning. A fresh state without a checkpoint.
-
-        The run folder's complete checkpoints are the candidates, newest first (the one
-        ``raytuner sample --checkpoint latest`` takes), not Ray Train's latest: Ray registers a
-        checkpoint only once its controller has taken the report, so after an interrupted
-        driver its list lacks the newest ones (``runs.prune_checkpoints`` removes them later)."""
-        fs, folders = runs.complete_checkpoints(self.cfg.run_dir)
-        if not folders:
-            self.say("no checkpoint in %s: training from step 1", self.cfg.run_dir)
-            return checkpoints.TrainState()
-        self.say("restoring the newest complete checkpoint: %s", folders[0])
-        w = self.weights
-        for path in folders:
-            try:
-                if w.sharded:  # read in place: each rank fetches its rows
-                    st = checkpoints.load_checkpoint(path, w, self.opt, self.sched, fs)
-                else:
-                    candidate = ray.train.Checkpoint(path, filesystem=fs)
-                    with candidate.as_directory() as directory:
-                        st = checkpoints.load_checkpoint(directory, w, self.opt, self.sched)
-            except checkpoints.CheckpointError as e:
-                log.warning("rank %d: skipping unreadable checkpoint: %s", self.rank, e)
-                continue
-            log.info(
-                "rank %d resumed at step %d (epoch %d, batch %d) from %s",
-                *(self.rank, st.step, st.epoch, st.index, path),
-            )
-            return st
-        raise RuntimeError(f"no readable checkpoint in {self.cfg.run_dir}: start a new run instead")
 
     def train_batch(self) -> None:
         """Train this rank's slice of the next global batch; the step and cursor move past it."""
@@ -221,24 +190,6 @@ class Worker:
             reason = f"the trained weights are not finite after step {self.state.step}"
         return reason
 
-    def preemption_announced(self) -> bool:
-        """Whether Ray announced a preemption of a node of this group (one actor round trip,
-        every ``checkpoint.preemption_check_every`` steps); true once, for one checkpoint."""
-        if self._announced:
-            return False
-        every, step = self.cfg.checkpoint.preemption_check_every, self.state.step
-        self._announced = (
-            bool(every) and step % every == 0 and ray.train.get_preemption_info() is not None
-        )
-        return self._announced
-
-    def checkpoint_due(self) -> bool:
-        """A checkpoint every ``checkpoint.every_steps``, every validation's steps and at the
-        last step."""
-        cfg, step = self.cfg, self.state.step
-        every = [cfg.checkpoint.every_steps] + [cfg.validation_every] * bool(cfg.validation_every)
-        return step == cfg.train.max_steps or any(step % n == 0 for n in every)
-
     def end_window(self) -> dict:
         """Close the metrics window: report it on rank 0, write the sample log, return the metrics
         (with this worker's peak memory so far)."""
@@ -254,81 +205,42 @@ class Worker:
         return metrics | position | self.memory.peaks() | extra
 
     def checkpoint(self, metrics: dict, preempted: bool) -> None:
-        """A checkpoint through ``ray.train.report`` (a barrier: every rank calls it). Rank 0
-        writes an unsharded run's files; every rank writes its rows of a sharded one, and Ray
-        uploads each rank's folder into the same checkpoint folder. Once every rank is past its
-        upload, rank 0 writes ``state.json``: the checkpoint is complete. Only checkpoints are
-        reported: Ray Train 2.60 takes one report per worker each health check (2 s), and a
-        report blocks until the previous one is taken, so reporting every log window would
-        throttle fast steps. ``preempted``: taken because a preemption was announced (rank 0
-        warns)."""
-        started, step = time.perf_counter(), self.state.step
-        name, checkpoint, local = runs.checkpoint_name(step), None, None
-        if self.rank == 0 and preempted:
-            log.warning("preemption announced: checkpoint at step %d before the node goes", step)
-        if self.rank == 0 or self.weights.sharded:
-            local = self._write(step)
-            checkpoint = ray.train.Checkpoint.from_directory(local)
-        try:
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
-        finally:  # uploaded by now (Ray 2.60's synchronous report deletes no local copy)
-            if local is not None:
-                shutil.rmtree(local, ignore_errors=True)
-        if dist.is_initialized():
-            dist.barrier()  # every rank's files are uploaded
-        if self.rank == 0:  # uploaded by now: what Ray never registered and keep passed goes
-            checkpoints.mark_complete(storage.join(self.cfg.run_dir, name), self.state)
-            runs.prune_checkpoints(self.cfg.run_dir, self.cfg.checkpoint.keep, running=True)
+        """A checkpoint of where training stands (``Checkpointer.save``: a barrier, every rank
+        calls it); ``preempted``: taken because a preemption was announced."""
+        seconds = self.checkpoints.save(self.state, self.contents(), metrics, preempted)
         if self.observer is not None:
-            self.observer.checkpoint(step, time.perf_counter() - started)
+            self.observer.checkpoint(self.state.step, seconds)
 
-    def _write(self, step: int) -> str:
-        """This rank's part of the checkpoint of ``step``, in a new local folder under TMPDIR
-        (``checkpoint`` deletes it once the report has uploaded it); a full disk leaves no
-        half-written folder behind."""
-        directory = tempfile.mkdtemp(prefix="raytuner-ckpt-")
-        try:
-            self.save(directory)
-        # a full disk: OSError from open/write, RuntimeError from torch.save, SafetensorError
-        # from safetensors; no half-written folder is left behind
-        except (OSError, RuntimeError, SafetensorError) as e:
-            shutil.rmtree(directory, ignore_errors=True)
-            free = shutil.disk_usage(os.path.dirname(directory)).free
-            need = sum(sharding.local(p).nbytes for p in self.weights.params)
-            raise RuntimeError(
-                f"checkpoint of step {step} could not be written to {directory} ({e}): it "
-                f"needs room for the trained weights ({need:,} bytes) about three times over "
-                f"(weights, optimizer state, export), {free:,} bytes are free there; free "
-                "space there or set TMPDIR"
-            ) from e
-        return directory
+    def contents(self) -> Contents:
+        """What this worker's checkpoints hold besides the train state."""
+        return Contents(
+            weights=self.weights, optimizer=self.opt, lr_schedule=self.sched,
+            records=self._records, export=self._export,
+        )  # fmt: skip
 
-    def save(self, directory: str) -> None:
-        """This rank's part of the training state into ``directory``
-        (checkpoints.save_checkpoint's files): trained tensors, optimizer and LR schedule, a
-        LoRA's export with the run's metadata and the records (run identity, job, dataset);
-        ``state.json`` comes once every rank's files are uploaded."""
-        cfg, st = self.cfg, self.state
-        identity = checkpoints.run_identity(
+    def _records(self) -> dict:
+        """The JSON a checkpoint keeps beside its tensors: the run's identity (what a resume must
+        match), the resolved job, the dataset and, for a full fine-tune, its export's metadata."""
+        cfg = self.cfg
+        identity = resume.run_identity(
             cfg.model, cfg.lora, cfg.train, cfg.fingerprint, cfg.dataset["id"], cfg.strategy
         )
-        records = {runs.RUN: identity, runs.JOB: cfg.job, runs.DATASET: cfg.dataset}
-        run = storage.basename(cfg.run_dir)
-        meta = export.metadata(
-            family=cfg.family.name,
-            model=cfg.model,
-            lora=cfg.lora,
-            step=st.step,
-            run=run,
-            fingerprint=cfg.fingerprint,
-        )
+        records = {layout.RUN: identity, layout.JOB: cfg.job, layout.DATASET: cfg.dataset}
         if self.weights.mode == "full":  # the final export's raytuner.json (written from it)
-            records[runs.EXPORT_META] = meta
-        save = functools.partial(self.weights.export_lora, family=cfg.family, meta=meta)
-        checkpoints.save_checkpoint(
-            directory, self.weights, self.opt, self.sched, st, records, save, rank=self.rank,
-            mark=False,
+            records[layout.EXPORT_META] = self._metadata()
+        return records
+
+    def _metadata(self) -> dict:
+        cfg = self.cfg
+        return export.metadata(
+            family=cfg.family.name, model=cfg.model, lora=cfg.lora, step=self.state.step,
+            run=storage.basename(cfg.run_dir), fingerprint=cfg.fingerprint,
         )  # fmt: skip
+
+    def _export(self, folder: str | None) -> None:
+        """A LoRA's export into the checkpoint (every worker: a sharded LoRA is gathered)."""
+        if self.weights.mode == "lora":
+            self.weights.export_lora(folder, family=self.cfg.family, meta=self._metadata())
 
     def close(self) -> None:
         """Stop the feed and its data, the memory sampler and rank 0's observer."""
@@ -357,8 +269,9 @@ def train_loop(config: dict) -> dict:
                 worker.say("step %d took %.1f s", first, time.perf_counter() - started)
             # a spot reclaim announced to any rank: every rank checkpoints now (once), so the
             # restart loses no finished step; the call is a barrier that agrees across ranks
-            preempted = worker.preemption_announced()
-            due = preempted or worker.checkpoint_due()
+            step = worker.state.step
+            preempted = worker.checkpoints.preemption_announced(step)
+            due = preempted or worker.checkpoints.due(step)
             window = due or worker.state.step % cfg.train.log_every == 0
             if (reason := worker.stop_reason(window, due)) is not None:
                 if worker.rank == 0:

@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch.distributed as dist
 
 from raytuner import storage
-from raytuner.runs import SAMPLES
+from raytuner.checkpoint.layout import SAMPLES
 
 
 def attempt_id() -> str:

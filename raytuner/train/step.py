@@ -120,7 +120,7 @@ class TrainStep:
 
 
 def train_step(trained, model, loss_fn, opt, sched, train, memory, device, world: int = 1):
-    """The step of a run: ``trained`` from ``weights.trainable_model``, ``model`` the denoiser
+    """The step of a run: ``trained`` from ``model.trainable_model``, ``model`` the denoiser
     as the step calls it (DDP-wrapped or not), ``train``/``memory`` the job's sections."""
     return TrainStep(
         model=model,

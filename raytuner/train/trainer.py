@@ -11,43 +11,26 @@ import signal
 import sys
 import threading
 
-import pyarrow.fs as pafs
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from raytuner import checksums, runs, runtime, storage
-from raytuner.config import ConfigError, JobConfig, LoraConfig
+from raytuner import runtime, storage
+from raytuner.checkpoint import checksums, export, layout
+from raytuner.checkpoint.layout import (
+    DATASET,
+)
+from raytuner.checkpoint.resume import check_resumable, finished_checkpoint, resume_hint
+from raytuner.config import ConfigError, JobConfig
 from raytuner.data import datasets
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.reader import for_readers
 from raytuner.errors import Interrupted, TrainingStopped, WorkerDied, dead_worker
-from raytuner.lora import full_model
 from raytuner.render import validation
-from raytuner.runs import (
-    DATASET,
-    DIFFUSERS_FILE,
-    EXPORT,
-    EXPORT_META,
-    KOHYA_FILE,
-    LORA_DIR,
-    MODEL_DIR,
-    RUN,
-    STATE,
-    checkpoint_folders,
-)
 from raytuner.train import starting, stopping
-from raytuner.train.checkpoints import identity_changes, run_identity
 from raytuner.train.loop import LoopConfig, train_loop
 from raytuner.train.schedule import epoch_batches
 
 log = logging.getLogger(__name__)
-# [lora] keys of a run's identity that checkpoints written before them lack (their defaults)
-ADDED_LORA_KEYS = (
-    "text_encoder",
-    "text_encoder_rank",
-    "text_encoder_alpha",
-    "text_encoder_target_modules",
-)
 
 
 def dataset_record(cache: str, fp: str, readers: dict) -> dict:
@@ -94,59 +77,6 @@ def _dataset_change(fs, folder: str, current: dict) -> str:
     return datasets.describe_change(before, now)
 
 
-def check_resumable(job: JobConfig, run_dir: str, fp: str, dataset: dict) -> None:
-    """Refuse to resume a run whose newest checkpoint was trained on another cache, dataset,
-    model, adapter shape, schedule or strategy."""
-    current = run_identity(job.model, job.lora, job.train, fp, dataset["id"], job.scaling.strategy)
-    fs, folders = checkpoint_folders(run_dir)
-    for folder in folders:
-        try:
-            saved = storage.read_json(fs, storage.join(folder, RUN))
-        except (OSError, ValueError):
-            continue  # unreadable: the workers skip it too
-        saved.get("weights", {}).setdefault("strategy", "ddp")  # before scaling.strategy
-        for key in ADDED_LORA_KEYS:  # a run from before lora.text_encoder trained none
-            saved.get("lora", {}).setdefault(key, getattr(LoraConfig(), key))
-        changes = identity_changes(saved, current)
-        if changes == ["dataset.id"]:
-            raise ConfigError(
-                f"run {run_dir} was trained on another dataset than the cache now holds "
-                f"({_dataset_change(fs, folder, dataset)}): its saved place in the schedule "
-                "would pick other rows. Start a new run with --set checkpoint.resume=false or "
-                "another train.name, or restore the images it trained on"
-            )
-        if "weights.strategy" in changes:
-            before = saved["weights"]["strategy"]
-            raise ConfigError(
-                f"run {run_dir} was trained with scaling.strategy = {before!r}, and its "
-                "checkpoints are laid out for it: a run cannot switch strategy. Keep "
-                f"scaling.strategy = {before!r} to resume it, or start a new run with --set "
-                "checkpoint.resume=false or another train.name (from its weights: "
-                "lora.init_from = its lora/ file, or model.pretrained = its model/ folder)"
-            )
-        if changes:
-            raise ConfigError(
-                f"run {run_dir} was trained with other settings ({', '.join(changes)} changed; "
-                f"a changed fingerprint means other model or preprocess settings): resuming it "
-                "would mix them. Use --set checkpoint.resume=false or another train.name"
-            )
-        return
-
-
-def finished_checkpoint(run_dir: str, max_steps: int) -> ray.train.Checkpoint | None:
-    """The run's newest complete checkpoint when it has reached ``max_steps`` (with what its
-    export reads): a finished run submitted again exports from it without starting any worker."""
-    fs, folders = checkpoint_folders(run_dir)
-    for folder in folders:
-        try:
-            step = storage.read_json(fs, storage.join(folder, STATE))["step"]
-            runs.trained_files(fs, folder)
-        except (OSError, ValueError, KeyError):
-            continue  # incomplete or unreadable: the workers would skip it too
-        if step >= max_steps:
-            return ray.train.Checkpoint(folder, filesystem=fs)
-        return None
-    return None
 
 
 def _wait_for_workers(job: JobConfig) -> None:
@@ -184,55 +114,6 @@ def _scaling(job: JobConfig) -> ray.train.ScalingConfig:
     )
 
 
-def export_final(checkpoint: ray.train.Checkpoint, output: str, name: str, part: str) -> dict:
-    """What the user takes away, from the checkpoint into ``<output>/<name>/``: a LoRA's
-    ``lora/`` (the checkpoint's export, copied), or a full fine-tune's ``model/<part>/`` (a
-    diffusers folder written a block at a time from its trained weights); return the summary:
-    where the files went, and the checkpoint's state. Never reads the optimizer state. Every
-    byte read is checked against the checkpoint's checksums (a damaged file raises
-    ``checksums.DamagedFileError``), and the folder is written beside the old one and swapped
-    in whole (``storage.folder_swap``): a failed or interrupted export leaves the previous."""
-    uri = runs.run_dir(output, name)  # what the user reads: s3:// kept
-    source = checkpoint.filesystem
-    state = storage.read_json(source, storage.join(checkpoint.path, STATE))
-    if runs.trained_files(source, checkpoint.path) != [EXPORT]:
-        _export_model(checkpoint, storage.join(uri, MODEL_DIR, part))
-        return {"model": storage.join(uri, MODEL_DIR)} | state
-    fs, run = storage.resolve(uri)
-    sums = checksums.Sums.read(source, checkpoint.path)
-    # file by file from where the checkpoint is, streamed: never the optimizer state, never a
-    # whole file in memory (the driver may be a small head)
-    root = storage.join(checkpoint.path, EXPORT, LORA_DIR)
-    selector = pafs.FileSelector(root, recursive=True)
-    files = [i.path for i in source.get_file_info(selector) if i.type == pafs.FileType.File]
-    with storage.folder_swap(fs, storage.join(run, LORA_DIR)) as out:
-        for path in sorted(files):
-            target = storage.join(out, path[len(root) + 1 :])
-            if sums is None:  # a checkpoint written before checksums
-                storage.copy_stream(source, path, fs, target)
-            else:
-                sums.copy(source, path, fs, target)
-    lora = storage.join(uri, LORA_DIR)
-    paths = {"lora": storage.join(lora, DIFFUSERS_FILE)}
-    if any(p.endswith(f"/{LORA_DIR}/{KOHYA_FILE}") for p in files):  # not every family's
-        paths["kohya"] = storage.join(lora, KOHYA_FILE)
-    return paths | state
-
-
-def _export_model(checkpoint: ray.train.Checkpoint, out: str) -> None:
-    """A full fine-tune's diffusers folder at ``out`` from the checkpoint's trained weights
-    (their EMA where kept), read where they are and written a block at a time
-    (``lora/full_model.py``), with what the checkpoint says of its export (``raytuner.json``)."""
-    fs, folder = checkpoint.filesystem, checkpoint.path
-    trained = full_model.Trained(folder, fs)
-    path, sums = storage.join(folder, EXPORT_META), checksums.Sums.read(fs, folder)
-    if sums is not None:
-        sums.check(fs, path)
-    meta = storage.read_json(fs, path)
-    meta["raytuner.checkpoint"] = storage.basename(folder)
-    meta["raytuner.weights"] = storage.basename(trained.path)  # the EMA where there is one
-    full_model.write_folder(trained, out, meta)
-
 
 def train(job: JobConfig, family) -> dict:
     """Train on the committed cache of this job's model and preprocess settings (a job
@@ -253,18 +134,18 @@ def train(job: JobConfig, family) -> dict:
         job = dataclasses.replace(job, train=t.for_epochs(len(batches)))
         t = job.train
         log.info("train.epochs: %d steps, %d an epoch", t.max_steps, len(batches))
-    name = runs.choose_run(job.train.output, job.train.name, job.checkpoint.resume)
+    name = layout.choose_run(job.train.output, job.train.name, job.checkpoint.resume)
     part = family.denoiser_part
-    run_dir = runs.run_dir(job.train.output, name)
+    run_dir = layout.run_dir(job.train.output, name)
     dataset = dataset_record(job.data.cache, fp, readers)
-    check_resumable(job, run_dir, fp, dataset)
+    check_resumable(job, run_dir, fp, dataset, _dataset_change)
     # checkpoints of reports Ray never registered (an interrupted driver's) beyond the newest
     # checkpoint.keep, and half-written folders: the workers resume from the newest complete one
-    runs.prune_checkpoints(run_dir, job.checkpoint.keep)
+    layout.prune_checkpoints(run_dir, job.checkpoint.keep)
     if (done := finished_checkpoint(run_dir, t.max_steps)) is not None:
         log.info("run %s trained its %d steps before: exporting again", name, t.max_steps)
         try:
-            return export_final(done, job.train.output, name, part) | {"metrics": {}}
+            return export.final(done, job.train.output, name, part) | {"metrics": {}}
         except checksums.DamagedFileError as e:  # the workers skip it too
             log.warning(
                 "not exporting run %s's final checkpoint, which is damaged: %s. Training from "
@@ -295,7 +176,7 @@ def train(job: JobConfig, family) -> dict:
         result = _fit(job, family, name, loop)
     if result.checkpoint is None:
         raise RuntimeError(f"training run {name} ended without a checkpoint")
-    summary = export_final(result.checkpoint, job.train.output, name, part)
+    summary = export.final(result.checkpoint, job.train.output, name, part)
     return summary | {"metrics": result.metrics}
 
 
@@ -322,18 +203,6 @@ class _Trainer(TorchTrainer):
 
         signal.signal(signal.SIGINT, interrupt)
 
-
-def resume_hint(run_dir: str) -> str:
-    """Where an interrupted run stands: its newest complete checkpoint, and how to resume."""
-    newest = runs.complete_checkpoints(run_dir)[1][:1]
-    if not newest:
-        return f"run {run_dir} has no complete checkpoint yet: the same command starts it again"
-    fs, folder = storage.resolve(newest[0])
-    step = storage.read_json(fs, storage.join(folder, STATE))["step"]
-    return (
-        f"the newest complete checkpoint is step {step} ({newest[0]}): the same command "
-        "resumes from it"
-    )
 
 
 def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Result:

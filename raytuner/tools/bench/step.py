@@ -16,12 +16,12 @@ import torch
 
 from raytuner.config import JobConfig
 from raytuner.observe import flops
-from raytuner.placement import sharding
+from raytuner.placement.strategy import Strategy
 from raytuner.tools import plan_sharded
 from raytuner.tools import plan_trace as plan
 from raytuner.train import optim, step
 from raytuner.train.feed import RankSlice
-from raytuner.train.weights import trainable_model
+from raytuner.train.model import trainable_model
 
 
 def bench_step(
@@ -39,9 +39,8 @@ def bench_step(
     micro = plan.micro_batch(job)
     checkpointing = job.train.gradient_checkpointing
     planned_step = _planned(job, family, shapes, size, micro) if planned else None
-    strategy = job.scaling.strategy
-    if strategy == "fsdp":
-        sharding.single_process_group(device)
+    strategy = Strategy.of(job.scaling.strategy)
+    strategy.alone(device)
     started = time.perf_counter()
     m, t = job.model, job.train
     trained = trainable_model(m, t, job.lora, family, device, job.memory, strategy=strategy)
@@ -91,7 +90,7 @@ def bench_step(
         "bucket": list(size),
         "micro_batch": micro,
         "gradient_checkpointing": checkpointing,
-        "strategy": strategy,
+        "strategy": strategy.name,
         "compile": trained.compiled,
         "channels_last": job.train.channels_last and family.channels_last and device.type == "cuda",
         "attention": job.train.attention,
@@ -138,7 +137,7 @@ def _planned(job: JobConfig, family, shapes, size, micro: int) -> int:
     """What plan says the bare step holds: no DDP buckets, no CUDA context (the allocator does
     not count it); sharded, plan's worker of a group of one."""
     checkpointing = job.train.gradient_checkpointing
-    if job.scaling.strategy == "fsdp":
+    if Strategy.of(job.scaling.strategy).sharded:
         parts = plan.sharded_parts(job, family, shapes, size, micro, checkpointing)
         return plan_sharded.worker_bytes(job, parts, 1, 0)["peak_bytes"]
     planned = plan.trace_step(job, family, shapes, size, micro, checkpointing)

@@ -33,8 +33,8 @@ from raytuner.tools.bench.common import (
 )
 from raytuner.train import optim, text_lora
 from raytuner.train.feed import Feed, RankSlice
+from raytuner.train.model import trainable_model
 from raytuner.train.step import train_step
-from raytuner.train.weights import trainable_model
 
 
 def _one_worker_job(job: JobConfig, steps: int, output: str) -> JobConfig:

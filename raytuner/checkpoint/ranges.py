@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.futures import Future
 
-from raytuner import checksums, storage
+from raytuner import storage
+from raytuner.checkpoint import checksums
 
 # safetensors' dtype names
 DTYPES = {

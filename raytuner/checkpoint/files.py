@@ -1,5 +1,7 @@
-"""Checkpoint contents: safetensors for the trained weights, torch tensors-only files for
-optimizer state (loaded with ``weights_only=True``), JSON for the rest."""
+"""What a checkpoint folder holds and how it is read: safetensors for the trained weights, a
+torch tensors-only file for the optimizer state (loaded with ``weights_only=True``; a sharded
+run's: ``sharded.py``), JSON for the rest, checksums of every file, and ``state.json`` last, the
+marker that makes it complete."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from raytuner import checksums, storage
-from raytuner.runs import (
+from raytuner import storage
+from raytuner.checkpoint import checksums
+from raytuner.checkpoint import sharded as sharded_format
+from raytuner.checkpoint.layout import (
     DENOISER,
     EMA,
     EMA_DIR,
@@ -25,7 +29,6 @@ from raytuner.runs import (
     WEIGHTS,
     WEIGHTS_DIR,
 )
-from raytuner.train import sharded_checkpoints
 
 
 @dataclass
@@ -53,18 +56,19 @@ def save_checkpoint(
     export,
     *,
     rank: int = 0,
+    sharded: bool = False,
     mark: bool = True,
 ) -> None:
     """This worker's part of a checkpoint, into ``directory``. Unsharded, rank 0 writes it all:
     the trained tensors (and their EMA), the optimizer and LR schedule; sharded, every worker
-    writes its rows (``sharded_checkpoints``). Rank 0 adds the JSON ``records`` (file name ->
+    writes its rows (``sharded``: ``sharded.py``). Rank 0 adds the JSON ``records`` (file name ->
     content: the run's identity, the resolved job), a full fine-tune's denoiser config and a
     LoRA's export (``export(folder)``, called on every worker: a sharded LoRA is gathered, and
     only rank 0 is given a folder). Every worker that wrote files lists their checksums
     (``checksums/rank-<rank>.json``). ``mark``: ``state.json`` last, so a folder without it is
     incomplete; a worker leaves it to ``mark_complete``, once every worker's files are in."""
-    if weights.sharded:
-        sharded_checkpoints.save(directory, weights, optimizer, lr_schedule, rank)
+    if sharded:
+        sharded_format.save(directory, weights, optimizer, lr_schedule, rank)
     elif rank == 0:
         save_file(weights.state(), os.path.join(directory, WEIGHTS))
         if (ema := weights.ema_state()) is not None:
@@ -81,7 +85,7 @@ def save_checkpoint(
         for name, record in records.items():
             with open(os.path.join(directory, name), "w") as f:
                 json.dump(record, f, indent=2, sort_keys=True)
-    if rank == 0 or weights.sharded:
+    if rank == 0 or sharded:
         write_checksums(directory, rank)
     if rank == 0 and mark:
         with open(os.path.join(directory, STATE), "w") as f:
@@ -98,7 +102,7 @@ def write_checksums(directory: str, rank: int) -> None:
 
 def mark_complete(checkpoint: str, state: TrainState) -> None:
     """``state.json`` into an uploaded checkpoint (a path or URI), once every worker's files are
-    in it: from then on it is complete (``runs.complete_checkpoints``)."""
+    in it: from then on it is complete (``layout.complete_checkpoints``)."""
     fs, folder = storage.resolve(checkpoint)
     storage.write_json_atomic(fs, storage.join(folder, STATE), asdict(state))
 
@@ -190,17 +194,23 @@ def _export_complete(fs: pafs.FileSystem, folder: str, sums) -> None:
 
 
 def load_checkpoint(
-    directory: str, weights, optimizer, lr_schedule, fs: pafs.FileSystem | None = None
+    directory: str,
+    weights,
+    optimizer,
+    lr_schedule,
+    fs: pafs.FileSystem | None = None,
+    *,
+    sharded: bool = False,
 ) -> TrainState:
     """A checkpoint's state applied to the weights, optimizer and LR schedule; raises
     CheckpointError naming the damaged file. Unsharded: ``directory`` is local (a downloaded
-    copy). Sharded: read where it is on ``fs`` (default: the local disk), a collective, each
+    copy). ``sharded``: read where it is on ``fs`` (default: the local disk), a collective, each
     worker fetching the rows it owns and checking their checksums."""
     fs = fs or pafs.LocalFileSystem()
-    if sharded_checkpoints.is_sharded(fs, directory) != weights.sharded:
-        written = "sharded" if weights.sharded else "unsharded"
+    if sharded_format.is_sharded(fs, directory) != sharded:
+        written = "sharded" if sharded else "unsharded"
         raise CheckpointError(f"{directory}: not written by an {written} run")
-    if not weights.sharded:
+    if not sharded:
         tensors, ema, extra, state = read_checkpoint(directory, weights)
         weights.load(tensors)
         if ema is not None:
@@ -212,36 +222,7 @@ def load_checkpoint(
         state = TrainState(**storage.read_json(fs, storage.join(directory, STATE)))
         sums = checksums.Sums.read(fs, directory)
         _trained_files_complete(fs, directory, weights, sums)
-        sharded_checkpoints.load(fs, directory, weights, optimizer, lr_schedule, state.step, sums)
-    except sharded_checkpoints.ERRORS as e:
-        raise CheckpointError(sharded_checkpoints.reason(directory, e)) from e
+        sharded_format.load(fs, directory, weights, optimizer, lr_schedule, state.step, sums)
+    except sharded_format.ERRORS as e:
+        raise CheckpointError(sharded_format.reason(directory, e)) from e
     return state
-
-
-def run_identity(model, lora, train, fingerprint: str, dataset: str, strategy: str) -> dict:
-    """What a resumed run must share with the run that wrote the checkpoint: the cache version,
-    the dataset (its rows, in order: ``index.dataset_id``), the model, what is trained (mode,
-    adapter shape, EMA, optimizer), how (``scaling.strategy``: the checkpoint's layout) and the
-    schedule (the cursor means nothing under another)."""
-    schedule = {k: getattr(train, k) for k in ("seed", "global_batch_size", "remainder")}
-    trained = {"mode": train.mode, "ema": train.ema_decay > 0, "optimizer": train.optimizer}
-    trained["strategy"] = strategy
-    adapter = asdict(lora)
-    del adapter["text_encoder_lr"]  # a learning rate, as train.learning_rate: may change
-    return {"fingerprint": fingerprint, "model": asdict(model), "lora": adapter} | {
-        "dataset": {"id": dataset},
-        "schedule": schedule,
-        "weights": trained,
-    }
-
-
-def identity_changes(saved: dict, current: dict) -> list[str]:
-    """Dotted keys whose values differ between two run identities."""
-    changes = []
-    for section in sorted(set(saved) | set(current)):
-        a, b = saved.get(section), current.get(section)
-        if isinstance(a, dict) and isinstance(b, dict):
-            changes += [f"{section}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-        elif a != b:
-            changes.append(section)
-    return changes

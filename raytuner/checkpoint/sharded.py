@@ -32,9 +32,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from raytuner import checksums, storage
-from raytuner.runs import EMA_DIR, OPTIMIZER_DIR, OPTIMIZER_JSON, WEIGHTS_DIR
-from raytuner.shards import RangeReader
+from raytuner import storage
+from raytuner.checkpoint import checksums
+from raytuner.checkpoint.layout import EMA_DIR, OPTIMIZER_DIR, OPTIMIZER_JSON, WEIGHTS_DIR
+from raytuner.checkpoint.ranges import RangeReader
 
 # what reading a damaged or partial sharded checkpoint raises
 ERRORS = (CheckpointException, OSError, ValueError, KeyError, TypeError, SafetensorError)

@@ -23,9 +23,10 @@ import pyarrow.fs as pafs
 import torch
 from safetensors.torch import save
 
-from raytuner import checksums, storage
-from raytuner.runs import DENOISER, EMA, EMA_DIR, WEIGHTS, WEIGHTS_DIR
-from raytuner.shards import RangeReader
+from raytuner import storage
+from raytuner.checkpoint import checksums
+from raytuner.checkpoint.layout import DENOISER, EMA, EMA_DIR, WEIGHTS, WEIGHTS_DIR
+from raytuner.checkpoint.ranges import RangeReader
 
 WEIGHTS_NAME = "diffusion_pytorch_model"  # diffusers' file name for a model's weights
 INDEX = f"{WEIGHTS_NAME}.safetensors.index.json"
@@ -45,7 +46,7 @@ class Trained:
     the checkpoint is (``shards.RangeReader``: ranged reads, also from object storage)."""
 
     def __init__(self, checkpoint: str, fs: pafs.FileSystem | None = None) -> None:
-        """``checkpoint``: a checkpoint folder (or a copy of its ``runs.trained_files``) on
+        """``checkpoint``: a checkpoint folder (or a copy of its ``layout.trained_files``) on
         ``fs`` (default: the local disk). What is read is checked against the checkpoint's
         checksums where it has them: a damaged file raises ``checksums.DamagedFileError``."""
         fs = fs or pafs.LocalFileSystem()

@@ -29,7 +29,7 @@ import pyarrow.fs as pafs
 import xxhash
 
 from raytuner import storage
-from raytuner.runs import CHECKSUMS
+from raytuner.checkpoint.layout import CHECKSUMS
 
 BLOCK = 8 * 1024 * 1024  # a tensor's rows are checksummed in blocks of about this many bytes
 
