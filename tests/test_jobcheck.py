@@ -335,9 +335,10 @@ def test_relative_outputs_in_a_ray_jobs_working_dir_are_refused(tmp_path, capsys
 def test_the_tiny_jobs_submit_example_passes_in_a_ray_working_dir(tmp_path, capsys, monkeypatch):
     """jobs/tiny.toml's header example, as the job's entrypoint runs it: absolute outputs, the
     images read (relative) from the uploaded copy."""
-    header = (REPO / "jobs" / "tiny.toml").read_text().split("\n[")[0]
-    example = " ".join(line.strip("# \\") for line in header.splitlines()[-2:])
-    assert example.startswith("ray job submit --working-dir . -- raytuner run jobs/tiny.toml")
+    header = (REPO / "jobs" / "tiny.toml").read_text().split("\n[")[0].splitlines()
+    start = next(i for i, line in enumerate(header) if "ray job submit" in line)
+    example = " ".join(line.strip("# \\") for line in header[start:])
+    assert example.startswith("ray job submit --runtime-env jobs/runtime_env.yaml")
     sets = example.split(" -- raytuner run jobs/tiny.toml ")[1].split()
     assert sets == ["--set", "data.cache=/shared/cache", "--set", "train.output=/shared/runs"]
     _in_ray_working_dir(tmp_path, monkeypatch)

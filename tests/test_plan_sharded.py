@@ -98,6 +98,7 @@ def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
     its rows of the weights, the gradients and AdamW's moments (each storage once)."""
     import torch.distributed as dist
 
+    from raytuner.placement.strategy import SHARDED
     from raytuner.train.model import trainable_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -105,7 +106,7 @@ def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
     job = load_job(REPO / "jobs" / "tiny.toml", FULL)
     family = FAMILIES["sdxl"]
     cpu = torch.device("cpu")
-    trained = trainable_model(job.model, job.train, job.lora, family, cpu, strategy="fsdp")
+    trained = trainable_model(job.model, job.train, job.lora, family, cpu, strategy=SHARDED)
     params = trained.weights.params
     opt = torch.optim.AdamW(params)
     for p in params:

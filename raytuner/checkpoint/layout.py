@@ -198,8 +198,3 @@ def latest_checkpoint(output: str, name: str) -> tuple[pafs.FileSystem, str] | N
 
 def _stamp(folder: str) -> str:
     return storage.basename(folder)[len(CHECKPOINT_PREFIX) :]
-
-
-def export_dir(checkpoint: str) -> str:
-    """Where a checkpoint keeps the export the user takes away."""
-    return storage.join(checkpoint, EXPORT)

@@ -3,8 +3,6 @@ its checksum (``cache.checksum``), made here, where the bytes are."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
@@ -20,12 +18,3 @@ def to_cells(batch: torch.Tensor, dtype: str) -> tuple[list[bytes], np.ndarray, 
     cells = [row.view(torch.uint8).numpy().tobytes() for row in rows]
     shapes = np.tile(np.asarray(rows.shape[1:], dtype=np.int32), (len(cells), 1))
     return cells, shapes, [checksum(cell) for cell in cells]
-
-
-def from_cells(cells: Sequence[bytes], shapes: Sequence[Sequence[int]], dtype: str) -> torch.Tensor:
-    """Stack same-shaped cells back into one [B, ...] float tensor."""
-    rows = [
-        torch.frombuffer(bytearray(cell), dtype=DTYPES[dtype]).reshape(tuple(shape))
-        for cell, shape in zip(cells, shapes, strict=True)
-    ]
-    return torch.stack(rows)

@@ -112,9 +112,6 @@ class BlockStreamer:
             for i, block in enumerate(blocks)
         ]
 
-    def resident_bytes(self) -> int:
-        return sum(self.units[i].nbytes for i in self.resident)
-
     def _before(self, i: int, module, args) -> None:
         backward = torch._C._current_graph_task_id() != -1
         if i in self.units:
