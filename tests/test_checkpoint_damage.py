@@ -74,7 +74,7 @@ def trained(steps: int = 1):
         family.denoiser(Source("tiny")),
         mode="lora",
         lora=LoraConfig(rank=2, alpha=2.0),
-        targets=family.lora_targets,
+        targets=family.adapters.targets,
         ema_decay=0.0,
     )
     opt = torch.optim.AdamW(weights.params, lr=1e-3)

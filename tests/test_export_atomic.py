@@ -42,7 +42,7 @@ def _full_checkpoint(folder: Path, step: int) -> Path:
         family.denoiser(Source("tiny")),
         mode="full",
         lora=LoraConfig(),
-        targets=family.lora_targets,
+        targets=family.adapters.targets,
         ema_decay=0.0,
     )
     with torch.no_grad():

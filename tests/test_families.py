@@ -131,7 +131,7 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared, tmp_pat
     assert after.shape == (1, 64, 64, 3) and np.isfinite(after).all()
     assert not np.allclose(before, after)
 
-    assert ("kohya" in summary) == bool(family.lora_files.kohya)
+    assert ("kohya" in summary) == bool(family.adapters.files.kohya)
     for path in (summary["lora"], summary.get("kohya", summary["lora"])):
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
@@ -195,7 +195,7 @@ def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request,
     job = load_job(job_file, overrides)
     summary = train(job)
     assert summary["step"] == 3 and np.isfinite(summary["loss"])
-    exported = Path(summary["model"]) / family.denoiser_part
+    exported = Path(summary["model"]) / family.parts.denoiser
     base = family.denoiser(Source(job.model.pretrained))
     model = type(base).from_pretrained(exported)  # a diffusers model folder
     meta = json.loads((exported / "raytuner.json").read_text())
@@ -212,7 +212,7 @@ def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request,
     assert any(not torch.equal(base.state_dict()[k], exported_state[k]) for k in moved)
 
     pipe = family.pipeline(Source(job.model.pretrained))
-    setattr(pipe, family.denoiser_part, model.eval())
+    setattr(pipe, family.parts.denoiser, model.eval())
     image = pipeline_image(pipe)
     assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
     # the latest checkpoint's weights, read a block at a time into freshly allocated tensors,

@@ -9,7 +9,7 @@ from run_checks import lora_changes_the_pipeline
 
 from raytuner.config import FlowObjective, LoraConfig
 from raytuner.families import FAMILIES
-from raytuner.families.base import flow_draw
+from raytuner.families.objectives import flow_draw
 from raytuner.families.parts import Source
 from raytuner.train.model import adapt
 
@@ -80,7 +80,7 @@ def test_noise_levels_follow_the_density_and_shift_up_with_resolution():
 def test_a_trained_lora_loads_into_the_flux_pipeline(batch, tmp_path):
     model = FLUX.denoiser(TINY)
     lora = LoraConfig(rank=4, alpha=4.0)
-    weights = adapt(model, mode="lora", lora=lora, targets=FLUX.lora_targets, ema_decay=0)
+    weights = adapt(model, mode="lora", lora=lora, targets=FLUX.adapters.targets, ema_decay=0)
     opt = torch.optim.AdamW(weights.params, lr=1e-2)
     loss = FLUX.loss(TINY, FlowObjective())
     for _ in range(3):

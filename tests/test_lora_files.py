@@ -47,7 +47,7 @@ def exported(name: str, out: Path, lora: LoraConfig, seed: int = 0) -> Weights:
         family.denoiser(TINY),
         mode="lora",
         lora=lora,
-        targets=family.lora_targets,
+        targets=family.adapters.targets,
         ema_decay=0,
         family=family,
     )
@@ -286,7 +286,7 @@ def test_init_from_sd_scripts_fused_lora_of_rank_r(tmp_path):
     for j, module in enumerate((q, k, v)):
         torch.testing.assert_close(state[f"{module}.lora_A.weight"], down)
         torch.testing.assert_close(state[f"{module}.lora_B.weight"], up[16 * j : 16 * (j + 1)])
-    assert family.lora_files.kohya == "flux"
+    assert family.adapters.files.kohya == "flux"
 
 
 def test_init_from_refuses_what_it_cannot_start_from(tmp_path):

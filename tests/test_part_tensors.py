@@ -32,7 +32,7 @@ def test_a_folder_is_read_tensor_by_tensor(tmp_path):
     index = json.loads(index_file.read_text())
     assert len(set(index["weight_map"].values())) > 1  # really in several files
     flux = FAMILIES["flux"]
-    cls = flux.part_classes()["transformer"]
+    cls = flux.parts.classes["transformer"]
     found = part_tensors.tensors(flux, Source(str(folder)), "transformer", cls)
     expected = flux.denoiser(Source("tiny")).state_dict()
     assert type(found).__name__ == "_Safetensors" and set(found) == set(expected)

@@ -209,7 +209,7 @@ def test_bfloat16_frozen_weights_train_and_export_a_lora_that_loads(name, tmp_pa
     batch |= {"original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes}
     denoiser = family.denoiser(source).train()
     weights = adapt(
-        denoiser, mode="lora", lora=LoraConfig(rank=4), targets=family.lora_targets, ema_decay=0
+        denoiser, mode="lora", lora=LoraConfig(rank=4), targets=family.adapters.targets, ema_decay=0
     )
     frozen = [p for p in denoiser.parameters() if not p.requires_grad]
     assert {p.dtype for p in frozen} == {torch.bfloat16}
@@ -230,5 +230,5 @@ def test_bfloat16_frozen_weights_train_and_export_a_lora_that_loads(name, tmp_pa
     weights.export_lora(str(tmp_path), family, {"raytuner.step": "1"})
     pipe = family.pipeline(source)
     pipe.load_lora_weights(str(tmp_path / "lora"), weight_name="pytorch_lora_weights.safetensors")
-    part = getattr(pipe, family.denoiser_part)
+    part = getattr(pipe, family.parts.denoiser)
     assert any("lora" in n for n, _ in part.named_parameters())

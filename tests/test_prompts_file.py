@@ -140,7 +140,7 @@ def test_options_settle_line_then_job_then_family():
     sdxl, flux = FAMILIES["sdxl"], FAMILIES["flux"]
     plain, own = resolve(parse_prompts("a\nb --l 9 --n bad --w 16 --s 2 --d 7"), sdxl, defaults)
     assert (plain.width, plain.height, plain.steps, plain.seeds) == (64, 48, 3, (0, 1))
-    assert (plain.guidance_scale, plain.negative_prompt) == (sdxl.default_guidance_scale, "")
+    assert (plain.guidance_scale, plain.negative_prompt) == (sdxl.guidance.default_scale, "")
     assert (own.width, own.height, own.steps, own.seeds) == (16, 48, 2, (7,))
     assert own.call() == {
         "width": 16,
@@ -257,7 +257,7 @@ def _lora_checkpoint(folder: Path) -> Path:
         family.denoiser(Source("tiny")),
         mode="lora",
         lora=LoraConfig(rank=4),
-        targets=family.lora_targets,
+        targets=family.adapters.targets,
         ema_decay=0,
     )
     with torch.no_grad():

@@ -10,7 +10,7 @@ from run_checks import lora_changes_the_pipeline
 
 from raytuner.config import DdpmObjective, LoraConfig
 from raytuner.families import FAMILIES
-from raytuner.families.base import sd_scheduler_config
+from raytuner.families.objectives import sd_scheduler_config
 from raytuner.families.parts import Source
 from raytuner.train.model import adapt
 
@@ -75,7 +75,7 @@ def test_the_scheduler_config_chooses_epsilon_or_v_prediction(saved):
 def test_a_trained_lora_loads_into_the_pipeline(tmp_path):
     unet = SD15.denoiser(TINY)
     lora = LoraConfig(rank=4, alpha=4.0)
-    weights = adapt(unet, mode="lora", lora=lora, targets=SD15.lora_targets, ema_decay=0)
+    weights = adapt(unet, mode="lora", lora=lora, targets=SD15.adapters.targets, ema_decay=0)
     opt = torch.optim.AdamW(weights.params, lr=1e-2)
     loss_fn = SD15.loss(TINY, OBJ)
     for _ in range(3):

@@ -86,7 +86,7 @@ def test_sd15_single_file_loads_every_part_with_the_files_weights(sd15_file):
     )
     assert source.single_file and source.repo == sd15_file["config"]
     for part in ("unet", "vae", "text_encoder"):
-        module = parts.load(SD15, source, part, SD15.part_classes()[part])
+        module = parts.load(SD15, source, part, SD15.parts.classes[part])
         _same(module, sd15_file["expected"][part])
     pipe = SD15.pipeline(source)  # what `raytuner sample` and validation build
     _same(pipe.unet, sd15_file["expected"]["unet"])
@@ -152,7 +152,7 @@ def test_sdxl_single_file_tells_its_two_text_encoders_apart(tmp_path):
         str(path), "", "float32", "cpu", family="sdxl", single_file_config=str(tmp_path / "config")
     )
     for name in names:
-        _same(parts.load(SDXL, source, name, SDXL.part_classes()[name]), expected[name])
+        _same(parts.load(SDXL, source, name, SDXL.parts.classes[name]), expected[name])
     text = SDXL.text_encoder(source, "cpu")(["a red circle"])
     assert text["prompt_embeds"].shape == (1, 77, 64)
 
@@ -172,7 +172,7 @@ def test_flux_single_file_holds_the_transformer_in_bfl_layout(tmp_path):
         str(path), "", "float32", "cpu", family="flux", single_file_config=str(tmp_path / "config")
     )
     _same(FLUX.denoiser(source), expected)
-    vae = parts.load(FLUX, source, "vae", FLUX.part_classes()["vae"])  # from the folder
+    vae = parts.load(FLUX, source, "vae", FLUX.parts.classes["vae"])  # from the folder
     _same(vae, pipe.vae.state_dict())
 
 

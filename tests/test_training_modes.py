@@ -36,7 +36,7 @@ def _gradients(family, batch, mode: str, checkpointing: bool):
     if checkpointing:
         denoiser.enable_gradient_checkpointing()
     weights = adapt(
-        denoiser, mode=mode, lora=LoraConfig(rank=4), targets=family.lora_targets, ema_decay=0
+        denoiser, mode=mode, lora=LoraConfig(rank=4), targets=family.adapters.targets, ema_decay=0
     )
     denoiser.train()
     assert denoiser.is_gradient_checkpointing == checkpointing

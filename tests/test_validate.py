@@ -33,7 +33,7 @@ def _checkpoint(folder: Path) -> Path:
         family.denoiser(TINY),
         mode="lora",
         lora=LoraConfig(rank=4),
-        targets=family.lora_targets,
+        targets=family.adapters.targets,
         ema_decay=0,
     )
     with torch.no_grad():

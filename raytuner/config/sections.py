@@ -72,7 +72,7 @@ class TrainConfig:
     # > 0: keep an EMA of the trained weights; exports use it
     ema_decay: float = ranged(0.0, 0, 1, high_open=True)
     gradient_checkpointing: bool = False
-    # torch.compile each of the denoiser's repeated blocks (the family's compile_blocks) once;
+    # torch.compile each of the denoiser's repeated blocks (the family's blocks.compile) once;
     # "auto": on GPU workers, for the families whose compiled blocks were measured faster
     compile: bool | str = "auto"
     # the UNets' convolutions in channels-last memory format on GPUs (false: as stored, NCHW)

@@ -1,4 +1,5 @@
-"""The model families raytuner can fine-tune. Adding one: its file, its job TOML, one entry here."""
+"""The model families raytuner can fine-tune. Adding one (docs/architecture.md, "Adding a family"):
+its file, its two presets, its job TOML, one entry here."""
 
 from raytuner.config import ConfigError
 from raytuner.families.base import Family

@@ -5,21 +5,14 @@ guidance-distilled checkpoints (dev)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 
 from raytuner import placement
-from raytuner.families import base, parts, text
+from raytuner.families import base, objectives, parts, text
 from raytuner.lora import kohya
 
 VAE_FACTOR = 8
-PARTS = {
-    "transformer": "diffusers.FluxTransformer2DModel",
-    "vae": "diffusers.AutoencoderKL",
-    "text_encoder": "transformers.CLIPTextModel",
-    "text_encoder_2": "transformers.T5EncoderModel",
-}
 
 
 # Black Forest Labs' names of the Flux transformer's tensors (its releases, ComfyUI and kohya's
@@ -170,38 +163,50 @@ class _FluxText(text.FrozenTextEncoders):
         return {"prompt_embeds": sequence, "pooled_prompt_embeds": pooled}
 
 
-@dataclass(frozen=True)
-class Flux:
-    name: str = "flux"
-    default_resolution: int = 1024
-    pixel_multiple: int = 16  # VAE factor 8 x the 2x2 packing
-    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    denoiser_part: str = "transformer"
-    lora_files: base.LoraFiles = base.LoraFiles(
-        "flux",
-        "flux1",
-        "networks.lora_flux",
-        "flux-1-dev",
-        "https://github.com/black-forest-labs/flux",
+def _kohya_names(config) -> kohya.Names:
+    """BFL's names, the same for every Flux transformer config."""
+    return kohya_names
+
+
+class Flux(base.DiffusersFamily):
+    name = "flux"
+    objective_kind = "flow"
+    # the VAE's 8 x the 2x2 packing
+    geometry = base.Geometry(pixel_multiple=16, pixel_grid=16)
+    blocks = base.Blocks(
+        swap=("transformer_blocks", "single_transformer_blocks"),
+        shard=("transformer_blocks", "single_transformer_blocks"),
+        compile=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+        compiled_on_gpu=1.38,  # H100 2026-11-26: 1.68 vs 1.22 samples/s
+        float8_matmul=True,
     )
-    swap_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
-    shard_blocks: tuple[str, ...] = ("transformer_blocks", "single_transformer_blocks")
-    shard_inner: tuple[str, ...] = ()
-    compile_blocks: tuple[str, ...] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
-    compiled_on_gpu: float | str = 1.38  # H100 2026-11-26: 1.68 vs 1.22 samples/s
-    float8_matmul: bool = True
-    channels_last: bool = False
-    objective_kind: str = "flow"
-    guidance_embedding: bool = True
-    default_guidance_scale: float = 3.5  # FluxPipeline's default: the guidance embedding's value
-    negative_prompt: bool = False  # guidance-distilled: no classifier-free guidance
     # CLIP-L and T5: not trained (sd-scripts trains Flux's CLIP-L; raytuner the cache's text)
-    text_encoder_loras: tuple[text.TextEncoderLora, ...] = ()
-    text_encoder_lora_targets: tuple[str, ...] = ()
-    pixel_grid: int = 16  # the VAE's 8 x the 2x2 packing
-    # a Flux single file holds the transformer (BFL's layout); VAE, CLIP and T5 come from
-    # model.single_file_config
-    single_file_parts: tuple[tuple[str, str], ...] = (("transformer", ""),)
+    adapters = base.Adapters(
+        files=base.LoraFiles(
+            "flux",
+            "flux1",
+            "networks.lora_flux",
+            "flux-1-dev",
+            "https://github.com/black-forest-labs/flux",
+        ),
+        kohya_names=_kohya_names,
+    )
+    # FluxPipeline's default: the guidance embedding's value; guidance-distilled: no
+    # classifier-free guidance
+    guidance = base.Guidance(default_scale=3.5, embedding=True, negative_prompt=False)
+    parts = base.Parts(
+        classes={
+            "transformer": "diffusers.FluxTransformer2DModel",
+            "vae": "diffusers.AutoencoderKL",
+            "text_encoder": "transformers.CLIPTextModel",
+            "text_encoder_2": "transformers.T5EncoderModel",
+        },
+        denoiser="transformer",
+        pipeline="diffusers.FluxPipeline",
+        # a Flux single file holds the transformer (BFL's layout); VAE, CLIP and T5 come from
+        # model.single_file_config
+        single_file=(("transformer", ""),),
+    )
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What Flux.1's encoders store per image of a bucket: 16-channel latents at 1/8 of the
@@ -209,24 +214,12 @@ class Flux:
         latent = (16, height // VAE_FACTOR, width // VAE_FACTOR)
         return {"latent": latent, "prompt_embeds": (512, 4096), "pooled_prompt_embeds": (768,)}
 
-    def example_batch(
-        self, shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype
-    ) -> base.Batch:
-        """Random cached tensors and the per-image conditioning (``base.example_batch``)."""
-        return base.example_batch(shapes, n, size, device, dtype)
-
-    def kohya_names(self, config):
-        return kohya_names
-
-    def part_classes(self) -> dict[str, str]:
-        return dict(PARTS)
-
     def single_file_state(self, part: str, state: dict) -> dict:
         """BFL's transformer layout in diffusers' names (see ``_from_bfl``)."""
         return _from_bfl(state)
 
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
-        vae = _part(source, "vae", device, weights).requires_grad_(False)
+        vae = self.part(source, "vae", device, weights).requires_grad_(False)
         shift, scale = vae.config.shift_factor, vae.config.scaling_factor
 
         @torch.no_grad()
@@ -238,18 +231,16 @@ class Flux:
 
     def text_encoder(self, source: parts.Source, device: str, weights: bool = True):
         encoders = [
-            _part(source, name, device, weights) for name in ("text_encoder", "text_encoder_2")
+            self.part(source, name, device, weights) for name in ("text_encoder", "text_encoder_2")
         ]
         return _FluxText(_tokenizers(source), encoders, device)
-
-    def denoiser(self, source: parts.Source, device: str = "cpu", weights: bool = True):
-        return _part(source, "transformer", device, weights)
 
     def loss(self, source: parts.Source, objective):
         from diffusers import FluxPipeline
 
-        objective = base.objective_of_kind(self, objective)
-        architecture = parts.config("flux", source, "transformer", PARTS["transformer"])
+        objective = objectives.objective_of_kind(self, objective)
+        transformer = self.parts.classes["transformer"]
+        architecture = parts.config(self.name, source, "transformer", transformer)
         guided = bool(architecture.get("guidance_embeds", False))
 
         ids: dict = {}  # the image's position ids, made once per bucket on the device
@@ -281,34 +272,20 @@ class Flux:
                 ).sample
                 return FluxPipeline._unpack_latents(out, h * VAE_FACTOR, w * VAE_FACTOR, VAE_FACTOR)
 
-            return base.flow_loss(objective, batch, predict, batch.get("mask"))
+            return objectives.flow_loss(objective, batch, predict, batch.get("mask"))
 
         def tokens(shape: tuple[int, ...]) -> int:  # a token a 2x2 patch of latent pixels
             return (shape[2] // 2) * (shape[3] // 2)
 
-        return base.Objective(base.flow_draw(objective, tokens), flux_loss)
-
-    def save_lora(
-        self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None
-    ) -> None:
-        from diffusers import FluxPipeline
-
-        pipeline, part = FluxPipeline, self.denoiser_part
-        base.save_lora(pipeline, part, directory, lora_state, adapter_config, text_encoders)
+        return objectives.Objective(objectives.flow_draw(objective, tokens), flux_loss)
 
     def pipeline_options(self, pipe) -> dict:
         """T5 tokens as the cache kept them: the tokenizer's limit, at most the pipeline's 512."""
         return {"max_sequence_length": min(512, pipe.tokenizer_2.model_max_length)}
 
-    def pipeline(self, source: parts.Source):
+    def preset_pipeline(self, source: parts.Source):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-        if not source.preset:
-            return FluxPipeline.from_pretrained(
-                source.repo,
-                **base.hub_kwargs(source),
-                **base.file_parts(_part, source, self.single_file_parts),
-            )
         clip_tok, t5_tok = _tokenizers(source)
         scheduler = FlowMatchEulerDiscreteScheduler(
             use_dynamic_shifting=True,
@@ -317,15 +294,9 @@ class Flux:
             base_image_seq_len=256,
             max_image_seq_len=4096,
         )
-        return base.preset_pipeline(
-            FluxPipeline(
-                **{name: _part(source, name) for name in PARTS},
-                scheduler=scheduler,
-                tokenizer=clip_tok,
-                tokenizer_2=t5_tok,
-            )
+        return FluxPipeline(
+            **self.preset_parts(source),
+            scheduler=scheduler,
+            tokenizer=clip_tok,
+            tokenizer_2=t5_tok,
         )
-
-
-# (source, part name, device="cpu", weights=True) -> the part, for the methods above
-_part = parts.loader(Flux(), PARTS)

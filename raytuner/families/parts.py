@@ -9,7 +9,7 @@ configs; both presets are built by the same code, with seeded random weights, di
 requested dtype and on the requested device (the meta device for ``raytuner plan``), so no
 float32 copy of a half-precision model is ever made. A folder or repo loads with
 ``from_pretrained(..., torch_dtype=dtype)``. A single file's parts (the family's
-``single_file_parts``) load with diffusers' ``from_single_file`` and its LDM CLIP conversion,
+``parts.single_file``) load with diffusers' ``from_single_file`` and its LDM CLIP conversion,
 their configs taken from ``model.single_file_config`` (a diffusers folder: no network); the parts
 the file lacks (Flux's VAE and text encoders), the tokenizers and the scheduler come from that
 repo as from any other.
@@ -202,7 +202,8 @@ def tokenizer_length(family: str, source: Source, tokenizer: str, default: int) 
     return preset(family, source.preset).get("_tokenizers", {}).get(tokenizer, default)
 
 
-def _class(path: str):
+def class_of(path: str):
+    """The class a "module.Class" path names (a family's ``parts.classes``, its pipeline)."""
     module, name = path.rsplit(".", 1)
     return getattr(importlib.import_module(module), name)
 
@@ -238,7 +239,7 @@ def config(family: str, source: Source, part: str, cls_path: str) -> dict:
     the package), else the folder's or hub repo's own."""
     if name := source.preset or released(family, source.repo):
         return preset(family, name)[part]["config"]
-    cls = _class(cls_path)
+    cls = class_of(cls_path)
     if cls.__module__.startswith("transformers"):
         return cls.config_class.from_pretrained(source.repo, **source.hub(part)).to_dict()
     return dict(cls.load_config(source.repo, **source.hub(part)))
@@ -250,7 +251,7 @@ def load(family, source: Source, part: str, cls_path: str, *, device="cpu", weig
     mode, its weights in ``source.dtype`` on ``device``: a preset's are drawn there directly.
     ``weights=False``: the architecture alone, with random weights (``raytuner plan`` builds it
     on the meta device)."""
-    cls = _class(cls_path)
+    cls = class_of(cls_path)
     if source.preset or not weights:
         spec = preset(family.name, source.preset)[part] if source.preset else {}
         architecture = spec.get("config") or config(family.name, source, part, cls_path)
@@ -268,7 +269,7 @@ def load(family, source: Source, part: str, cls_path: str, *, device="cpu", weig
     where = f"{source.pretrained} ({source.repo})" if source.single_file else source.repo
     name = family.name
     log.info("loading %s %s from %s in %s", name, part, where, _dtype_name(source.dtype))
-    prefixes = dict(family.single_file_parts) if source.single_file else {}
+    prefixes = dict(family.parts.single_file) if source.single_file else {}
     if part in prefixes:
         model = _from_single_file(family, source, part, cls, prefixes[part])
     else:
@@ -341,13 +342,3 @@ def _from_single_file(family, source: Source, part: str, cls, prefix: str):
             "model.single_file_config describe this file?"
         )
     return model
-
-
-def loader(family, classes: dict[str, str]):
-    """A family's part loader: ``(source, part, device="cpu", weights=True) -> module``, the
-    part's class looked up in ``classes``; ``family``: the family object."""
-
-    def load_part(source: Source, part: str, device="cpu", weights: bool = True):
-        return load(family, source, part, classes[part], device=device, weights=weights)
-
-    return load_part

@@ -4,19 +4,13 @@ downsampling), conditioned on Gemma-2 hidden states with their attention mask.""
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 
 from raytuner import placement
-from raytuner.families import base, parts, text
+from raytuner.families import base, objectives, parts
 
 MAX_TOKENS = 300  # caption tokens the Sana pipeline keeps (a tiny tokenizer keeps fewer)
-PARTS = {
-    "transformer": "diffusers.SanaTransformer2DModel",
-    "vae": "diffusers.AutoencoderDC",
-    "text_encoder": "transformers.Gemma2Model",
-}
 
 
 def _tokenizer(source: parts.Source):
@@ -70,34 +64,37 @@ class _GemmaText:
         return [len(i) > self.max_tokens for i in ids]
 
 
-@dataclass(frozen=True)
-class Sana:
-    name: str = "sana"
-    default_resolution: int = 1024
-    pixel_multiple: int = 32  # DC-AE downsamples 32x; the transformer patch is 1
-    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    denoiser_part: str = "transformer"
-    # the diffusers layout only: no tool reads a kohya Sana LoRA (sd-scripts has no Sana)
-    lora_files: base.LoraFiles = base.LoraFiles()
-    swap_blocks: tuple[str, ...] = ("transformer_blocks",)
-    shard_blocks: tuple[str, ...] = ("transformer_blocks",)
-    shard_inner: tuple[str, ...] = ()
-    compile_blocks: tuple[str, ...] = ("SanaTransformerBlock",)
-    compiled_on_gpu: float | str = (  # H100, torch 2.11, 2026-11-26: the first compiled step
-        "RuntimeError: (*bias): last dimension must be contiguous"
+class Sana(base.DiffusersFamily):
+    name = "sana"
+    objective_kind = "flow"
+    # DC-AE downsamples 32x; the transformer patch is 1
+    geometry = base.Geometry(pixel_multiple=32, pixel_grid=32)
+    blocks = base.Blocks(
+        swap=("transformer_blocks",),
+        shard=("transformer_blocks",),
+        compile=("SanaTransformerBlock",),
+        compiled_on_gpu=(  # H100, torch 2.11, 2026-11-26: the first compiled step
+            "RuntimeError: (*bias): last dimension must be contiguous"
+        ),
+        float8_matmul=True,
     )
-    float8_matmul: bool = True
-    channels_last: bool = False
-    objective_kind: str = "flow"
-    guidance_embedding: bool = False
-    default_guidance_scale: float = 4.5  # SanaPipeline's default
-    negative_prompt: bool = True  # classifier-free guidance with a negative prompt
-    # Gemma-2: not trained (no trainer or loader takes a Sana text-encoder LoRA)
-    text_encoder_loras: tuple[text.TextEncoderLora, ...] = ()
-    text_encoder_lora_targets: tuple[str, ...] = ()
-    pixel_grid: int = 32  # the DC-AE's 32x
-    # none: Sana ships as diffusers folders (its original checkpoints are pickled .pth files)
-    single_file_parts: tuple[tuple[str, str], ...] = ()
+    # adapters: the defaults. The diffusers layout only: no tool reads a kohya Sana LoRA
+    # (sd-scripts has no Sana); Gemma-2: not trained (no trainer or loader takes a Sana
+    # text-encoder LoRA)
+
+    # SanaPipeline's default; classifier-free guidance with a negative prompt
+    guidance = base.Guidance(default_scale=4.5)
+    parts = base.Parts(
+        classes={
+            "transformer": "diffusers.SanaTransformer2DModel",
+            "vae": "diffusers.AutoencoderDC",
+            "text_encoder": "transformers.Gemma2Model",
+        },
+        denoiser="transformer",
+        pipeline="diffusers.SanaPipeline",
+        # no single file: Sana ships as diffusers folders (its original checkpoints are
+        # pickled .pth files)
+    )
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """What Sana 1600M's encoders store per image of a bucket: 32-channel DC-AE latents at
@@ -108,7 +105,7 @@ class Sana:
 
     def example_batch(
         self, shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype
-    ) -> base.Batch:
+    ) -> objectives.Batch:
         """Random cached tensors and the per-image conditioning (``base.example_batch``), the
         Gemma attention mask all ones: every caption token attended, as for a caption that
         fills the tokens kept."""
@@ -116,18 +113,8 @@ class Sana:
         batch["prompt_attention_mask"] = torch.ones_like(batch["prompt_attention_mask"])
         return batch
 
-    def kohya_names(self, config):
-        return None  # no tool reads a kohya Sana LoRA
-
-    def part_classes(self) -> dict[str, str]:
-        return dict(PARTS)
-
-    def single_file_state(self, part: str, state: dict) -> dict:
-        """Never called: single files are refused for Sana (``single_file_parts`` is empty)."""
-        return state
-
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
-        vae = _part(source, "vae", device, weights).requires_grad_(False)
+        vae = self.part(source, "vae", device, weights).requires_grad_(False)
         scale = vae.config.scaling_factor
 
         @torch.no_grad()
@@ -139,14 +126,11 @@ class Sana:
 
     def text_encoder(self, source: parts.Source, device: str, weights: bool = True):
         return _GemmaText(
-            _tokenizer(source), _part(source, "text_encoder", device, weights), device
+            _tokenizer(source), self.part(source, "text_encoder", device, weights), device
         )
 
-    def denoiser(self, source: parts.Source, device: str = "cpu", weights: bool = True):
-        return _part(source, "transformer", device, weights)
-
     def loss(self, source: parts.Source, objective):
-        objective = base.objective_of_kind(self, objective)
+        objective = objectives.objective_of_kind(self, objective)
 
         def sana_loss(denoiser, batch) -> torch.Tensor:
             latents = batch["latent"]
@@ -160,20 +144,12 @@ class Sana:
                     timestep=sigmas.to(latents.dtype) * 1000,
                 ).sample
 
-            return base.flow_loss(objective, batch, predict, batch.get("mask"))
+            return objectives.flow_loss(objective, batch, predict, batch.get("mask"))
 
         def tokens(shape: tuple[int, ...]) -> int:  # a token a latent pixel
             return shape[2] * shape[3]
 
-        return base.Objective(base.flow_draw(objective, tokens), sana_loss)
-
-    def save_lora(
-        self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None
-    ) -> None:
-        from diffusers import SanaPipeline
-
-        pipeline, part = SanaPipeline, self.denoiser_part
-        base.save_lora(pipeline, part, directory, lora_state, adapter_config, text_encoders)
+        return objectives.Objective(objectives.flow_draw(objective, tokens), sana_loss)
 
     def pipeline_options(self, pipe) -> dict:
         """Gemma tokens as the cache kept them; resolution binning only for the sample sizes
@@ -182,19 +158,11 @@ class Sana:
         tokens = min(MAX_TOKENS, pipe.tokenizer.model_max_length)
         return {"max_sequence_length": tokens, "use_resolution_binning": binned}
 
-    def pipeline(self, source: parts.Source):
+    def preset_pipeline(self, source: parts.Source):
         from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline
 
-        if not source.preset:
-            return SanaPipeline.from_pretrained(source.repo, **base.hub_kwargs(source))
-        return base.preset_pipeline(
-            SanaPipeline(
-                **{name: _part(source, name) for name in PARTS},
-                tokenizer=_tokenizer(source),
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-            )
+        return SanaPipeline(
+            **self.preset_parts(source),
+            tokenizer=_tokenizer(source),
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         )
-
-
-# (source, part name, device="cpu", weights=True) -> the part, for the methods above
-_part = parts.loader(Sana(), PARTS)

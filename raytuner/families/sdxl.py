@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 
-from raytuner.families import base, parts, text
+from raytuner.families import base, objectives, parts, text
 from raytuner.lora import kohya
-
-PARTS = {
-    "unet": "diffusers.UNet2DConditionModel",
-    "vae": "diffusers.AutoencoderKL",
-    "text_encoder": "transformers.CLIPTextModel",
-    "text_encoder_2": "transformers.CLIPTextModelWithProjection",
-}
-
 
 # sd-scripts names an SDXL LoRA in Stability's sgm block names: diffusers' names -> those
 _RESNET = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1"}
@@ -91,46 +82,54 @@ class _SdxlText(text.FrozenTextEncoders):
         return {"prompt_embeds": hidden, "pooled_prompt_embeds": out2.text_embeds}
 
 
-@dataclass(frozen=True)
-class SDXL:
-    name: str = "sdxl"
-    default_resolution: int = 1024
-    pixel_multiple: int = 64
-    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    denoiser_part: str = "unet"
-    lora_files: base.LoraFiles = base.LoraFiles(
-        "sgm",
-        "sdxl_base_v1-0",
-        "networks.lora",
-        "stable-diffusion-xl-v1-base",
-        "https://github.com/Stability-AI/generative-models",
+class SDXL(base.DiffusersFamily):
+    name = "sdxl"
+    objective_kind = "ddpm"
+    # the VAE's 8x; the UNet fits its skips to any latent size
+    geometry = base.Geometry(pixel_multiple=64, pixel_grid=8)
+    blocks = base.Blocks(
+        shard=("down_blocks", "mid_block", "up_blocks"),
+        shard_inner=("ResnetBlock2D", "BasicTransformerBlock"),
+        compile=("BasicTransformerBlock",),
+        compiled_on_gpu=1.27,  # H100 2026-11-26: 5.68 vs 4.48 samples/s
+        channels_last=True,
     )
-    swap_blocks: tuple[str, ...] = ()
-    shard_blocks: tuple[str, ...] = ("down_blocks", "mid_block", "up_blocks")
-    shard_inner: tuple[str, ...] = ("ResnetBlock2D", "BasicTransformerBlock")
-    compile_blocks: tuple[str, ...] = ("BasicTransformerBlock",)
-    compiled_on_gpu: float | str = 1.27  # H100 2026-11-26: 5.68 vs 4.48 samples/s
-    float8_matmul: bool = False
-    channels_last: bool = True
-    objective_kind: str = "ddpm"
-    guidance_embedding: bool = False
-    default_guidance_scale: float = 5.0  # StableDiffusionXLPipeline's default
-    negative_prompt: bool = True  # classifier-free guidance with a negative prompt
-    # sd-scripts' lora_te1_text_model_encoder_layers_<i>_self_attn_q_proj (CLIP-L), lora_te2_…
-    # (OpenCLIP bigG); CLIP-L's last layer feeds nothing (the penultimate hidden state is
-    # used), so its LoRA stays as it started, as in sd-scripts
-    text_encoder_loras: tuple[text.TextEncoderLora, ...] = (
-        text.TextEncoderLora("text_encoder", "lora_te1"),
-        text.TextEncoderLora("text_encoder_2", "lora_te2"),
+    adapters = base.Adapters(
+        files=base.LoraFiles(
+            "sgm",
+            "sdxl_base_v1-0",
+            "networks.lora",
+            "stable-diffusion-xl-v1-base",
+            "https://github.com/Stability-AI/generative-models",
+        ),
+        kohya_names=sgm_names,
+        # sd-scripts' lora_te1_text_model_encoder_layers_<i>_self_attn_q_proj (CLIP-L), lora_te2_…
+        # (OpenCLIP bigG); CLIP-L's last layer feeds nothing (the penultimate hidden state is
+        # used), so its LoRA stays as it started, as in sd-scripts
+        text_encoders=(
+            text.TextEncoderLora("text_encoder", "lora_te1"),
+            text.TextEncoderLora("text_encoder_2", "lora_te2"),
+        ),
+        text_encoder_targets=text.CLIP_LORA_TARGETS,
     )
-    text_encoder_lora_targets: tuple[str, ...] = text.CLIP_LORA_TARGETS
-    pixel_grid: int = 8  # the VAE's 8x; the UNet fits its skips to any latent size
-    # the original SGM layout of SDXL checkpoints (model sites' .safetensors)
-    single_file_parts: tuple[tuple[str, str], ...] = (
-        ("unet", "model.diffusion_model."),
-        ("vae", "first_stage_model."),
-        ("text_encoder", "conditioner.embedders.0."),
-        ("text_encoder_2", "conditioner.embedders.1."),
+    # StableDiffusionXLPipeline's default; classifier-free guidance with a negative prompt
+    guidance = base.Guidance(default_scale=5.0)
+    parts = base.Parts(
+        classes={
+            "unet": "diffusers.UNet2DConditionModel",
+            "vae": "diffusers.AutoencoderKL",
+            "text_encoder": "transformers.CLIPTextModel",
+            "text_encoder_2": "transformers.CLIPTextModelWithProjection",
+        },
+        denoiser="unet",
+        pipeline="diffusers.StableDiffusionXLPipeline",
+        # the original SGM layout of SDXL checkpoints (model sites' .safetensors)
+        single_file=(
+            ("unet", "model.diffusion_model."),
+            ("vae", "first_stage_model."),
+            ("text_encoder", "conditioner.embedders.0."),
+            ("text_encoder_2", "conditioner.embedders.1."),
+        ),
     )
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
@@ -140,37 +139,18 @@ class SDXL:
         latent = (4, height // 8, width // 8)
         return {"latent": latent, "prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)}
 
-    def example_batch(
-        self, shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype
-    ) -> base.Batch:
-        """Random cached tensors and the per-image conditioning (``base.example_batch``)."""
-        return base.example_batch(shapes, n, size, device, dtype)
-
-    def kohya_names(self, config):
-        return sgm_names(config)
-
-    def part_classes(self) -> dict[str, str]:
-        return dict(PARTS)
-
-    def single_file_state(self, part: str, state: dict) -> dict:
-        """Its single file's tensors are in the layout diffusers' converters read."""
-        return state
-
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
-        return base.kl_image_encoder(_part(source, "vae", device, weights), device)
+        return base.kl_image_encoder(self.part(source, "vae", device, weights), device)
 
     def text_encoder(self, source: parts.Source, device: str, weights: bool = True):
         encoders = [
-            _part(source, name, device, weights) for name in ("text_encoder", "text_encoder_2")
+            self.part(source, name, device, weights) for name in ("text_encoder", "text_encoder_2")
         ]
         return _SdxlText(_tokenizers(source), encoders, device)
 
-    def denoiser(self, source: parts.Source, device: str = "cpu", weights: bool = True):
-        return _part(source, "unet", device, weights)
-
     def loss(self, source: parts.Source, objective):
-        objective = base.objective_of_kind(self, objective)
-        scheduler = base.ddpm_scheduler(source)
+        objective = objectives.objective_of_kind(self, objective)
+        scheduler = objectives.ddpm_scheduler(source)
 
         def sdxl_loss(denoiser, batch) -> torch.Tensor:
             time_ids = torch.cat(
@@ -184,41 +164,17 @@ class SDXL:
                     noisy, steps, encoder_hidden_states=hidden, added_cond_kwargs=cond
                 ).sample
 
-            return base.ddpm_loss(scheduler, objective, batch, predict, batch.get("mask"))
+            return objectives.ddpm_loss(scheduler, objective, batch, predict, batch.get("mask"))
 
-        return base.ddpm_objective(scheduler, objective, sdxl_loss)
+        return objectives.ddpm_objective(scheduler, objective, sdxl_loss)
 
-    def save_lora(
-        self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None
-    ) -> None:
-        from diffusers import StableDiffusionXLPipeline
-
-        pipeline, part = StableDiffusionXLPipeline, self.denoiser_part
-        base.save_lora(pipeline, part, directory, lora_state, adapter_config, text_encoders)
-
-    def pipeline_options(self, pipe) -> dict:
-        """None: the pipeline tokenizes captions as the cache did (77 CLIP tokens)."""
-        return {}
-
-    def pipeline(self, source: parts.Source):
+    def preset_pipeline(self, source: parts.Source):
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
-        if not source.preset:
-            return StableDiffusionXLPipeline.from_pretrained(
-                source.repo,
-                **base.hub_kwargs(source),
-                **base.file_parts(_part, source, self.single_file_parts),
-            )
         tok1, tok2 = _tokenizers(source)
-        return base.preset_pipeline(
-            StableDiffusionXLPipeline(
-                **{name: _part(source, name) for name in PARTS},
-                tokenizer=tok1,
-                tokenizer_2=tok2,
-                scheduler=EulerDiscreteScheduler(**base.sd_scheduler_config()),
-            )
+        return StableDiffusionXLPipeline(
+            **self.preset_parts(source),
+            tokenizer=tok1,
+            tokenizer_2=tok2,
+            scheduler=EulerDiscreteScheduler(**objectives.sd_scheduler_config()),
         )
-
-
-# (source, part name, device="cpu", weights=True) -> the part, for the methods above
-_part = parts.loader(SDXL(), PARTS)

@@ -20,11 +20,11 @@ class TextEncoder(Protocol):
 
 
 class TrainableTextEncoder(TextEncoder, Protocol):
-    """The text encoders of a family whose ``text_encoder_loras`` are trained
+    """The text encoders of a family whose ``adapters.text_encoders`` are trained
     (``lora.text_encoder``): captions to token ids (the feed's work), and token ids to the text
     tensors with gradients (the step's); ``__call__`` is both without gradients."""
 
-    encoders: list[nn.Module]  # in the order of the family's text_encoder_loras
+    encoders: list[nn.Module]  # in the order of the family's adapters.text_encoders
     outputs: tuple[str, ...]  # the text tensors ``embed`` makes (the cached ones it replaces)
 
     def tokens(self, captions: list[str], device) -> dict[str, torch.Tensor]: ...

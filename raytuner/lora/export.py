@@ -1,5 +1,5 @@
 """The LoRA a user takes away, safetensors with the run's metadata, in the layouts the family's
-tools read (``family.lora_files``):
+tools read (``family.adapters.files``):
 
 - ``pytorch_lora_weights.safetensors``: the diffusers/peft layout the family's pipeline loads
   with ``load_lora_weights`` (written by the family's own ``save_lora``), every family;
@@ -67,12 +67,12 @@ def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str)
 def family_metadata(family, meta: dict[str, str], now: float | None = None) -> dict[str, str]:
     """The keys the UIs read that depend on the family: ``ss_base_model_version``, sd-scripts'
     network module and the model-spec keys (none where the family has no model-spec id)."""
-    files, now = family.lora_files, time.time() if now is None else now
+    files, now = family.adapters.files, time.time() if now is None else now
     out = {"ss_network_module": files.network_module, "ss_training_finished_at": str(now)}
     if files.base_model_version:
         out["ss_base_model_version"] = files.base_model_version
     if files.architecture:
-        side = family.default_resolution
+        side = family.geometry.default_resolution
         out |= {
             "modelspec.sai_model_spec": MODELSPEC_VERSION,
             "modelspec.architecture": f"{files.architecture}/lora",
@@ -99,7 +99,8 @@ def out_dims(denoiser: torch.nn.Module) -> dict[str, int]:
 
 def kohya_names(family, denoiser: torch.nn.Module):
     """The family's kohya layout for this denoiser; None where the family writes no kohya file."""
-    return family.kohya_names(denoiser.config)
+    names = family.adapters.kohya_names
+    return names(denoiser.config) if names else None
 
 
 def _add_metadata(path: str, meta: dict[str, str]) -> None:

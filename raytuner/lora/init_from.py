@@ -96,12 +96,12 @@ def file_modules(tensors: dict, meta: dict, family, denoiser, load=None) -> dict
     tensor's values when ``tensors`` are the header's (``check_file``)."""
     dims = export.out_dims(denoiser)
     if not any(k.endswith(".lora_down.weight") for k in tensors):
-        return from_diffusers(tensors, meta, family.denoiser_part)
+        return from_diffusers(tensors, meta, family.parts.denoiser)
     # a family without a kohya layout: the diffusers names, as kohya writes them
-    names = family.kohya_names(denoiser.config) or kohya.unet_names
+    names = export.kohya_names(family, denoiser) or kohya.unet_names
     table = kohya.reverse(names, dims)
     # diffusers' convert_state_dict_to_kohya (raytuner's earlier exports) names the part
-    part = f"lora_{family.denoiser_part}_"
+    part = f"lora_{family.parts.denoiser}_"
     table = {part + m.replace(".", "_"): (m,) for m in dims} | table
     if load is not None:  # how a fused linear's LoRA splits depends on its up's values
         fused = {f"{name}.lora_up.weight" for name, pieces in table.items() if len(pieces) > 1}
@@ -164,7 +164,7 @@ def _text_tensors(tensors: dict, family) -> tuple[dict, dict]:
     diffusers prefix or its kohya prefix (``"?"``: a text encoder's name in either naming that
     is none of the family's)."""
     owners = {}
-    for spec in family.text_encoder_loras:
+    for spec in family.adapters.text_encoders:
         owners |= {f"{spec.part}.": spec.part, f"{spec.kohya}_": spec.part}
     texts: dict[str, dict] = {}
     for key in list(tensors):
@@ -184,7 +184,7 @@ def _untrained(texts: dict, family, text) -> None:
         raise ValueError(
             f"it holds a LoRA of text encoders {family.name} has none of (e.g. {key}): a LoRA "
             "of another model"
-            if family.text_encoder_loras
+            if family.adapters.text_encoders
             else f"it holds a LoRA of the text encoders (e.g. {key}), and raytuner trains no "
             f"{family.name} text encoder: remove those keys from the file"
         )

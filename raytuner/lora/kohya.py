@@ -3,9 +3,9 @@
 A kohya LoRA names each adapted module ``lora_unet_<module, dots as underscores>`` and stores
 ``lora_down.weight`` (A), ``lora_up.weight`` (B) and ``alpha``; a loader applies
 ``alpha / rank x up @ down`` with rank = the rows of ``lora_down``. Which module a name means is
-the model's business: each family's ``kohya_names`` (``unet_names`` here, the diffusers module
-name itself, for SD1.5; Stability's ``sgm`` block names for SDXL in ``families/sdxl.py``; Black
-Forest Labs' names for Flux in ``families/flux.py``, where one fused linear holds several
+the model's business: each family's ``adapters.kohya_names`` (``unet_names`` here, the diffusers
+module name itself, for SD1.5; Stability's ``sgm`` block names for SDXL in ``families/sdxl.py``;
+Black Forest Labs' names for Flux in ``families/flux.py``, where one fused linear holds several
 diffusers modules: q, k, v; q, k, v and the MLP's input in a single block). A text encoder's
 LoRA (``lora.text_encoder``) is named ``<prefix>_<module from the CLIP's text_model>``
 (``text_names``: ``lora_te_`` for SD1.5's, ``lora_te1_`` and ``lora_te2_`` for SDXL's).

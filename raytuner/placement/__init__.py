@@ -4,7 +4,7 @@ and DDP all place through it; no other code calls ``.to(device)`` on a model.
 
 A denoiser's plan (``memory`` section): its trainable weights, buffers and the frozen weights of
 the blocks that stay are on the compute device; the frozen weights of the last
-``memory.blocks_to_swap`` blocks (the family's ``swap_blocks`` lists, in the order they run)
+``memory.blocks_to_swap`` blocks (the family's ``blocks.swap`` lists, in the order they run)
 live in pinned host memory and stream in (:mod:`raytuner.placement.stream`). Optimizer state
 sits next to its parameter. DDP never sees a frozen parameter.
 """
@@ -70,13 +70,14 @@ def memory_format(
     ``channels_last``, unless ``train.channels_last = false``): cuDNN's NHWC kernels under
     bfloat16, no layout change around each convolution. An unsharded model only (a sharded one
     keeps its rows as they are)."""
-    if wanted and family.channels_last and torch.device(device).type == "cuda" and not sharded:
+    cuda = torch.device(device).type == "cuda"
+    if wanted and family.blocks.channels_last and cuda and not sharded:
         denoiser.to(memory_format=torch.channels_last)
 
 
 def blocks(denoiser: nn.Module, family) -> list[nn.Module]:
-    """The denoiser's swappable blocks in the order they run (the family's ``swap_blocks``)."""
-    return [block for name in family.swap_blocks for block in getattr(denoiser, name)]
+    """The denoiser's swappable blocks in the order they run (the family's ``blocks.swap``)."""
+    return [block for name in family.blocks.swap for block in getattr(denoiser, name)]
 
 
 def check(memory, family, source) -> None:
@@ -88,7 +89,7 @@ def check(memory, family, source) -> None:
     n = memory.blocks_to_swap
     if not n:
         return
-    if not family.swap_blocks:
+    if not family.blocks.swap:
         raise ConfigError(
             f"memory.blocks_to_swap = {n}: the {family.name} family's denoiser does not stream "
             "blocks (block swap is for the transformer families); set it to 0"
@@ -97,7 +98,7 @@ def check(memory, family, source) -> None:
     if n >= count:
         raise ConfigError(
             f"memory.blocks_to_swap = {n}: the {family.name} denoiser has {count} blocks "
-            f"({' + '.join(family.swap_blocks)}); allowed: 0 to {count - 1}"
+            f"({' + '.join(family.blocks.swap)}); allowed: 0 to {count - 1}"
         )
 
 
@@ -214,8 +215,8 @@ def place_pipeline(pipe, family, device, blocks_to_swap: int = 0) -> None:
     """A sampling pipeline on ``device``; with ``blocks_to_swap``, its denoiser streams the same
     blocks as training does (the other components are placed whole)."""
     unplace_pipeline(pipe)
-    denoiser = getattr(pipe, family.denoiser_part)
-    if not (blocks_to_swap and family.swap_blocks):
+    denoiser = getattr(pipe, family.parts.denoiser)
+    if not (blocks_to_swap and family.blocks.swap):
         pipe.to(device)
         return
     for part in pipe.components.values():

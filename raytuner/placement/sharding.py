@@ -1,7 +1,7 @@
 """``scaling.strategy = "fsdp"``: the denoiser sharded over the training workers with FSDP2
 (``torch.distributed.fsdp.fully_shard``). Each of the family's repeated blocks
-(``shard_blocks``: transformer blocks, the UNets' down/mid/up blocks, and inside the UNets' each
-resnet and transformer block: ``shard_inner``) is a unit of its own, the root holds the rest
+(``blocks.shard``: transformer blocks, the UNets' down/mid/up blocks, and inside the UNets' each
+resnet and transformer block: ``blocks.shard_inner``) is a unit of its own, the root holds the rest
 (embeddings, final layers); every parameter of a unit, frozen or trained, is
 split by rows over the workers (``Shard(0)``), and a unit's whole parameters exist only while it
 runs (all-gathered before its forward and again for its backward, freed after).
@@ -62,13 +62,14 @@ def of_classes(root: nn.Module, names: Iterable[str]) -> list[nn.Module]:
 
 def units(denoiser: nn.Module, family) -> list[nn.Module]:
     """The denoiser's sharding units besides its root: every block of each of the family's
-    ``shard_blocks`` lists (a single block counts as one), each preceded by the layers inside it
-    that are units of their own (``shard_inner``; a unit is sharded after those nested in it)."""
+    ``blocks.shard`` lists (a single block counts as one), each preceded by the layers inside it
+    that are units of their own (``blocks.shard_inner``; a unit is sharded after those nested
+    in it)."""
     out: list[nn.Module] = []
-    for name in family.shard_blocks:
+    for name in family.blocks.shard:
         part = getattr(denoiser, name)
         for block in part if isinstance(part, nn.ModuleList) else [part]:
-            out += [m for m in of_classes(block, family.shard_inner) if m is not block]
+            out += [m for m in of_classes(block, family.blocks.shard_inner) if m is not block]
             out.append(block)
     return out
 

@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 
 def bucket_sizes(family, pre: PreprocessConfig) -> list[tuple[int, int]]:
-    resolution = pre.resolution or family.default_resolution
-    step = pre.bucket_step or family.pixel_multiple
+    resolution = pre.resolution or family.geometry.default_resolution
+    step = pre.bucket_step or family.geometry.pixel_multiple
     return make_buckets(resolution, step, pre.min_aspect, pre.max_aspect)
 
 

@@ -195,17 +195,17 @@ def read_prompts_file(path: str) -> list[PromptLine]:
 def check_line(p: PromptLine, family) -> None:
     """Refuse options the family's pipeline cannot use, naming the line."""
     where = f"line {p.line}" if p.line else f"prompt {p.prompt!r}"
-    if p.negative_prompt is not None and not family.negative_prompt:
+    if p.negative_prompt is not None and not family.guidance.negative_prompt:
         raise PromptsError(
             f"{where}: --n: {family.name}'s pipeline takes no negative prompt (no "
             "classifier-free guidance); remove --n"
         )
-    if p.scale not in (None, 1.0) and not family.negative_prompt:
+    if p.scale not in (None, 1.0) and not family.guidance.negative_prompt:
         raise PromptsError(
             f"{where}: --l {p.scale}: {family.name} has no classifier-free guidance scale"
-            + ("; its guidance embedding is set with --g" if family.guidance_embedding else "")
+            + ("; its guidance embedding is set with --g" if family.guidance.embedding else "")
         )
-    if p.guidance is not None and not family.guidance_embedding:
+    if p.guidance is not None and not family.guidance.embedding:
         raise PromptsError(
             f"{where}: --g {p.guidance}: {family.name} has no guidance embedding; its "
             "classifier-free guidance scale is --l"
@@ -217,10 +217,10 @@ def check_line(p: PromptLine, family) -> None:
 def on_grid(option: str, side: int | None, family) -> None:
     """Refuse an image side (``option``: ``line 3: --w``, ``--width``, ``validation.width =``)
     that is not a multiple of the family's pixel grid; None and 0 (the default) pass."""
-    if side and side % family.pixel_grid:
+    if side and side % family.geometry.pixel_grid:
         raise PromptsError(
             f"{option} {side}: {family.name} renders sides that are multiples of "
-            f"{family.pixel_grid} pixels"
+            f"{family.geometry.pixel_grid} pixels"
         )
 
 
@@ -229,9 +229,9 @@ def resolve(lines: list[PromptLine], family, defaults: Defaults) -> list[Render]
     renders = []
     for p in lines:
         check_line(p, family)
-        scale = p.guidance if family.guidance_embedding else p.scale
+        scale = p.guidance if family.guidance.embedding else p.scale
         if scale is None:
-            scale = defaults.guidance_scale or family.default_guidance_scale
+            scale = defaults.guidance_scale or family.guidance.default_scale
         negative = p.negative_prompt if p.negative_prompt is not None else defaults.negative_prompt
         renders.append(
             Render(
@@ -242,7 +242,7 @@ def resolve(lines: list[PromptLine], family, defaults: Defaults) -> list[Render]
                 steps=p.steps or defaults.steps,
                 seeds=(p.seed,) if p.seed is not None else tuple(defaults.seeds),
                 guidance_scale=float(scale),
-                negative_prompt=negative if family.negative_prompt else "",
+                negative_prompt=negative if family.guidance.negative_prompt else "",
             )
         )
     return renders

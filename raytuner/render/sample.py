@@ -55,7 +55,7 @@ def apply_weights(
         with quiet.no_loading_bars():  # a bar per text encoder the LoRA trained
             pipe.load_lora_weights(str(path.parent), weight_name=path.name)
     elif weights is not None:
-        part = family.denoiser_part
+        part = family.parts.denoiser
         cls = type(getattr(pipe, part))
         dtype = dtype or getattr(pipe, part).dtype
         if weights.kind == "checkpoint":  # read a block at a time from the checkpoint
@@ -163,7 +163,7 @@ def _local(fs: pafs.FileSystem, path: str, scratch: str) -> str:
 
 
 def default_size(job, family) -> tuple[int, int]:
-    side = job.preprocess.resolution or family.default_resolution
+    side = job.preprocess.resolution or family.geometry.default_resolution
     return side, side
 
 

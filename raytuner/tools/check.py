@@ -49,8 +49,8 @@ settings (``train/trainer.py``), a worker group larger than the cluster can hold
 ``scaling.resource_wait_s`` (``runtime.wait_for_resources``). What a worker or actor still
 refuses (docs/reliability.md lists it) reaches the user as the same exit 2 and one line.
 
-The family says what it is (``pixel_grid``, ``pixel_multiple``, ``objective_kind``,
-``guidance_embedding``, ``single_file_parts``, ``text_encoder_loras``); nothing here asks which
+The family says what it is (its ``geometry``, ``objective_kind``, ``guidance``,
+``parts.single_file``, ``adapters.text_encoders``); nothing here asks which
 family it holds.
 """
 
@@ -141,7 +141,7 @@ def _compile(job: JobConfig, family) -> None:
             "a streamed block's weights arrive through hooks the compiled block cannot hold; "
             'set train.compile = false (or "auto") or memory.blocks_to_swap = 0'
         )
-    failed = family.compiled_on_gpu
+    failed = family.blocks.compiled_on_gpu
     if job.train.compile is True and job.scaling.use_gpu and isinstance(failed, str):
         raise ConfigError(
             f"train.compile = true: the {family.name} denoiser's compiled blocks failed on a GPU "
@@ -265,7 +265,7 @@ def _packages(job: JobConfig) -> None:
 
 def _float8_matmul(job: JobConfig, family) -> None:
     """Float8 matrix products are for the transformer families' blocks."""
-    if job.train.float8_matmul and not family.float8_matmul:
+    if job.train.float8_matmul and not family.blocks.float8_matmul:
         from raytuner.families import FAMILIES
 
         able = ", ".join(n for n, f in FAMILIES.items() if f.float8_matmul)
@@ -292,10 +292,10 @@ def _model_file(model: ModelConfig, family) -> None:
                 "remove the key"
             )
         return
-    if not family.single_file_parts:
+    if not family.parts.single_file:
         from raytuner.families import FAMILIES
 
-        able = ", ".join(name for name, f in FAMILIES.items() if f.single_file_parts)
+        able = ", ".join(name for name, f in FAMILIES.items() if f.parts.single_file)
         raise ConfigError(
             f"model.pretrained = {model.pretrained!r}: {family.name} loads no single-file "
             'checkpoint; use a diffusers folder or hub id (or "tiny" / "random"); single '
@@ -319,14 +319,14 @@ def _trackers(t: TrackingConfig) -> None:
 def _bucket_sizes(pre: PreprocessConfig, family) -> None:
     """Bucket sides are multiples of the bucket step, which the model's pixel grid must divide;
     the square bucket (resolution²) is one of them."""
-    grid = family.pixel_grid
+    grid = family.geometry.pixel_grid
     if pre.bucket_step % grid:
         raise ConfigError(
             f"preprocess.bucket_step = {pre.bucket_step}: {family.name} runs only on image sides "
             f"that are multiples of {grid} pixels; use a multiple of {grid} "
-            f"(0: the family's {family.pixel_multiple})"
+            f"(0: the family's {family.geometry.pixel_multiple})"
         )
-    step = pre.bucket_step or family.pixel_multiple
+    step = pre.bucket_step or family.geometry.pixel_multiple
     if pre.resolution % step:
         near = max(step, round(pre.resolution / step) * step)
         raise ConfigError(
@@ -334,11 +334,12 @@ def _bucket_sizes(pre: PreprocessConfig, family) -> None:
             f"{step} (preprocess.bucket_step, or {family.name}'s pixel multiple when 0): "
             f"use a multiple of {step}, e.g. {near}"
         )
-    if not pre.resolution and family.default_resolution % step:
+    side = family.geometry.default_resolution
+    if not pre.resolution and side % step:
         raise ConfigError(
             f"preprocess.bucket_step = {step} does not divide {family.name}'s default "
-            f"resolution {family.default_resolution}: set preprocess.resolution to a multiple "
-            f"of {step}, or a bucket step that divides {family.default_resolution}"
+            f"resolution {side}: set preprocess.resolution to a multiple "
+            f"of {step}, or a bucket step that divides {side}"
         )
 
 
@@ -364,7 +365,7 @@ def _objective_kind(objective: ObjectiveConfig, family) -> None:
                 f"[objective.{kind}], and remove objective.{other}.{f.name} (or set it back to "
                 f"{f.default!r})"
             )
-    if objective.flow.guidance != 1.0 and not family.guidance_embedding:
+    if objective.flow.guidance != 1.0 and not family.guidance.embedding:
         raise ConfigError(
             f"objective.flow.guidance = {objective.flow.guidance}: {family.name}'s denoiser has no "
             "guidance embedding, so the value would be ignored; remove the key (or set it to 1.0)"
@@ -376,7 +377,7 @@ def _validation_prompts(v: ValidationConfig, family) -> None:
     needs a family with classifier-free guidance (``negative_prompt``)."""
     from raytuner.render import prompts
 
-    if v.negative_prompt and not family.negative_prompt:
+    if v.negative_prompt and not family.guidance.negative_prompt:
         raise ConfigError(
             f"validation.negative_prompt = {v.negative_prompt!r}: {family.name}'s pipeline takes "
             "no negative prompt (no classifier-free guidance); remove the key"

@@ -58,7 +58,7 @@ def adapter(job: JobConfig, family) -> None:
             family.denoiser(source, "meta", weights=False),
             mode="lora",
             lora=dataclasses.replace(lora, init_from=""),  # its values are read below
-            targets=family.lora_targets,
+            targets=family.adapters.targets,
             ema_decay=0.0,
             dtype=dtype,
             family=family,

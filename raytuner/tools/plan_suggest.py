@@ -42,7 +42,7 @@ def _swap_suggestions(job: JobConfig, family, shapes, size, gpu_memory: int) -> 
     """The fewest ``memory.blocks_to_swap`` that make the worker fit, with gradient
     checkpointing (which block swap needs), in the job's dtype and in float8."""
     out = []
-    if not family.swap_blocks or job.train.mode != "lora":
+    if not family.blocks.swap or job.train.mode != "lora":
         return out
     dtypes = [job.model.dtype] + ([parts.FLOAT8] if job.model.dtype != parts.FLOAT8 else [])
     for dtype in dtypes:

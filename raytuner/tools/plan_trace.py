@@ -36,8 +36,8 @@ def _bytes_by_dtype(*modules) -> dict[str, int]:
 
 def largest_bucket(job: JobConfig, family) -> tuple[int, int]:
     pre = job.preprocess
-    resolution = pre.resolution or family.default_resolution
-    step = pre.bucket_step or family.pixel_multiple
+    resolution = pre.resolution or family.geometry.default_resolution
+    step = pre.bucket_step or family.geometry.pixel_multiple
     buckets = make_buckets(resolution, step, pre.min_aspect, pre.max_aspect)
     return max(buckets, key=lambda b: (b[0] * b[1], b[0]))
 
@@ -175,7 +175,7 @@ def trace_encoders(job: JobConfig, family, size) -> tuple[dict, dict]:
 
 
 def _text_bytes(job: JobConfig, family) -> int:
-    names = [p for p in family.part_classes() if p.startswith("text_")]
+    names = [p for p in family.parts.classes if p.startswith("text_")]
     return _part_bytes(job, family, tuple(names))
 
 
@@ -183,7 +183,7 @@ def _part_bytes(job: JobConfig, family, names: tuple[str, ...]) -> int:
     source = _source(job)
     total = 0
     for name in names:
-        cls = family.part_classes()[name]
+        cls = family.parts.classes[name]
         module = parts.load(family, source, name, cls, device="meta", weights=False)
         total += sum(_bytes_by_dtype(module).values())
     return total
@@ -198,12 +198,12 @@ def trace_validation(job: JobConfig, family, shapes: dict, size) -> dict:
     batch = family.example_batch(shapes, 2, size, META, source.dtype)
     with torch.no_grad(), traced() as forward:
         loss_fn(denoiser, batch, [torch.Generator().manual_seed(i) for i in range(2)])
-    cls = family.part_classes()["vae"]
+    cls = family.parts.classes["vae"]
     vae = parts.load(family, source, "vae", cls, device="meta", weights=False)
     latent = torch.zeros(1, *shapes["latent"], device="meta", dtype=source.dtype)
     with torch.no_grad(), traced() as decode:
         vae.decode(latent)
-    weights = _part_bytes(job, family, tuple(family.part_classes()))
+    weights = _part_bytes(job, family, tuple(family.parts.classes))
     if n := job.memory.blocks_to_swap:  # the denoiser streams as in training
         per_block = _block_bytes(denoiser, family)
         streamed = per_block[len(per_block) - n :]

@@ -86,8 +86,8 @@ class Feed:
         """``tokenize``: captions -> token ids (``text_lora.TextLora.tokens``), for a step that
         encodes them itself (``lora.text_encoder``; ``data`` opened with its captions): each
         batch then carries its rows' token ids, a dropped caption the empty one's. ``draw``:
-        the objective's (``families.base.Objective.draw``): each batch then carries its samples'
-        noise and timesteps, drawn from their seeds as the loss would draw them."""
+        the objective's (``families.objectives.Objective.draw``): each batch then carries its
+        samples' noise and timesteps, drawn from their seeds as the loss would draw them."""
         self.data, self.seed, self.gbs, self.remainder = data, seed, global_batch_size, remainder
         self.caption_dropout, self.prior_loss_weight = caption_dropout, prior_loss_weight
         self.rank, self.world, self.pin, self.tokenize = rank, world, pin, tokenize

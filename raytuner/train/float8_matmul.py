@@ -46,13 +46,13 @@ def refuse_device(device: torch.device) -> None:
 
 def convert(denoiser: nn.Module, family) -> int:
     """Each frozen base linear (a LoRA layer's ``base_layer``, or a plain frozen linear) inside
-    the family's repeated blocks (``compile_blocks``) made a torchao ``Float8Linear``, in place;
+    the family's repeated blocks (``blocks.compile``) made a torchao ``Float8Linear``, in place;
     the LoRA's own linears and every linear outside the blocks stay as they are. Returns how
     many were converted."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     chosen = set()
-    for block in sharding.of_classes(denoiser, family.compile_blocks):
+    for block in sharding.of_classes(denoiser, family.blocks.compile):
         for name, m in block.named_modules():
             frozen = isinstance(m, nn.Linear) and not m.weight.requires_grad
             lora = any(part.startswith("lora_") for part in name.split("."))

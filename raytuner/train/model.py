@@ -203,7 +203,7 @@ def trainable_model(
         denoiser,
         mode=train.mode,
         lora=lora,
-        targets=family.lora_targets,
+        targets=family.adapters.targets,
         ema_decay=train.ema_decay,
         dtype=trainable,
         family=family,
@@ -231,12 +231,12 @@ def trainable_model(
 def compiles(setting: bool | str, family, device: torch.device, swapped: int = 0) -> bool:
     """Whether ``train.compile`` compiles the blocks here: true or false as set; ``"auto"`` on
     a GPU for a family whose compiled blocks were measured more than 5 % faster there
-    (``compiled_on_gpu``), never with blocks streamed (block swap) nor on the meta device."""
+    (``blocks.compiled_on_gpu``), never with blocks streamed (block swap) nor on the meta device."""
     if device.type == "meta":
         return False
     if setting != "auto":
         return bool(setting)
-    gain = family.compiled_on_gpu
+    gain = family.blocks.compiled_on_gpu
     return device.type == "cuda" and not swapped and not isinstance(gain, str) and gain > 1.05
 
 
@@ -253,17 +253,17 @@ def _no_casts(module: nn.Module) -> None:
 
 def compile_blocks(denoiser: nn.Module, family) -> int:
     """``train.compile``: each of the denoiser's repeated blocks (the family's
-    ``compile_blocks``) compiled on its own, in place (its parameters keep their names), with
+    ``blocks.compile``) compiled on its own, in place (its parameters keep their names), with
     what it holds (a LoRA) and what wraps it (gradient checkpointing, sharding) as they are.
     Regional compilation: a graph per block type, not per model. Shapes: a block type compiles
     at the first bucket (and for the first block, whose input needs no gradient, once more) and
     at the second bucket, where dynamo makes the sizes it took as constants dynamic; no bucket
     after that compiles again. Returns how many blocks."""
-    blocks = sharding.of_classes(denoiser, family.compile_blocks)
+    blocks = sharding.of_classes(denoiser, family.blocks.compile)
     if not blocks:
         raise ValueError(
             f"train.compile: the {family.name} denoiser has none of its repeated blocks "
-            f"({', '.join(family.compile_blocks)})"
+            f"({', '.join(family.blocks.compile)})"
         )
     log.info("train.compile: compiling %d %s blocks at their first steps", len(blocks), family.name)
     for block in blocks:
@@ -278,8 +278,8 @@ def _sharded(denoiser: nn.Module, *, family, source, device: torch.device, amp) 
     their values from ``Weights``."""
     from raytuner.families import part_tensors
 
-    part = family.denoiser_part
-    files = part_tensors.tensors(family, source, part, family.part_classes()[part])
+    part = family.parts.denoiser
+    files = part_tensors.tensors(family, source, part, family.parts.classes[part])
 
     def base():
         for name, _ in denoiser.named_parameters():

@@ -1,5 +1,5 @@
 """``lora.text_encoder``: a LoRA on each of the family's text encoders (SD1.5's CLIP-L, SDXL's
-CLIP-L and OpenCLIP bigG: the family's ``text_encoder_loras``), trained with the denoiser's.
+CLIP-L and OpenCLIP bigG: the family's ``adapters.text_encoders``), trained with the denoiser's.
 
 The cache's text tensors cannot train an encoder: the worker encodes every caption again at
 every step. The feed hands the step each row's token ids (``tokens``, in its background thread;
@@ -30,11 +30,11 @@ def check(lora, family) -> None:
     """Refuse ``lora.text_encoder`` for a family whose text encoders raytuner does not train
     (``raytuner check``, exit 2); what it needs of the other sections is refused when the job
     is loaded (``config.rules.text_encoder_needs``)."""
-    if not lora.text_encoder or family.text_encoder_loras:
+    if not lora.text_encoder or family.adapters.text_encoders:
         return
     from raytuner.families import FAMILIES
 
-    able = ", ".join(n for n, f in FAMILIES.items() if f.text_encoder_loras)
+    able = ", ".join(n for n, f in FAMILIES.items() if f.adapters.text_encoders)
     raise ConfigError(
         f"lora.text_encoder = true: raytuner trains no {family.name} text encoder (its LoRA "
         f"files and loaders take the denoiser's; the cache's text embeddings are used); "
@@ -76,9 +76,9 @@ class TextLora:
         from peft import LoraConfig as PeftLoraConfig
         from peft import inject_adapter_in_model
 
-        self.encoder, self.specs = encoder, family.text_encoder_loras
+        self.encoder, self.specs = encoder, family.adapters.text_encoders
         self.lr = lora.text_encoder_lr  # 0: train.learning_rate
-        targets = list(lora.text_encoder_target_modules or family.text_encoder_lora_targets)
+        targets = list(lora.text_encoder_target_modules or family.adapters.text_encoder_targets)
         self.names, self.params = [], []
         self._trained: list[bool] | None = None  # which get a gradient (average_gradients)
         for spec, module in zip(self.specs, encoder.encoders, strict=True):

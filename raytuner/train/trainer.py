@@ -135,7 +135,7 @@ def train(job: JobConfig, family) -> dict:
         t = job.train
         log.info("train.epochs: %d steps, %d an epoch", t.max_steps, len(batches))
     name = layout.choose_run(job.train.output, job.train.name, job.checkpoint.resume)
-    part = family.denoiser_part
+    part = family.parts.denoiser
     run_dir = layout.run_dir(job.train.output, name)
     dataset = dataset_record(job.data.cache, fp, readers)
     check_resumable(job, run_dir, fp, dataset, _dataset_change)

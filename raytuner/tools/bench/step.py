@@ -92,7 +92,9 @@ def bench_step(
         "gradient_checkpointing": checkpointing,
         "strategy": strategy.name,
         "compile": trained.compiled,
-        "channels_last": job.train.channels_last and family.channels_last and device.type == "cuda",
+        "channels_last": job.train.channels_last
+        and family.blocks.channels_last
+        and device.type == "cuda",
         "attention": job.train.attention,
         "steps": steps,
         "warmup_steps": warmup,

@@ -1,0 +1,206 @@
+"""A family's training objective: the DDPM and flow-matching math its ``loss`` is made of.
+
+An ``Objective`` is a loss split in two: ``draw`` makes a step's random inputs on the CPU from
+each sample's own generator, the loss reads them from the batch. The UNet families train with the
+DDPM helpers (``ddpm_*``), the transformer families with the flow-matching ones (``flow_*``);
+``objective_of_kind`` checks that a family's loss is handed its own kind's settings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from raytuner.config.objective import KINDS, DdpmObjective, FlowObjective
+from raytuner.families.parts import Source
+
+# A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
+# per-image conditioning "original_size", "crop_top_left", "target_size" ([B,2] int64, (h, w)
+# order: the image before its crop, the crop's corner, the bucket), as the training feed reads it;
+# with masks in the cache (data.mask) also "mask" [B,1,H,W], each latent pixel's loss weight.
+Batch = dict[str, torch.Tensor]
+# (denoiser, batch, one generator per sample) -> per-sample loss [B]: an ``Objective``
+Loss = Callable[[nn.Module, Batch, Sequence[torch.Generator]], torch.Tensor]
+# the latent batch's shape, one generator per sample -> the step's random inputs (CPU tensors)
+Draw = Callable[[tuple[int, ...], Sequence[torch.Generator]], dict[str, torch.Tensor]]
+DRAWN = ("noise", "timestep", "sigma")  # the batch keys an Objective's draw may fill
+
+
+class Objective:
+    """A family's training loss, split in two: ``draw`` makes a step's random inputs (each
+    sample's noise and timestep or noise level) on the CPU from each sample's own generator, and
+    the loss reads them from the batch. The training feed calls ``draw`` in its thread and hands
+    the draws over pinned, so the step never waits on a host-to-device copy; called with
+    generators and a batch without them, the loss draws them itself, the same way."""
+
+    def __init__(self, draw: Draw, loss: Callable[[nn.Module, Batch], torch.Tensor]) -> None:
+        self.draw, self._loss = draw, loss
+
+    def __call__(self, denoiser: nn.Module, batch: Batch, generators=None) -> torch.Tensor:
+        if not any(k in batch for k in DRAWN):
+            latent = batch["latent"]
+            drawn = self.draw(tuple(latent.shape), generators)
+            batch = batch | {k: v.to(latent.device) for k, v in drawn.items()}
+        return self._loss(denoiser, batch)
+
+
+def per_sample_noise(shape: tuple[int, ...], generators: Sequence[torch.Generator]):
+    """Noise drawn per sample from its own generator (float32, on the CPU): independent of how
+    the batch is split."""
+    noise = [torch.randn(shape[1:], generator=g, dtype=torch.float32) for g in generators]
+    return torch.stack(noise)
+
+
+def ddpm_target(scheduler, latents, noise, timesteps) -> torch.Tensor:
+    """What a DDPM-family denoiser is trained to predict, from the scheduler's config."""
+    kind = scheduler.config.prediction_type
+    if kind == "epsilon":
+        return noise
+    if kind == "v_prediction":
+        return scheduler.get_velocity(latents, noise, timesteps)
+    raise ValueError(f"prediction_type {kind!r} in the scheduler config is not supported")
+
+
+def mse_per_sample(prediction: torch.Tensor, target: torch.Tensor, mask=None) -> torch.Tensor:
+    """The squared error's mean over each sample's latent pixels, each weighted by ``mask``
+    ([B, 1, H, W] in [0, 1], or None: all 1), as kohya's masked loss: a pixel of weight 0 adds
+    nothing (nor any gradient), and a half-masked image weighs half."""
+    err = (prediction.float() - target.float()) ** 2
+    if mask is not None:
+        err = err * mask.float()
+    return err.reshape(err.shape[0], -1).mean(dim=1)
+
+
+# --- the DDPM families (Stable Diffusion's UNets) --------------------------------------------
+
+
+def sd_scheduler_config(prediction_type: str = "epsilon") -> dict:
+    """The DDPM schedule Stable Diffusion 1.5 and SDXL were trained with (tiny presets)."""
+    return dict(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        prediction_type=prediction_type,
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+
+
+def objective_of_kind(family, objective):
+    """``objective`` when it is the settings of ``family.objective_kind`` (what ``loss`` takes);
+    a TypeError naming the right ones otherwise (the whole ObjectiveConfig, or the other kind)."""
+    cls = KINDS[family.objective_kind][0]
+    if not isinstance(objective, cls):
+        raise TypeError(
+            f"{family.name}'s loss takes its [objective.{family.objective_kind}] settings "
+            f"({cls.__name__}), not {type(objective).__name__}: pass "
+            "ObjectiveConfig.for_family(family)"
+        )
+    return objective
+
+
+def ddpm_draw(num_train_timesteps: int, objective: DdpmObjective) -> Draw:
+    """A DDPM step's random inputs: each sample's noise (plus ``objective.noise_offset`` times a
+    per-channel draw) and timestep, in that order from the sample's generator."""
+
+    def draw(shape: tuple[int, ...], generators) -> dict[str, torch.Tensor]:
+        noise = per_sample_noise(shape, generators)
+        if objective.noise_offset:
+            offsets = torch.stack([torch.randn(shape[1], generator=g) for g in generators])
+            noise = noise + objective.noise_offset * offsets[:, :, None, None]
+        steps = [torch.randint(0, num_train_timesteps, (1,), generator=g) for g in generators]
+        return {"noise": noise, "timestep": torch.cat(steps)}
+
+    return draw
+
+
+def ddpm_loss(
+    scheduler, objective: DdpmObjective, batch: Batch, predict, mask=None
+) -> torch.Tensor:
+    """Per-sample MSE of ``predict(noisy latents, timesteps)`` against the scheduler's target
+    (each latent pixel weighted by ``mask``, the batch's "mask" if it has one), with the batch's
+    drawn noise and timesteps (``ddpm_draw``), min-SNR weighted when ``objective.weighting =
+    "min_snr"``."""
+    latents, steps = batch["latent"], batch["timestep"]
+    noise = batch["noise"].to(latents.dtype)
+    noisy = scheduler.add_noise(latents, noise, steps)
+    target = ddpm_target(scheduler, latents, noise, steps)
+    loss = mse_per_sample(predict(noisy, steps), target, mask)
+    if objective.weighting == "min_snr":
+        from diffusers.training_utils import compute_snr
+
+        snr = compute_snr(scheduler, steps)
+        clipped = snr.clamp(max=objective.min_snr_gamma)
+        v = scheduler.config.prediction_type == "v_prediction"
+        loss = loss * clipped / (snr + 1 if v else snr)
+    return loss
+
+
+def ddpm_objective(scheduler, objective: DdpmObjective, loss) -> Objective:
+    """A UNet family's Objective: ``loss(denoiser, batch)`` with the DDPM draws."""
+    return Objective(ddpm_draw(scheduler.config.num_train_timesteps, objective), loss)
+
+
+def ddpm_scheduler(source: Source):
+    """The training scheduler of a diffusers folder / hub repo; a preset's is Stable
+    Diffusion's own (``sd_scheduler_config``)."""
+    from diffusers import DDPMScheduler
+
+    if source.preset:
+        return DDPMScheduler(**sd_scheduler_config())
+    return DDPMScheduler.from_pretrained(source.repo, **source.hub("scheduler"))
+
+
+# --- flow-matching families (Flux, Sana) ------------------------------------------------------
+
+
+def flow_draw(objective: FlowObjective, image_tokens: Callable[[tuple[int, ...]], int]) -> Draw:
+    """A flow-matching step's random inputs: each sample's noise, then its noise level in
+    (0, 1) from the objective's density (``diffusers.training_utils``), shifted towards noise
+    by the image's token count (``image_tokens(latent shape)``: Flux's resolution-dependent
+    shift) or by the fixed ``objective.shift``."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    def draw(shape: tuple[int, ...], generators) -> dict[str, torch.Tensor]:
+        noise = per_sample_noise(shape, generators)
+        u = torch.cat(
+            [
+                compute_density_for_timestep_sampling(
+                    objective.timestep_sampling,
+                    1,
+                    logit_mean=objective.logit_mean,
+                    logit_std=objective.logit_std,
+                    mode_scale=objective.mode_scale,
+                    generator=g,
+                )
+                for g in generators
+            ]
+        ).clamp(1e-3, 1 - 1e-3)
+        if objective.resolution_shift:
+            # the line through (256 tokens, 0.5) and (4096 tokens, 1.15), as Flux's sampler uses
+            tokens = image_tokens(shape)
+            shift = math.exp(0.5 + (tokens - 256) * (1.15 - 0.5) / (4096 - 256))
+        else:
+            shift = objective.shift
+        return {"noise": noise, "sigma": shift * u / (1 + (shift - 1) * u)}
+
+    return draw
+
+
+def flow_loss(objective: FlowObjective, batch: Batch, predict, mask=None):
+    """Rectified-flow loss per sample: x_t = (1 - s) x_0 + s noise, target noise - x_0, with
+    the batch's drawn noise and levels (``flow_draw``), each latent pixel weighted by ``mask``
+    (the batch's "mask" if it has one), the sample by the objective's scheme;
+    ``predict(noisy, sigmas)``."""
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    latents, sigmas = batch["latent"], batch["sigma"]
+    noise = batch["noise"].to(latents.dtype)
+    s = sigmas.to(latents.dtype)[:, None, None, None]
+    noisy = (1 - s) * latents + s * noise
+    err = mse_per_sample(predict(noisy, sigmas), noise - latents, mask)
+    return err * compute_loss_weighting_for_sd3(objective.weighting, sigmas).float()
