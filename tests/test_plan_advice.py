@@ -145,3 +145,47 @@ def test_a_long_trace_says_it_is_still_running(caplog):
     assert lines[0].startswith("tracing a slow thing (0.0 s in)")
     assert any(x.startswith("still tracing a slow thing (") for x in lines[1:-1])
     assert lines[-1].startswith("planned in") and "(1 trace, 0 reused)" in lines[-1]
+
+
+class _Forgetful(dict):
+    """A memo that remembers nothing: every op runs its kernel."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_ops_answered_from_memory_count_what_their_kernels_would(monkeypatch, checkpointing):
+    """``MetaMemo`` answers a repeated op without its meta kernel: the tiny Flux (repeated
+    blocks, LoRA, float8 storage, the step and AdamW) makes and frees the same bytes after
+    every op, and counts the same FLOPs, as with every kernel run, also from a memo already
+    full."""
+    from raytuner.tools import trace
+    from raytuner.tools.plan_trace import largest_bucket, micro_batch, trace_encoders
+
+    timelines = []
+
+    class Timeline(trace.LiveBytes):  # the bytes held after each op
+        def __init__(self) -> None:
+            super().__init__()
+            self.now_after: list = []
+            timelines.append(self.now_after)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.now_after.append((str(func), self.now))
+            return out
+
+    monkeypatch.setattr(trace, "LiveBytes", Timeline)
+    job = load_job(TINY, ['model.family="flux"', 'model.dtype="float8"'])
+    flux = FAMILIES["flux"]
+    size = largest_bucket(job, flux)
+    shapes = trace_encoders(job, flux, size)[1]  # the tiny encoders' outputs
+    runs = []
+    for seen in (trace._SEEN, trace._SEEN, _Forgetful()):  # the second: from a full memo
+        monkeypatch.setattr(trace, "_SEEN", seen)
+        timelines.clear()
+        result = trace_step(job, flux, shapes, size, micro_batch(job), checkpointing)
+        runs.append((result, [list(t) for t in timelines]))
+    assert runs[0] == runs[1] == runs[2]
+    assert sum(len(t) for t in runs[0][1]) > 1000  # every op of the step seen
