@@ -277,7 +277,7 @@ def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(
 def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_path):
     from raytuner.config import load_job
     from raytuner.tools.plan import plan
-    from raytuner.tools.plan_trace import swapped_peak
+    from raytuner.tools.plan_trace import MARGIN, swapped_peak
 
     path = tmp_path / "job.toml"
     path.write_text(
@@ -319,9 +319,10 @@ def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_
     )
     assert eight["worker"]["optimizer_bytes"] < worker["optimizer_bytes"] / 3
 
-    # a GPU just too small for two streamed blocks: plan names three, the fewest that fit
-    gpu = swapped_peak(worker, 3, 2)
-    assert swapped_peak(worker, 2, 2) > gpu
+    # a GPU just too small for two streamed blocks (with plan's margin kept free): plan names
+    # three, the fewest that fit
+    gpu = int(swapped_peak(worker, 3, 2) / (1 - MARGIN)) + 1
+    assert swapped_peak(worker, 2, 2) > gpu * (1 - MARGIN)
     suggested = plan(load_job(path, rank), FAMILIES["flux"], gpu, compare=False)["suggestions"]
     swaps = [s for s in suggested if "blocks_to_swap" in s["set"] and "float8" not in s["set"]]
     assert swaps[0]["set"].endswith("memory.blocks_to_swap = 3") and swaps[0]["fits"]
@@ -329,18 +330,18 @@ def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_
 
 @pytest.mark.slow
 def test_the_shipped_12gb_flux_job_fits_12gib():
-    """jobs/flux-12gb.toml (Flux.1-dev's released architecture, float8, 25 blocks streamed,
-    1024 px): plan's training worker fits the card its comment names."""
+    """jobs/flux-12gb.toml (Flux.1-dev's released architecture, float8, 29 blocks streamed,
+    1024 px): plan's training worker fits the card its comment names, with plan's margin."""
     from pathlib import Path
 
     from raytuner.config import load_job
-    from raytuner.tools.plan_trace import GiB, largest_bucket, micro_batch, trace_step
+    from raytuner.tools.plan_trace import MARGIN, GiB, largest_bucket, micro_batch, trace_step
 
     path = Path(__file__).resolve().parents[1] / "jobs" / "flux-12gb.toml"
     job = load_job(path)
     size = largest_bucket(job, FAMILIES["flux"])
     shapes = FAMILIES["flux"].cache_shapes(*size)  # the released encoders' outputs
     worker = trace_step(job, FAMILIES["flux"], shapes, size, micro_batch(job), True)
-    assert worker["blocks_to_swap"] == 25 and worker["peak_bytes"] <= 12 * GiB
+    assert worker["blocks_to_swap"] == 29 and worker["peak_bytes"] <= 12 * GiB * (1 - MARGIN)
     assert f"{worker['peak_bytes'] / GiB:.1f} GiB" in path.read_text()  # its comment says so
     assert worker["weights_by_dtype"]["float8_e4m3fn"] > 10 * GiB  # the linear weights

@@ -52,9 +52,9 @@ def test_every_shipped_job_fits_the_gpu_its_comment_names(family):
 
 
 def test_plan_json_names_the_settings_that_fit(capsys):
-    """Too small a GPU (1 GiB of CUDA overhead + 15 MiB for the tiny step): not fits, and the
-    suggestions say which settings would."""
-    args = ["plan", str(REPO / "jobs" / "tiny.toml"), "--json", "--gpu-memory", "1039MiB"]
+    """Too small a GPU (1 GiB of CUDA overhead + 26 MiB for the tiny step, against 95 % of the
+    card: 1045 MiB): not fits, and the suggestions say which settings would."""
+    args = ["plan", str(REPO / "jobs" / "tiny.toml"), "--json", "--gpu-memory", "1100MiB"]
     assert main(args + ["--set", "train.global_batch_size=64"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("denoiser_params", "trainable_params", "weights_bytes", "peak_bytes", "fits"):
@@ -147,8 +147,8 @@ def test_plan_needs_no_optional_package_nor_the_jobs_data():
         "assert 'bitsandbytes' not in [m for m, v in sys.modules.items() if v is not None]\n"
         "print(codes)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300
+    result = subprocess.run(  # four Flux traces: about 50 s of CPU, minutes on a loaded host
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=900
     )
     assert result.returncode == 0, result.stderr
     *out, codes = result.stdout.strip().splitlines()

@@ -10,7 +10,11 @@ temporaries).
 Attention is traced as the fused kernel a GPU runs (output + log-sum-exp saved, never the score
 matrix). Not counted: the CUDA context and cuBLAS/cuDNN workspaces (about 0.5-1 GiB a process,
 see ``OVERHEAD``), allocator fragmentation, DDP's gradient buckets (another copy of the trainable
-gradients; counted below) and the pinned host batches of the feed.
+gradients; counted below) and the pinned host batches of the feed. A worker or actor fits a card
+when its peak is within ``1 - MARGIN`` of it (fragmentation, what the driver keeps).
+
+Each setting is traced once (``plan_trace.Traces``), and ``plan_progress.Progress`` says what is
+traced, on the ``raytuner.plan`` logger.
 """
 
 from __future__ import annotations
@@ -18,25 +22,26 @@ from __future__ import annotations
 from raytuner.config import JobConfig
 from raytuner.placement.strategy import Strategy
 from raytuner.tools import plan_sharded, plan_suggest
+from raytuner.tools.plan_progress import Progress
 from raytuner.tools.plan_trace import (
+    MARGIN,
     OVERHEAD,
     GiB,
+    Traces,
     largest_bucket,
     micro_batch,
-    sharded_parts,
     trace_encoders,
-    trace_step,
     trace_validation,
 )
 
 __all__ = ["GiB", "plan"]
 
 
-def _sharded(job: JobConfig, family, shapes, size, micro: int, compare: bool) -> dict:
+def _sharded(job: JobConfig, traces: Traces, micro: int, compare: bool) -> dict:
     """An fsdp job's worker at its fewest and most workers (an elastic group may shrink to the
     fewest: that is the one that must fit), and with gradient checkpointing the other way."""
     s, checkpointing = job.scaling, job.train.gradient_checkpointing
-    parts = sharded_parts(job, family, shapes, size, micro, checkpointing)
+    parts = traces.sharded(job, micro, checkpointing)
     out = {
         "compute_dtype": parts["compute_dtype"],
         "by_workers": [
@@ -45,40 +50,50 @@ def _sharded(job: JobConfig, family, shapes, size, micro: int, compare: bool) ->
         ],
     }
     if compare:
-        other = sharded_parts(job, family, shapes, size, micro, not checkpointing)
+        other = traces.sharded(job, micro, not checkpointing)
         key = "without" if checkpointing else "with"
         fewest = plan_sharded.worker_bytes(job, other, s.min_workers, OVERHEAD)
         out[f"peak_bytes_{key}_checkpointing"] = fewest["peak_bytes"]
     return out | {"parts": parts}
 
 
-def plan(job: JobConfig, family, gpu_memory: int, compare: bool = True) -> dict:
+def plan(job: JobConfig, family, gpu_memory: int, compare: bool = True, progress=None) -> dict:
     """Everything ``raytuner plan`` prints (sizes in bytes); ``compare``: also the worker's
     peak with gradient checkpointing switched the other way. A ``scaling.strategy = "fsdp"``
     job's worker is the sharded one (``sharded``); a job that does not fit is offered the
     settings that would fit (``plan_suggest.when_too_big``), one that fits the faster settings
-    that would still fit (``plan_suggest.faster``, with ``compare``)."""
+    that would still fit (``plan_suggest.faster``, with ``compare``). ``progress``: where it
+    says what it traces (``plan_progress.Progress``; by default one of its own)."""
+    if progress is not None:
+        return _plan(job, family, gpu_memory, compare, progress)
+    with Progress() as progress:
+        return _plan(job, family, gpu_memory, compare, progress)
+
+
+def _plan(job: JobConfig, family, gpu_memory: int, compare: bool, progress: Progress) -> dict:
     size = largest_bucket(job, family)
-    encoder, shapes = trace_encoders(job, family, size)
+    encoder, shapes = trace_encoders(job, family, size, progress)
+    traces = Traces(family, shapes, size, progress)
     micro = micro_batch(job)
     checkpointing = job.train.gradient_checkpointing
-    worker = trace_step(job, family, shapes, size, micro, checkpointing)
+    worker = traces.step(job, micro, checkpointing)
     sharded, peak = None, worker["peak_bytes"]
     if Strategy.of(job.scaling.strategy).sharded:
-        sharded = _sharded(job, family, shapes, size, micro, compare)
+        sharded = _sharded(job, traces, micro, compare)
         peak = sharded["by_workers"][0]["peak_bytes"]
     elif compare:
-        other = trace_step(job, family, shapes, size, micro, not checkpointing)
+        other = traces.step(job, micro, not checkpointing)
         key = "without" if checkpointing else "with"
         worker[f"peak_bytes_{key}_checkpointing"] = other["peak_bytes"]
-    fits = peak <= gpu_memory
+    usable = int(gpu_memory * (1 - MARGIN))
+    fits = peak <= usable
     if fits:  # what would be faster and still fit (traced only for the full report)
-        suggestions = plan_suggest.faster(job, family, shapes, size, gpu_memory) if compare else []
+        suggestions = plan_suggest.faster(job, traces, usable) if compare else []
     else:
-        suggestions = plan_suggest.when_too_big(job, family, shapes, size, gpu_memory, sharded)
+        suggestions = plan_suggest.when_too_big(job, traces, usable, sharded)
     if sharded is not None:
         del sharded["parts"]  # traced for the suggestions; not printed
-    return {
+    result = {
         "family": family.name,
         "pretrained": job.model.pretrained,
         "strategy": job.scaling.strategy,
@@ -86,6 +101,8 @@ def plan(job: JobConfig, family, gpu_memory: int, compare: bool = True) -> dict:
         "micro_batch": micro,
         "gradient_checkpointing": checkpointing,
         "gpu_memory_bytes": gpu_memory,
+        "margin": MARGIN,
+        "usable_bytes": usable,
         "denoiser_params": worker["denoiser_params"],
         "trainable_params": worker["trainable_params"],
         "weights_bytes": worker["weights_bytes"],
@@ -95,9 +112,25 @@ def plan(job: JobConfig, family, gpu_memory: int, compare: bool = True) -> dict:
         "tflops_per_sample": worker["tflops_per_sample"],
         "worker": worker,
         "sharded": sharded,
-        "encoder_actor": encoder | {"fits": encoder["peak_bytes"] <= gpu_memory},
-        "validation_actor": (validation := trace_validation(job, family, shapes, size))
-        | {"fits": validation["peak_bytes"] <= gpu_memory},
+        "encoder_actor": encoder | _fits(encoder["peak_bytes"], usable),
+        "validation_actor": _validation(job, family, shapes, size, progress, peak, usable),
         "cache_shapes": {k: list(v) for k, v in shapes.items()},
         "suggestions": suggestions,
     }
+    return result | {"closing": plan_suggest.closing(job, result)}
+
+
+def _fits(needs: int, usable: int) -> dict:
+    return {"needs_bytes": needs, "fits": needs <= usable}
+
+
+def _validation(job: JobConfig, family, shapes, size, progress, worker: int, usable: int):
+    """The validation actor, when the job validates (``validation.every_steps``; else None):
+    on a GPU of its own, or with a fraction of one (``validation.gpus`` < 1) beside a training
+    worker on the worker's GPU."""
+    if not job.validation.every_steps:
+        return None
+    actor = trace_validation(job, family, shapes, size, progress)
+    shares = 0 < job.validation.gpus < 1
+    needs = actor["peak_bytes"] + (worker if shares else 0)
+    return actor | {"shares_training_gpu": shares} | _fits(needs, usable)

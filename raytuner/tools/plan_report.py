@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 from raytuner.config import ConfigError
-from raytuner.tools.plan import GiB
+
+GiB = 2**30  # as plan counts (plan_trace.GiB); imported without torch
 
 UNITS = {"gib": GiB, "mib": 2**20, "gb": 10**9, "mb": 10**6}  # binary, then decimal
 SPELLING = {"gib": "GiB", "mib": "MiB", "gb": "GB", "mb": "MB"}
@@ -65,14 +66,12 @@ def print_plan(result: dict) -> None:
         _print_sharded(result)
     else:
         _print_replicated(result)
-    for name in ("encoder_actor", "validation_actor"):
-        a = result[name]
-        label = name.replace("_", " ")
-        print(f"  {label}: weights {gib(a['weights_bytes'])}, peak {gib(a['peak_bytes'])}")
+    _print_actors(result)
     verdict = "fits" if result["fits"] else "does NOT fit"
     given = result.get("gpu_memory")
     size = size_text(given) if given else gib(result["gpu_memory_bytes"])
-    print(f"  the training worker {verdict} in {size}")
+    usable = f"{gib(result['usable_bytes'])} of it usable: {result['margin']:.0%} kept free"
+    print(f"  the training worker {verdict} in {size} ({usable})")
     for s in result["suggestions"]:
         verdict = "fits" if s["fits"] else "still too big"
         if s.get("faster"):
@@ -80,6 +79,22 @@ def print_plan(result: dict) -> None:
             print(f"  faster, and fits: {s['set']}: {gib(s['peak_bytes'])} ({work})")
         else:
             print(f"  with {s['set']}: {gib(s['peak_bytes'])} ({verdict})")
+    print(f"  {result['closing']}")
+
+
+def _print_actors(result: dict) -> None:
+    """The encoder actor, and the validation actor when the job validates, with whether each
+    fits (the validation actor beside a training worker when it shares the worker's GPU)."""
+    for name in ("encoder_actor", "validation_actor"):
+        if (a := result[name]) is None:  # validation.every_steps = 0: no validation actor
+            continue
+        label, verdict = name.replace("_", " "), "fits" if a["fits"] else "does NOT fit"
+        if a.get("shares_training_gpu"):
+            verdict += f" beside a training worker ({_gib(a['needs_bytes'])} together)"
+        print(
+            f"  {label}: weights {_gib(a['weights_bytes'])}, peak {_gib(a['peak_bytes'])} "
+            f"({verdict})"
+        )
 
 
 def _gib(n: int) -> str:

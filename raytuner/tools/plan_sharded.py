@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from raytuner.observe import flops
 from raytuner.placement import sharding
 from raytuner.tools.trace import offloaded, traced
 from raytuner.train import optim
@@ -45,7 +46,8 @@ def _bytes(params, dtype=None) -> int:
 
 def trace(job, family, trained, batch: dict, offload: bool) -> dict:
     """What sharding does not divide: the units' whole sizes and the traced activations of the
-    job's step in the compute dtype. ``trained``: the job's ``trainable_model`` on meta."""
+    job's step in the compute dtype. ``trained``: the job's ``trainable_model`` on meta, left
+    as it was given."""
     denoiser, weights = trained.denoiser, trained.weights
     params = [(tuple(p.shape), p.dtype, p.requires_grad) for p in denoiser.parameters()]
     compute = autocast_dtype(job.train.mixed_precision, CUDA, trained.source.dtype)
@@ -55,15 +57,25 @@ def trace(job, family, trained, batch: dict, offload: bool) -> dict:
     root = [p for p in denoiser.parameters() if id(p) not in inside]
     largest = sorted((_bytes(b, compute) for b in blocks), reverse=True)[:2]
     unit_grads = max((_bytes([p for p in b if p.requires_grad]) for b in blocks), default=0)
-    for p in denoiser.parameters():  # the whole copies a unit computes with (meta: no bytes)
-        p.data = p.data.to(compute)
-    for p in weights.params:  # a sharded worker keeps its rows only: drop each whole gradient
+    master = [(p, p.data) for p in denoiser.parameters()]
+    for p, data in master:  # the whole copies a unit computes with (meta: no bytes)
+        p.data = data.to(compute)
+    # a sharded worker keeps its rows only: drop each whole gradient
+    hooks = [
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        for p in weights.params
+    ]
     loss_fn = family.loss(trained.source, job.objective.for_family(family))
     batch = {k: v.to(compute) if v.is_floating_point() else v for k, v in batch.items()}
-    with traced() as live, offloaded(offload):
-        generators = [torch.Generator().manual_seed(j) for j in range(len(batch["latent"]))]
-        loss_fn(denoiser, batch, generators).sum().backward()
+    try:
+        with traced() as live, offloaded(offload), flops.counted() as work:
+            generators = [torch.Generator().manual_seed(j) for j in range(len(batch["latent"]))]
+            loss_fn(denoiser, batch, generators).sum().backward()
+    finally:  # the model as it was, for the next trace of the same setting
+        for p, data in master:
+            p.data = data
+        for hook in hooks:
+            hook.remove()
     trainable_dtype = next((d for _, d, trained in params if trained), torch.float32)
     return {
         "params": params,  # (shape, master dtype, trained) of each parameter
@@ -74,6 +86,7 @@ def trace(job, family, trained, batch: dict, offload: bool) -> dict:
         # the largest block's whole gradients: made in the compute dtype, reduced in float32
         "unit_gradient_bytes": unit_grads // trainable_dtype.itemsize * (compute.itemsize + 4),
         "activations_bytes": live.peak,
+        "flops": work.get_total_flops(),  # forward and backward (the recompute included)
     }
 
 
@@ -102,10 +115,10 @@ def worker_bytes(job, parts: dict, workers: int, overhead: int) -> dict:
     )
 
 
-def fewest_workers(job, parts: dict, gpu_memory: int, overhead: int) -> dict | None:
-    """The smallest number of sharded workers (up to ``MOST_WORKERS``) whose peak fits
-    ``gpu_memory``, with its bytes; None when none does."""
-    for n in range(1, MOST_WORKERS + 1):
+def fewest_workers(job, parts: dict, gpu_memory: int, overhead: int, most=MOST_WORKERS):
+    """The smallest number of sharded workers (up to ``most``) whose peak fits ``gpu_memory``,
+    with its bytes; None when none does."""
+    for n in range(1, most + 1):
         worker = worker_bytes(job, parts, n, overhead)
         if worker["peak_bytes"] <= gpu_memory:
             return worker

@@ -1,6 +1,6 @@
 """Counting the memory of code run on the meta device (``raytuner plan``): the peak of the bytes
 its tensors hold, with attention traced as the fused kernel a GPU runs, and activation offload
-as a trace sees it."""
+as a trace sees it; repeated ops answered from memory (``MetaMemo``: a trace twice as fast)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,103 @@ class LiveBytes(TorchDispatchMode):
         self.now -= self._sizes.pop(key, 0)
 
 
+class MetaMemo(TorchDispatchMode):
+    """Repeated meta ops answered from memory. On the meta device an op's outputs depend only
+    on its inputs' shapes, strides and dtypes and its other arguments, and most of torch's meta
+    kernels are Python: the bulk of a trace's time, spent again in each of a model's repeated
+    blocks (Flux: 57) on the same shapes. A functional op (no argument or output aliased or
+    written) of meta tensors and plain arguments, seen before with the same ones, gets new
+    tensors of the outputs' shapes, strides and dtypes (``empty_strided``, as its kernel makes
+    them) instead of its kernel. An output that is not a plain new tensor (an offset, a storage
+    larger than the tensor, a storage shared or an input's) is never memorized."""
+
+    def __init__(self, seen: dict) -> None:
+        super().__init__()
+        self.seen = seen  # key -> the outputs' shapes, strides and dtypes, or None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = _op_key(func, args, kwargs)
+        if key is not None and (made := self.seen.get(key)) is not None:
+            return _made(made)
+        out = func(*args, **kwargs)
+        if key is not None and key not in self.seen:
+            if len(self.seen) >= MEMO_SIZE:
+                self.seen.clear()
+            self.seen[key] = _outputs(out, args, kwargs)
+        return out
+
+
+MEMO_SIZE = 50_000  # op signatures remembered (an SDXL step has about 3 500)
+_SEEN: dict = {}  # shared by every trace of the process: a signature's outputs never change
+_FUNCTIONAL: dict = {}  # op -> whether no argument or output is aliased or written
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _op_key(func, args, kwargs):
+    """``func`` and its arguments as a key, or None when not memorizable."""
+    functional = _FUNCTIONAL.get(func)
+    if functional is None:
+        schema = func._schema
+        aliased = [a.alias_info for a in (*schema.arguments, *schema.returns)]
+        functional = _FUNCTIONAL[func] = not any(aliased) and not schema.is_mutable
+    if not functional:
+        return None
+    key = _arg_key((args, tuple(sorted(kwargs.items()))))
+    return None if key is None else (func, key)
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        if a.device.type != "meta":
+            return None
+        return (tuple(a.shape), a.stride(), a.dtype, a.storage_offset())
+    if isinstance(a, list | tuple):
+        keys = tuple(_arg_key(x) for x in a)
+        return None if any(k is None for k in keys) else (type(a), keys)
+    if a is None or isinstance(a, _PLAIN):
+        return (type(a), a)
+    return None  # a generator, a symbolic size, anything else: run the kernel
+
+
+def _outputs(out, args, kwargs):
+    """The outputs' shapes, strides and dtypes, or None when they are not plain new tensors."""
+    inputs = {
+        t.untyped_storage()._cdata
+        for t in tree_leaves((args, kwargs))
+        if isinstance(t, torch.Tensor)
+    }
+    outs, specs = (out if isinstance(out, tuple | list) else (out,)), []
+    for t in outs:
+        if t is None:
+            specs.append(None)
+            continue
+        if not isinstance(t, torch.Tensor) or t.device.type != "meta" or t.storage_offset():
+            return None
+        storage = t.untyped_storage()
+        if storage._cdata in inputs or storage.nbytes() != _plain_bytes(t):
+            return None
+        inputs.add(storage._cdata)
+        specs.append((tuple(t.shape), t.stride(), t.dtype))
+    return (type(out) if isinstance(out, tuple | list) else None, specs)
+
+
+def _plain_bytes(t: torch.Tensor) -> int:
+    """The bytes ``empty_strided`` gives a tensor of ``t``'s shape and strides."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.itemsize
+
+
+def _made(made):
+    kind, specs = made
+    outs = [
+        None if s is None else torch.empty_strided(s[0], s[1], dtype=s[2], device="meta")
+        for s in specs
+    ]
+    return outs[0] if kind is None else kind(outs)
+
+
 def _fused_attention(*args, **kwargs):
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
     given = dict(zip(names, args, strict=False)) | kwargs
@@ -75,7 +172,7 @@ def traced() -> Iterator[LiveBytes]:
     live, original = LiveBytes(), F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _fused_attention
     try:
-        with live:
+        with MetaMemo(_SEEN), live:  # the memo below the counter: it sees every output
             yield live
     finally:
         F.scaled_dot_product_attention = original
