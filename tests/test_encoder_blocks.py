@@ -1,11 +1,16 @@
 """The preprocess stream's encoder actor takes a whole block per call (Ray Data ships a table
 piece by piece: one of a few hundred rows in one piece per column costs little to send, the
 same rows as a table of many small pieces cost more than their encoding) and runs its VAE on
-batches of ``preprocess.batch_size`` images of one bucket. Here the actor's own class runs in
-this process, on the demo's images at their three buckets, with the tiny SDXL."""
+batches of ``preprocess.batch_size`` images of one bucket, and its process does without
+diffusers' quantization backends (about 2 s of an encoder actor's start). Here the actor's own
+class runs in this process, on the demo's images at their three buckets, with the tiny SDXL."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -113,3 +118,57 @@ def test_stage_figures_are_medians_per_image_and_shares():
     load = _stage_figures([{"load": {"seconds": 3.0, "cpu_seconds": 0.0}}, {}, {}], images=1)
     assert load["load"]["seconds"] == 0  # waited for in one round of three
     assert abs(sum(f["share"] for f in figures.values()) - 1) < 1e-3
+
+
+ACTOR = """
+import json, sys
+from raytuner.preprocess import encode
+encode.without_quantizers()
+import torch
+from raytuner.config import ModelConfig
+from raytuner.families import FAMILIES, parts
+family = FAMILIES["sdxl"]
+source = parts.model_source(ModelConfig(family="sdxl", pretrained="tiny"), "cpu")
+mean, _ = family.image_encoder(source, "cpu")(torch.zeros(1, 3, 64, 64))
+text = family.text_encoder(source, "cpu")(["a red circle"])
+quantized = parts.model_source(ModelConfig(family="sdxl", pretrained=sys.argv[1]), "cpu")
+try:
+    encode._built(family.image_encoder, quantized, "cpu")
+    refusal = ""
+except RuntimeError as e:
+    refusal = str(e)
+print(json.dumps({
+    "latent": list(mean.shape),
+    "text": sorted(text),
+    "imported": [m for m in ("diffusers", "transformers", "bitsandbytes", "torchao")
+                 if sys.modules.get(m) is not None],
+    "refusal": refusal,
+}))
+"""
+
+
+def test_an_encoder_process_does_without_quantization_backends(tmp_path):
+    """In a process of its own (an encoder actor's), the encoders build and encode without
+    bitsandbytes and torchao ever imported; a model whose encoder asks for one fails saying
+    so."""
+    from diffusers import AutoencoderKL
+
+    from raytuner.families import parts
+
+    vae = AutoencoderKL(**parts.preset("sdxl", "tiny")["vae"]["config"])
+    vae.save_pretrained(tmp_path / "vae")
+    config = json.loads((tmp_path / "vae" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "torchao", "quant_type": "int8_weight_only"}
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(config))
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(ACTOR), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["latent"] == [1, 4, 8, 8]
+    assert got["text"] == ["pooled_prompt_embeds", "prompt_embeds"]
+    assert got["imported"] == ["diffusers", "transformers"]
+    assert "quantization_config" in got["refusal"] and "torchao" in got["refusal"], got

@@ -17,6 +17,7 @@ sink (``preprocess/sink.py``, which writes each kind into the cache's files) tha
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -41,6 +42,37 @@ ROW_FIELDS = [
     ("original_size", SHAPE),
     ("crop_top_left", SHAPE),
 ]
+
+
+# diffusers imports every quantization backend it finds installed as soon as any of its models
+# is imported: bitsandbytes and torchao cost an encoder actor about 2 s of CPU at its start, a
+# quarter of what its first image waits for. No encoder loads quantized weights.
+QUANTIZERS = ("bitsandbytes", "torchao")
+
+
+def without_quantizers() -> None:
+    """Keep diffusers (and transformers, peft) from importing ``QUANTIZERS`` in this process:
+    for the encoder actors' processes, where nothing else runs. Python then reports them not
+    installed there; a process that imported them already keeps them."""
+    if "diffusers" not in sys.modules:  # else it has looked for them already
+        for name in QUANTIZERS:
+            sys.modules.setdefault(name, None)
+
+
+def _built(make, source, device: str):
+    """``make(source, device)``; an encoder that asks for a quantization backend this process
+    does without (``without_quantizers``) fails saying so, not that it is missing."""
+    try:
+        return make(source, device)
+    except (ImportError, ValueError, RuntimeError) as e:
+        hidden = [q for q in QUANTIZERS if q in str(e) and sys.modules.get(q, 0) is None]
+        if hidden:
+            raise RuntimeError(
+                f"the encoders of model.pretrained = {source.pretrained!r} ask for {hidden[0]} "
+                "(a quantization_config in their config.json): the preprocess encodes with "
+                "unquantized encoders; point model.pretrained at weights without one"
+            ) from e
+        raise
 
 
 def _cell_fields(name: str, shape: bool = True) -> list[tuple[str, pa.DataType]]:
@@ -86,7 +118,9 @@ class Encoder:
     ``progress``: a counting actor told how many images each encoder batch encoded, when the
     image encoder is loaded and how long each block took (``preprocess/progress.py``);
     ``preload``: start loading both encoders now, on a thread, while the
-    first blocks are still being decoded; ``batch_size``: images (captions) per encoder call."""
+    first blocks are still being decoded; ``batch_size``: images (captions) per encoder call;
+    ``own_process``: the actor has its process to itself (a Ray actor's), which then does
+    without diffusers' quantization backends (``without_quantizers``)."""
 
     def __init__(
         self,
@@ -98,6 +132,7 @@ class Encoder:
         progress=None,
         preload=False,
         batch_size: int = 8,
+        own_process: bool = False,
     ):
         self.model, self.dtype, self.store_std, self.progress = model, dtype, store_std, progress
         self.family, self.batch_size = family, batch_size
@@ -109,6 +144,8 @@ class Encoder:
         fields += _cell_fields("latent_std", shape=False) * store_std
         self.latent_schema = pa.schema(fields)
         self.mask_schema = pa.schema([*ROW_FIELDS, *_cell_fields(MASK)])
+        if own_process:
+            without_quantizers()
         if preload:
             self._start("image"), self._start("text")
 
@@ -117,7 +154,7 @@ class Encoder:
         if part not in self._loading:
             make = self.family.image_encoder if part == "image" else self.family.text_encoder
             source = parts.model_source(self.model, _device())
-            self._loading[part] = self._loader.submit(make, source, _device())
+            self._loading[part] = self._loader.submit(_built, make, source, _device())
             if part == "image" and self.progress is not None:  # the progress line's "loading"
                 self._loading[part].add_done_callback(
                     lambda _: self.progress.add.remote({READY: 1})
