@@ -47,6 +47,14 @@ def test_bench_preprocess_prints_one_json_object(ray_local, capsys, monkeypatch)
     # from the preprocess report's "first_encoded_s" (the seconds to the first encoded image)
     for key in ("startup_s", "marginal_ratio"):
         assert isinstance(figures[key], (int, float)) and figures[key] >= 0, key
+    # the time of each stage, of the pipeline and of the bare loop, and its share
+    pipeline = {"list", "decode", "encode", "write", "locate", "commit"}  # and "load", if it
+    for key, names in (("stages", pipeline), ("bare_stages", {"decode", "encode"})):
+        assert names <= set(figures[key]) <= names | {"load"}, key
+        for name, stage in figures[key].items():
+            assert stage["seconds"] >= 0 and 0 <= stage["share"] <= 1, (key, name)
+            assert stage["ms_per_image"] >= 0, (key, name)
+        assert abs(sum(s["share"] for s in figures[key].values()) - 1) < 0.01, key
     # each latent is stored as exactly its own bytes plus its length prefix and its page's
     # header: ~30 bytes (6 % of the tiny job's 512-byte latents, 0.02 % of an SDXL one)
     stored, tensor = figures["latent_bytes_stored"], figures["latent_tensor_bytes"]

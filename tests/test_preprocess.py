@@ -81,6 +81,23 @@ def test_report_is_kept_beside_the_manifest(hostile):
     assert kept == report == version.manifest()["report"]
 
 
+def test_report_times_each_stage(hostile):
+    """Where a preprocess spent its time, stage by stage (``bench preprocess`` compares them
+    with its bare loop's): the stream's steps summed over their blocks, the driver's own."""
+    _, _, report, _ = hostile
+    stages = report["stages"]
+    # "load": what the encoder waited for its models, when it did (they load on a thread)
+    assert (
+        {"list", "decode", "encode", "write", "locate"}
+        <= set(stages)
+        <= {"list", "decode", "encode", "write", "locate", "load"}
+    )
+    for name, times in stages.items():
+        assert times["seconds"] >= 0 and times["cpu_seconds"] >= 0, name
+    assert all(stages[name]["blocks"] >= 1 for name in ("decode", "encode", "write"))
+    assert stages["encode"]["seconds"] > 0 and stages["decode"]["seconds"] > 0
+
+
 def test_captions_fallbacks_and_tolerant_decoding(hostile):
     data, _, report, _ = hostile
     rows = {r["path"]: r for r in committed(data, "index")}

@@ -4,6 +4,7 @@ its checksum (``cache.checksum``), made here, where the bytes are."""
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from raytuner.data.cache import checksum
@@ -11,10 +12,28 @@ from raytuner.data.cache import checksum
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def to_cells(batch: torch.Tensor, dtype: str) -> tuple[list[bytes], np.ndarray, list[int]]:
-    """Split [B, ...] into B byte strings of exactly one row each, their shapes [B, ndim] and
-    their checksums (stored beside them as ``<tensor>_xxh3``, checked on every read)."""
+def cell_column(batch: torch.Tensor, dtype: str) -> tuple[pa.BinaryArray, list[int], pa.Array]:
+    """Split [B, ...] into B cells of exactly one row each: an Arrow binary column over the
+    bytes of the tensor in the storage ``dtype`` (no copy of them but the cast itself), the
+    shape of every cell, and each cell's checksum (stored beside it as ``<tensor>_xxh3``,
+    checked on every read), hashed from those same bytes."""
     rows = batch.detach().to("cpu", DTYPES[dtype]).contiguous()
-    cells = [row.view(torch.uint8).numpy().tobytes() for row in rows]
-    shapes = np.tile(np.asarray(rows.shape[1:], dtype=np.int32), (len(cells), 1))
-    return cells, shapes, [checksum(cell) for cell in cells]
+    n = rows.shape[0]
+    data = rows.view(torch.uint8).reshape(-1).numpy()  # the tensor's own memory
+    size = data.size // max(n, 1)
+    offsets = np.arange(0, (n + 1) * size, size, dtype=np.int32)
+    cells = pa.BinaryArray.from_buffers(
+        pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
+    view = memoryview(data)
+    sums = pa.array([checksum(view[i * size : (i + 1) * size]) for i in range(n)], pa.uint64())
+    return cells, list(rows.shape[1:]), sums
+
+
+def to_cells(batch: torch.Tensor, dtype: str) -> tuple[list[bytes], np.ndarray, list[int]]:
+    """``cell_column`` as Python values: B byte strings, their shapes [B, ndim] and their
+    checksums."""
+    cells, shape, sums = cell_column(batch, dtype)
+    shapes = np.tile(np.asarray(shape, dtype=np.int32), (len(cells), 1))
+    return cells.to_pylist(), shapes, sums.to_pylist()
+

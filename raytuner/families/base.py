@@ -297,10 +297,11 @@ def kl_image_encoder(vae, device: str) -> ImageEncoder:
     """Latent mean and std of an AutoencoderKL, in the denoiser's scale (scaling_factor)."""
     vae = placement.move(vae, device).eval().requires_grad_(False)
     scale = vae.config.scaling_factor
+    dtype = vae.dtype  # diffusers walks every module to answer: once, not each batch
 
     @torch.no_grad()
     def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dist = vae.encode(placement.inputs(pixels, device, vae.dtype)).latent_dist
+        dist = vae.encode(placement.inputs(pixels, device, dtype)).latent_dist
         return dist.mean * scale, dist.std * scale
 
     return encode

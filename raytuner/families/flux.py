@@ -221,10 +221,11 @@ class Flux(base.DiffusersFamily):
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
         vae = self.part(source, "vae", device, weights).requires_grad_(False)
         shift, scale = vae.config.shift_factor, vae.config.scaling_factor
+        dtype = vae.dtype  # diffusers walks every module to answer: once, not each batch
 
         @torch.no_grad()
         def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            dist = vae.encode(placement.inputs(pixels, device, vae.dtype)).latent_dist
+            dist = vae.encode(placement.inputs(pixels, device, dtype)).latent_dist
             return (dist.mean - shift) * scale, dist.std * scale
 
         return encode

@@ -116,10 +116,11 @@ class Sana(base.DiffusersFamily):
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
         vae = self.part(source, "vae", device, weights).requires_grad_(False)
         scale = vae.config.scaling_factor
+        dtype = vae.dtype  # diffusers walks every module to answer: once, not each batch
 
         @torch.no_grad()
         def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            latent = vae.encode(placement.inputs(pixels, device, vae.dtype)).latent * scale
+            latent = vae.encode(placement.inputs(pixels, device, dtype)).latent * scale
             return latent, torch.zeros_like(latent)  # DC-AE is deterministic
 
         return encode

@@ -15,7 +15,7 @@ from raytuner import storage
 from raytuner.data.cache import ALPHA, caption_key, flip_key, mask_key
 from raytuner.preprocess.buckets import Size, fit_to_bucket, nearest_bucket
 from raytuner.preprocess.images import ImagePolicy, SkipImage, load_mask, load_with_alpha
-from raytuner.preprocess.progress import CACHED, READ, SKIPPED, TO_ENCODE
+from raytuner.preprocess.progress import CACHED, READ, SKIPPED, TO_ENCODE, clock, timed
 from raytuner.preprocess.sources import probe_and_read
 
 # The row kinds of the stream (its ``status`` column).
@@ -57,6 +57,8 @@ STREAM_SCHEMA = pa.schema(
     ]
 )
 DECODED = ("width", "height", "original_size", "crop_top_left", "flip_crop_top_left", "alpha")
+# What the driver gets back of each listed file (the encoder keeps only these of its rows).
+PROBE_COLUMNS = STREAM_SCHEMA.names[: STREAM_SCHEMA.names.index("pixels")]
 
 
 @dataclass(frozen=True)
@@ -220,12 +222,16 @@ def probe_decode(
     batch: pa.Table, sources, spec: DecodeSpec, known: Known, progress=None
 ) -> pa.Table:
     """The stream's first step (Ray Data tasks): a batch of listed files -> stream rows;
-    ``progress``: the counting actor told what the batch's files came to."""
+    ``progress``: the counting actor told what the batch's files came to, and how long the
+    step took (``progress.timed``)."""
+    start = clock()
     taken: set[str] = set()  # a file whose content another row of this batch already decodes
     rows = [_stream_row(r, sources, spec, known, taken) for r in batch.to_pylist()]
     if progress is not None:  # counted, not waited for
         progress.add.remote(read_counts(rows))
-    return pa.Table.from_pylist(rows, schema=STREAM_SCHEMA)
+    out = pa.Table.from_pylist(rows, schema=STREAM_SCHEMA)
+    timed(progress, "decode", start)
+    return out
 
 
 def read_counts(rows: list[dict]) -> dict[str, int]:

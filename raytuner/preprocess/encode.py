@@ -1,19 +1,24 @@
 """The encoder actor of the preprocess stream (a Ray Data ``map_batches`` actor pool): the VAE
-over the decoded images of a batch and the text encoders over the captions of that batch that
+over the decoded images of a block and the text encoders over the captions of that block that
 no one has encoded yet. Each actor loads each model once, on a thread: from its start when the
 run has images to encode (``preload``), else on first use, so a run with nothing new loads
 nothing and a run with only new captions loads only the text encoders.
 
-Rows in, the same rows out without their pixels; what was encoded is appended as rows of its
-own, each cell with its checksum (``<tensor>_xxh3``, made with its bytes): a ``LATENT`` row per
-latent (an image's, keyed by its content hash, and its mirror image's, ``cache.flip_key``), a
-``MASK`` row per loss mask (the mask's pixels averaged over each latent pixel: [1, h, w] at the
-latent's h x w, ``cache.mask_key``), and a ``TEXT`` row for each newly seen caption. The sink
-(``preprocess/sink.py``) writes each kind into the cache's files.
+The actor takes a whole stream block per call and runs its encoders on batches of
+``preprocess.batch_size`` (the images of one bucket together). Rows in, their probe columns out,
+then what was encoded as rows of its own, each cell with its checksum (``<tensor>_xxh3``, made
+with its bytes): a ``LATENT`` row per latent (an image's, keyed by its content hash, and its
+mirror image's, ``cache.flip_key``), a ``MASK`` row per loss mask (the mask's pixels averaged
+over each latent pixel: [1, h, w] at the latent's h x w, ``cache.mask_key``), and a ``TEXT``
+row for each newly seen caption. The block goes back as one table of one piece per column:
+Ray ships a table piece by piece, and a table of many small pieces cost more to send to the
+sink (``preprocess/sink.py``, which writes each kind into the cache's files) than to encode.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -22,10 +27,10 @@ import pyarrow.compute as pc
 import torch
 
 from raytuner.data.cache import caption_key, checksum_column
-from raytuner.data.tensors import to_cells
+from raytuner.data.tensors import cell_column
 from raytuner.families import parts
-from raytuner.preprocess.decode import ENCODE, FAILED, LATENT, MASK, SHAPE, TEXT
-from raytuner.preprocess.progress import ENCODED, READY
+from raytuner.preprocess.decode import ENCODE, FAILED, LATENT, MASK, PROBE_COLUMNS, SHAPE, TEXT
+from raytuner.preprocess.progress import ENCODED, READY, clock, since
 
 # the rows the encoder appends: the columns they share with the stream's rows, then their cells
 ROW_FIELDS = [
@@ -39,6 +44,37 @@ ROW_FIELDS = [
 ]
 
 
+# diffusers imports every quantization backend it finds installed as soon as any of its models
+# is imported: bitsandbytes and torchao cost an encoder actor about 2 s of CPU at its start, a
+# quarter of what its first image waits for. No encoder loads quantized weights.
+QUANTIZERS = ("bitsandbytes", "torchao")
+
+
+def without_quantizers() -> None:
+    """Keep diffusers (and transformers, peft) from importing ``QUANTIZERS`` in this process:
+    for the encoder actors' processes, where nothing else runs. Python then reports them not
+    installed there; a process that imported them already keeps them."""
+    if "diffusers" not in sys.modules:  # else it has looked for them already
+        for name in QUANTIZERS:
+            sys.modules.setdefault(name, None)
+
+
+def _built(make, source, device: str):
+    """``make(source, device)``; an encoder that asks for a quantization backend this process
+    does without (``without_quantizers``) fails saying so, not that it is missing."""
+    try:
+        return make(source, device)
+    except (ImportError, ValueError, RuntimeError) as e:
+        hidden = [q for q in QUANTIZERS if q in str(e) and sys.modules.get(q, 0) is None]
+        if hidden:
+            raise RuntimeError(
+                f"the encoders of model.pretrained = {source.pretrained!r} ask for {hidden[0]} "
+                "(a quantization_config in their config.json): the preprocess encodes with "
+                "unquantized encoders; point model.pretrained at weights without one"
+            ) from e
+        raise
+
+
 def _cell_fields(name: str, shape: bool = True) -> list[tuple[str, pa.DataType]]:
     fields = [(name, pa.binary())] + [(f"{name}_shape", SHAPE)] * shape
     return fields + [(checksum_column(name), pa.uint64())]
@@ -48,23 +84,68 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _flags(table: pa.Table, column: str) -> np.ndarray:
+    return table.column(column).to_numpy(zero_copy_only=False)
+
+
+def _pixels(column: pa.ChunkedArray, shape: tuple[int, ...]) -> np.ndarray:
+    """The rows of a binary column of same-sized cells as one uint8 array [rows, *shape],
+    read in place (no per-row copy)."""
+    cells = column.combine_chunks()
+    offsets = np.frombuffer(cells.buffers()[1], np.int32)[cells.offset :][: len(cells) + 1]
+    size = int(np.prod(shape))
+    if not (np.diff(offsets) == size).all():
+        raise ValueError(f"pixel cells of another size than {shape} in one bucket")
+    data = np.frombuffer(cells.buffers()[2], np.uint8)[offsets[0] : offsets[-1]]
+    return data.reshape(len(cells), *shape)
+
+
+def _rows_of(kind: str, rows: pa.Table, keys: str, corner: str) -> dict[str, pa.Array]:
+    """The ``ROW_FIELDS`` of the rows a ``kind`` row is made of (its key from ``keys``, its
+    crop's corner from ``corner``)."""
+    n = rows.num_rows
+    columns = {name: rows.column(name) for name, _ in ROW_FIELDS}
+    columns |= {"key": rows.column(keys), "crop_top_left": rows.column(corner)}
+    return columns | {"status": pa.array([kind] * n, pa.string())}
+
+
 class Encoder:
-    """``Encoder(family, model, dtype, store_std, known, progress, preload)(batch) -> batch``.
+    """``Encoder(family, model, dtype, store_std, known, progress, preload, batch_size)(block)
+    -> block``.
 
     ``family``: the job's Family; ``model``: its ModelConfig; ``dtype``: the cache's storage
     dtype; ``known``: the caption keys the cache holds already (never encoded again);
-    ``progress``: a counting actor told how many images each batch encoded and when the image
-    encoder is loaded (``preprocess/progress.py``); ``preload``: start
-    loading both encoders now, on a thread, while the first blocks are still being decoded."""
+    ``progress``: a counting actor told how many images each encoder batch encoded, when the
+    image encoder is loaded and how long each block took (``preprocess/progress.py``);
+    ``preload``: start loading both encoders now, on a thread, while the
+    first blocks are still being decoded; ``batch_size``: images (captions) per encoder call;
+    ``own_process``: the actor has its process to itself (a Ray actor's), which then does
+    without diffusers' quantization backends (``without_quantizers``)."""
 
     def __init__(
-        self, family, model, dtype: str, store_std: bool, known=(), progress=None, preload=False
+        self,
+        family,
+        model,
+        dtype: str,
+        store_std: bool,
+        known=(),
+        progress=None,
+        preload=False,
+        batch_size: int = 8,
+        own_process: bool = False,
     ):
         self.model, self.dtype, self.store_std, self.progress = model, dtype, store_std, progress
-        self.family = family
+        self.family, self.batch_size = family, batch_size
         self.seen = set(known)  # caption keys encoded by the cache or by this actor
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="raytuner-encoder-load")
         self._loading: dict[str, Future] = {}
+        self._waited = 0.0  # seconds this call waited for a model to load
+        fields = [*ROW_FIELDS, ("alpha", pa.bool_()), *_cell_fields("latent")]
+        fields += _cell_fields("latent_std", shape=False) * store_std
+        self.latent_schema = pa.schema(fields)
+        self.mask_schema = pa.schema([*ROW_FIELDS, *_cell_fields(MASK)])
+        if own_process:
+            without_quantizers()
         if preload:
             self._start("image"), self._start("text")
 
@@ -73,110 +154,131 @@ class Encoder:
         if part not in self._loading:
             make = self.family.image_encoder if part == "image" else self.family.text_encoder
             source = parts.model_source(self.model, _device())
-            self._loading[part] = self._loader.submit(make, source, _device())
+            self._loading[part] = self._loader.submit(_built, make, source, _device())
             if part == "image" and self.progress is not None:  # the progress line's "loading"
                 self._loading[part].add_done_callback(
                     lambda _: self.progress.add.remote({READY: 1})
                 )
         return self._loading[part]
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        made = self.encode_images(batch)
-        text = self.encode_captions(batch)
-        tables = [batch.drop_columns(["pixels", "mask"]), *made, *([text] if text else [])]
-        return pa.concat_tables(tables, promote_options="default")
+    def _ready(self, part: str):
+        """The encoder ``part``, waited for while it still loads (the wait is the block's
+        ``load`` stage, not its ``encode``)."""
+        future = self._start(part)
+        if not future.done():
+            start = time.perf_counter()
+            future.result()
+            self._waited += time.perf_counter() - start
+        return future.result()
 
-    def encode_images(self, batch: pa.Table) -> list[pa.Table]:
-        """The LATENT and MASK rows of the batch's ENCODE rows (none without any): one VAE
-        forward per bucket for its latents, one for its mirror images' (``want_flip``)."""
-        rows = batch.filter(pc.equal(batch.column("status"), ENCODE)).to_pylist()
-        if not rows:
-            return []
-        encode = self._start("image").result()
-        latents, masks = [], []
-        for w, h in sorted({(r["width"], r["height"]) for r in rows}):  # a batch mixes buckets
-            group = [r for r in rows if (r["width"], r["height"]) == (w, h)]
-            x = torch.from_numpy(
-                np.stack([np.frombuffer(r["pixels"], np.uint8).reshape(h, w, 3) for r in group])
-            )
-            x = x.permute(0, 3, 1, 2).float() / 127.5 - 1.0
-            mine = [i for i, r in enumerate(group) if r["want_latent"]]
-            flips = [i for i, r in enumerate(group) if r["want_flip"]]
-            if mine:
-                mean, std = encode(x[mine])
-                latents += self._latent_rows([group[i] for i in mine], mean, std, flip=False)
-                masks += self._mask_rows([group[i] for i in mine], mean.shape[-2:])
-            if flips:  # the mirror image: the crop's corner as seen in it
-                mean, std = encode(torch.flip(x[flips], dims=[3]))
-                latents += self._latent_rows([group[i] for i in flips], mean, std, flip=True)
-        if self.progress is not None:  # counted, not waited for
-            self.progress.add.remote({ENCODED: len(rows)})
-        fields = [*ROW_FIELDS, ("alpha", pa.bool_()), *_cell_fields("latent")]
-        fields += _cell_fields("latent_std", shape=False) * self.store_std
-        out = [pa.Table.from_pylist(latents, schema=pa.schema(fields))]
-        masked = pa.schema([*ROW_FIELDS, *_cell_fields(MASK)])
-        return out + ([pa.Table.from_pylist(masks, schema=masked)] if masks else [])
-
-    def _latent_rows(self, rows: list[dict], mean, std, flip: bool) -> list[dict]:
-        """A LATENT row per stream row: its latent (``mean``) and, with ``store_std``, its std."""
-        cells = {"latent": to_cells(mean, self.dtype)}
-        if self.store_std:
-            cells["latent_std"] = to_cells(std, self.dtype)
-        out = []
-        for j, r in enumerate(rows):
-            row = {name: r[name] for name, _ in ROW_FIELDS} | {"status": LATENT}
-            row["key"] = r["flip_key"] if flip else r["key"]
-            row["crop_top_left"] = r["flip_crop_top_left" if flip else "crop_top_left"]
-            row["alpha"] = r["alpha"] and not flip
-            row["latent_shape"] = cells["latent"][1][j].tolist()
-            for name, (data, _, sums) in cells.items():
-                row |= {name: data[j], checksum_column(name): sums[j]}
-            out.append(row)
+    def __call__(self, block: pa.Table) -> pa.Table:
+        start, self._waited = clock(), 0.0
+        made = [*self.encode_images(block), *self.encode_captions(block)]
+        tables = [block.select(PROBE_COLUMNS), *made]
+        out = pa.concat_tables(tables, promote_options="default").combine_chunks()
+        if self.progress is not None:  # the stages' times, not waited for
+            took = since(start)
+            took["seconds"] -= self._waited
+            self.progress.timed.remote("encode", took)
+            if self._waited:
+                self.progress.timed.remote("load", {"seconds": self._waited, "cpu_seconds": 0.0})
         return out
 
-    def _mask_rows(self, rows: list[dict], size) -> list[dict]:
-        """A MASK row per stream row that wants one: its mask's pixels (bucket-sized, 0-255)
-        averaged over each latent pixel (``size``: the latent's h x w), as loss weights."""
-        mine = [r for r in rows if r["want_mask"]]
-        if not mine:
-            return []
-        h, w = mine[0]["height"], mine[0]["width"]
-        pixels = np.stack([np.frombuffer(r["mask"], np.uint8).reshape(1, h, w) for r in mine])
-        weights = torch.nn.functional.interpolate(
-            torch.from_numpy(pixels).float() / 255.0, size=tuple(size), mode="area"
-        )
-        data, shapes, sums = to_cells(weights, self.dtype)
-        return [
-            {name: r[name] for name, _ in ROW_FIELDS}
-            | {"status": MASK, "key": r["mask_key"]}
-            | {MASK: data[j], f"{MASK}_shape": shapes[j].tolist(), checksum_column(MASK): sums[j]}
-            for j, r in enumerate(mine)
-        ]
+    def _batches(self, block: pa.Table):
+        """The ENCODE rows of ``block`` as (bucket, rows) in batches of ``batch_size``, the
+        images of one bucket together."""
+        todo = np.flatnonzero(_flags(block, "status") == ENCODE)
+        width, height = _flags(block, "width")[todo], _flags(block, "height")[todo]
+        for w, h in sorted(set(zip(width.tolist(), height.tolist(), strict=True))):
+            rows = todo[(width == w) & (height == h)]
+            for i in range(0, len(rows), self.batch_size):
+                yield (w, h), block.take(rows[i : i + self.batch_size])
 
-    def encode_captions(self, batch: pa.Table) -> pa.Table | None:
-        """TEXT rows for the captions of this batch's usable rows (and the empty caption, for
-        caption dropout) that neither the cache nor this actor has encoded; None if none."""
-        usable = pc.and_(
-            pc.equal(batch.column("reason"), ""), pc.not_equal(batch["status"], FAILED)
+    def encode_images(self, block: pa.Table) -> list[pa.Table]:
+        """The LATENT and MASK rows of the block's ENCODE rows (none without any): per batch,
+        one VAE forward for its latents, one for its mirror images' (``want_flip``)."""
+        out = []
+        for (w, h), rows in self._batches(block):
+            encode = self._ready("image")
+            pixels = _pixels(rows.column("pixels"), (h, w, 3)).astype(np.float32)
+            x = torch.from_numpy(pixels).permute(0, 3, 1, 2) / 127.5 - 1.0
+            mine = np.flatnonzero(_flags(rows, "want_latent"))
+            flips = np.flatnonzero(_flags(rows, "want_flip"))
+            if len(mine):
+                mean, std = encode(x[torch.from_numpy(mine)])
+                out.append(self._latents(rows.take(mine), mean, std, flip=False))
+                masked = mine[_flags(rows, "want_mask")[mine]]
+                if len(masked):
+                    out.append(self._masks(rows.take(masked), mean.shape[-2:]))
+            if len(flips):  # the mirror image: the crop's corner as seen in it
+                mean, std = encode(torch.flip(x[torch.from_numpy(flips)], dims=[3]))
+                out.append(self._latents(rows.take(flips), mean, std, flip=True))
+            if self.progress is not None:  # counted, not waited for
+                self.progress.add.remote({ENCODED: rows.num_rows})
+        return out
+
+    def _latents(self, rows: pa.Table, mean, std, flip: bool) -> pa.Table:
+        """A LATENT row per stream row: its latent (``mean``) and, with ``store_std``, its std."""
+        keys, corner = ("flip_key", "flip_crop_top_left") if flip else ("key", "crop_top_left")
+        columns = _rows_of(LATENT, rows, keys, corner)
+        columns["alpha"] = pa.array([False] * rows.num_rows) if flip else rows.column("alpha")
+        for name, tensor in [("latent", mean)] + [("latent_std", std)] * self.store_std:
+            cells, shape, sums = cell_column(tensor, self.dtype)
+            columns[name], columns[checksum_column(name)] = cells, sums
+            if name == "latent":
+                columns["latent_shape"] = pa.array([shape] * len(cells), SHAPE)
+        return pa.table(columns, schema=self.latent_schema)
+
+    def _masks(self, rows: pa.Table, size) -> pa.Table:
+        """A MASK row per stream row: its mask's pixels (bucket-sized, 0-255) averaged over
+        each latent pixel (``size``: the latent's h x w), as loss weights."""
+        h, w = rows.column("height")[0].as_py(), rows.column("width")[0].as_py()
+        pixels = _pixels(rows.column("mask"), (1, h, w)).astype(np.float32)
+        weights = torch.nn.functional.interpolate(
+            torch.from_numpy(pixels) / 255.0, size=tuple(size), mode="area"
         )
-        rows = batch.filter(usable).select(["caption_key", "caption"]).to_pylist()
-        new = {r["caption_key"]: r["caption"] for r in rows if r["caption_key"] not in self.seen}
+        columns = _rows_of(MASK, rows, "mask_key", "crop_top_left")
+        cells, shape, sums = cell_column(weights, self.dtype)
+        columns |= {MASK: cells, f"{MASK}_shape": pa.array([shape] * len(cells), SHAPE)}
+        columns[checksum_column(MASK)] = sums
+        return pa.table(columns, schema=self.mask_schema)
+
+    def encode_captions(self, block: pa.Table) -> list[pa.Table]:
+        """TEXT rows for the captions of this block's usable rows (and the empty caption, for
+        caption dropout) that neither the cache nor this actor has encoded, in batches of
+        ``batch_size`` captions."""
+        usable = pc.and_(
+            pc.equal(block.column("reason"), ""), pc.not_equal(block.column("status"), FAILED)
+        )
+        rows = block.filter(usable).select(["caption_key", "caption"]).to_pydict()
+        new = {}
+        for key, caption in zip(rows["caption_key"], rows["caption"], strict=True):
+            if key not in self.seen:
+                new[key] = caption
         if caption_key("") not in self.seen:
             new[caption_key("")] = ""
         if not new:
-            return None
-        encode = self._start("text").result()
-        keys, captions = list(new), list(new.values())
+            return []
+        encode = self._ready("text")
+        keys = list(new)
+        out = []
+        for i in range(0, len(keys), self.batch_size):
+            out.append(self._text(encode, keys[i : i + self.batch_size], new))
+        self.seen.update(keys)
+        return out
+
+    def _text(self, encode, keys: list[str], captions: dict[str, str]) -> pa.Table:
+        """The TEXT rows of the captions of ``keys``."""
+        texts = [captions[k] for k in keys]
         columns = {
             "caption_key": pa.array(keys, pa.string()),
-            "caption": pa.array(captions, pa.string()),
-            "truncated": pa.array(encode.truncated(captions), pa.bool_()),
+            "caption": pa.array(texts, pa.string()),
+            "truncated": pa.array(encode.truncated(texts), pa.bool_()),
             "status": pa.array([TEXT] * len(keys), pa.string()),
         }
-        for name, tensor in encode(captions).items():
-            cells, cell_shapes, cell_sums = to_cells(tensor, self.dtype)
-            columns[name] = pa.array(cells, pa.binary())
-            columns[f"{name}_shape"] = pa.array(cell_shapes.tolist(), SHAPE)
-            columns[checksum_column(name)] = pa.array(cell_sums, pa.uint64())
-        self.seen.update(keys)
+        for name, tensor in encode(texts).items():
+            cells, shape, sums = cell_column(tensor, self.dtype)
+            columns[name] = cells
+            columns[f"{name}_shape"] = pa.array([shape] * len(cells), SHAPE)
+            columns[checksum_column(name)] = sums
         return pa.table(columns)

@@ -23,7 +23,7 @@ from raytuner.preprocess.buckets import make_buckets
 from raytuner.preprocess.decode import DecodeSpec, Known
 from raytuner.preprocess.encode import FAILED
 from raytuner.preprocess.images import ImagePolicy
-from raytuner.preprocess.progress import ProgressLine
+from raytuner.preprocess.progress import ProgressLine, clock, since
 from raytuner.preprocess.sources import (
     NOT_UTF8,
     caption_file,
@@ -110,9 +110,10 @@ def preprocess(
     raise AssertionError("unreachable")
 
 
-def _stream(job: _Pass, listing, located) -> tuple[list, float]:
-    """The stream over every listed file: its rows (see ``pipeline.run``) and the wall time of
-    the first encoded image (None: nothing was encoded)."""
+def _stream(job: _Pass, listing, located) -> tuple[list, float, dict]:
+    """The stream over every listed file: its rows (see ``pipeline.run``), the wall time of
+    the first encoded image (None: nothing was encoded) and the time of its stages (decode,
+    encode, write; each summed over its blocks)."""
     alpha = frozenset(k for k, r in located.latents.items() if r.get("alpha"))
     known = (Known(frozenset(located.latents), alpha), set(located.captions))
     todo = sum(1 for r in listing if r["known_key"] not in known[0].keys)  # about this many new
@@ -122,7 +123,7 @@ def _stream(job: _Pass, listing, located) -> tuple[list, float]:
         encoder = (job.family, job.model)
         args = (known, spec, encoder, job.pre, job.version, job.run, progress)
         rows = pipeline.run(listing, sources, *args)
-    return rows, line.first_at
+    return rows, line.first_at, line.stages
 
 
 def _indexed(rows: list[dict], located: index.Located, sources) -> list[dict]:
@@ -179,6 +180,16 @@ def _refuse_unusable(p, indexed: list[dict], sources, roots: list[str]) -> None:
         )
 
 
+def stage_report(stages: dict) -> dict:
+    """The report's ``stages``: each step's wall seconds and CPU seconds (of the threads that
+    ran it), summed over its blocks for the stream's steps (decode and write tasks, encoder
+    actors: they overlap), the driver's for the others: ``list`` (the cache's files and the
+    sources), ``locate`` (after the stream: every new file's cells located and checked
+    against their checksums, the index's rows made). The commit's writes come after the
+    report (``bench preprocess`` times them from outside)."""
+    return {name: {k: round(v, 4) for k, v in t.items()} for name, t in stages.items()}
+
+
 def _preprocess(job: _Pass) -> dict:
     """One listing, encoding and commit into the run folder ``job.run`` (kept when it retries)."""
     version, data, pre = job.version, job.data, job.pre
@@ -186,16 +197,19 @@ def _preprocess(job: _Pass) -> dict:
     generation = (manifest or {}).get("generation", 0)
     sources = data.all_sources()
     roots = [storage.absolute(s.path) for s in sources]
+    began = clock()
     located = index.Located(version, pre.dtype, manifest, roots)
     located.refresh()
     listing = _listing(data, located)
+    listed = since(began)
     if not listing:
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
     log.info("preprocess: %d files -> %s/%s", len(listing), version.root, job.run)
     available = set(located.latents)
-    rows, first_at = _stream(job, listing, located)
+    rows, first_at, streamed = _stream(job, listing, located)
     p = plan([{**r, "source_index": r["source"]} for r in rows], available, roots)
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
+    began = clock()
     located.refresh()
     indexed = _indexed(p.cached + p.new, located, sources)
     _refuse_unusable(p, indexed, sources, roots)
@@ -211,6 +225,7 @@ def _preprocess(job: _Pass) -> dict:
         for r in indexed
         if r["caption_from"] == NOT_UTF8
     ]
+    rep["stages"] = stage_report({"list": listed, **streamed, "locate": since(began)})
     extra = {"family": job.family.name, "dtype": pre.dtype, "report": rep}
     index.commit(version, job.run, indexed, located, generation, sources=sources, **extra)
     metrics.gauge("raytuner_cache_hits", len(p.cached), job.tag)

@@ -17,9 +17,9 @@ import ray
 
 from raytuner import quiet, runtime
 from raytuner.data.cache import caption_key, flip_key
-from raytuner.preprocess.decode import ENCODE, DecodeSpec, probe_decode
+from raytuner.preprocess.decode import ENCODE, PROBE_COLUMNS, DecodeSpec, probe_decode
 from raytuner.preprocess.encode import Encoder
-from raytuner.preprocess.sink import PROBE_COLUMNS, PartSink
+from raytuner.preprocess.sink import PartSink
 
 BLOCK_PIXEL_BYTES = 64 * 1024**2  # decoded pixels per stream block, at most (about)
 BLOCK_ROWS = 512  # rows per stream block, at most
@@ -53,8 +53,9 @@ def run(
         if _nothing_new(probed, caption_keys):
             return probed
     wait_for_encoders(pre)
-    sink = PartSink(version.fs, version.root, run_rel)
+    sink = PartSink(version.fs, version.root, run_rel, progress)
     args = (*encoder, pre.dtype, pre.store_std, set(caption_keys), progress, preload)
+    args += (pre.batch_size, True)  # own_process: a Ray actor's
     with quiet.ray_remote_args_accepted():  # max_restarts: no named parameter in Ray 2.60
         encoded = _probe_stream(listing, rows, probe).map_batches(
             Encoder,
@@ -62,7 +63,9 @@ def run(
             compute=ray.data.ActorPoolStrategy(min_size=pre.min_actors, max_size=pre.max_actors),
             num_gpus=pre.gpus_per_actor or None,
             num_cpus=pre.cpus_per_actor,
-            batch_size=pre.batch_size,
+            # one call per block: the actor batches its encoders itself (``pre.batch_size``)
+            # and hands the block back whole, in one piece
+            batch_size=None,
             batch_format="pyarrow",
             # bounded: an encoder that dies each time (out of memory) fails the preprocess
             max_restarts=pre.max_restarts,

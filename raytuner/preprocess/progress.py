@@ -1,7 +1,9 @@
 """A compact progress line for the preprocess stream (Ray Data's own per-operator bars are off in
 jobs): the probe tasks add what they read (files cached, skipped, to encode) and the encoder
 actors what they encoded (and when their VAE is loaded) to a small counting actor, and the
-driver logs one line every few seconds with those counts, the encode rate and an ETA."""
+driver logs one line every few seconds with those counts, the encode rate and an ETA. The
+stream's steps also tell it how long each block took them (``clock``, ``timed``): the report's
+``stages``, so that a slower preprocess names the step that got slower."""
 
 from __future__ import annotations
 
@@ -25,14 +27,33 @@ ENCODED = "encoded"  # images encoded (their latent, flipped latent or mask)
 READY = "ready"  # encoder actors whose image encoder is loaded
 
 
+def clock() -> tuple[float, float]:
+    """Now, as (wall seconds, this thread's CPU seconds): the start of a timed step."""
+    return time.perf_counter(), time.thread_time()
+
+
+def since(start: tuple[float, float]) -> dict[str, float]:
+    """The wall seconds and this thread's CPU seconds since ``start`` (a ``clock()``)."""
+    wall, cpu = clock()
+    return {"seconds": wall - start[0], "cpu_seconds": cpu - start[1]}
+
+
+def timed(counter, stage: str, start: tuple[float, float]) -> None:
+    """Tell ``counter`` (the counting actor; None: no one asked) the time of one block's
+    ``stage`` since ``start`` (a ``clock()``); not waited for."""
+    if counter is not None:
+        counter.timed.remote(stage, since(start))
+
+
 class Counting:
     """The counting actor; also feeds the dashboard's counter ``metric`` (if any) with the
-    images encoded."""
+    images encoded, and sums the time of each stage of the stream (``timed``)."""
 
     def __init__(self, run: str, metric: str | None) -> None:
         self.counts: dict[str, int] = {}
         self.run, self.metric = run, metric
         self.first: float | None = None  # wall time of the first image encoded
+        self.stages: dict[str, dict] = {}  # stage -> seconds, cpu_seconds, blocks
 
     def add(self, counts: dict[str, int]) -> None:
         for kind, n in counts.items():
@@ -48,6 +69,16 @@ class Counting:
     def first_at(self) -> float | None:
         return self.first
 
+    def timed(self, stage: str, times: dict[str, float]) -> None:
+        """One block's ``stage``: its wall seconds and its thread's CPU seconds (``since``)."""
+        total = self.stages.setdefault(stage, {"seconds": 0.0, "cpu_seconds": 0.0, "blocks": 0})
+        total["seconds"] += times["seconds"]
+        total["cpu_seconds"] += times["cpu_seconds"]
+        total["blocks"] += 1
+
+    def stage_times(self) -> dict[str, dict]:
+        return self.stages
+
 
 class ProgressLine:
     """``with ProgressLine(files, todo, run) as counter:`` hand ``counter`` to the probe tasks
@@ -59,6 +90,7 @@ class ProgressLine:
         self.files, self.todo, self.run, self.metric = files, todo, run, metric
         self.every_s, self.stop = every_s, threading.Event()
         self.first_at: float | None = None
+        self.stages: dict[str, dict] = {}  # the stream's stages, once the pass is over
         self.counter = ray.remote(Counting).options(num_cpus=0).remote(run, metric)
 
     def __enter__(self):
@@ -72,9 +104,11 @@ class ProgressLine:
         self.thread.join()
         self._report(final=True, failed=kind is not None)
         try:  # ``first_at``: when the first item was counted (wall time; None: none was)
-            self.first_at = ray.get(self.counter.first_at.remote())
+            self.first_at, self.stages = ray.get(
+                [self.counter.first_at.remote(), self.counter.stage_times.remote()]
+            )
         except ray.exceptions.RayError:
-            self.first_at = None
+            self.first_at, self.stages = None, {}
         ray.kill(self.counter)
 
     def _loop(self) -> None:

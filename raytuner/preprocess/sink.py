@@ -14,10 +14,9 @@ from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from raytuner.data import cache
-from raytuner.preprocess.decode import LATENT, MASK, STREAM_SCHEMA, TEXT
+from raytuner.preprocess.decode import LATENT, MASK, PROBE_COLUMNS, STREAM_SCHEMA, TEXT
+from raytuner.preprocess.progress import clock, timed
 
-# What the driver gets back of each listed file.
-PROBE_COLUMNS = STREAM_SCHEMA.names[: STREAM_SCHEMA.names.index("pixels")]
 ROW_COLUMNS = ["key", "path", "width", "height", "original_size", "crop_top_left"]
 
 
@@ -30,10 +29,11 @@ def _cell_columns(tensors: list[str]) -> list[str]:
 
 class PartSink(Datasink):
     """Writes each block's latents and text tensors as cache data files of ``run`` and returns
-    its image rows' probe columns; on the driver, ``rows`` then holds all of them."""
+    its image rows' probe columns; on the driver, ``rows`` then holds all of them. ``timer``:
+    the counting actor told each write's time (``progress.timed``), or None."""
 
-    def __init__(self, fs, root: str, run: str):
-        self.fs, self.root, self.run = fs, root, run
+    def __init__(self, fs, root: str, run: str, timer=None):
+        self.fs, self.root, self.run, self.timer = fs, root, run, timer
         self.rows: list[dict] = []
 
     def _write(self, table: pa.Table, kind: str, columns: list[str]) -> None:
@@ -42,7 +42,7 @@ class PartSink(Datasink):
             cache.write_part(self.fs, f"{self.root}/{rel}", table.select(columns))
 
     def write(self, blocks: Iterable, ctx) -> pa.Table:
-        probed = []
+        start, probed = clock(), []
         for block in blocks:
             table = BlockAccessor.for_block(block).to_arrow()
             status = table.column("status")
@@ -59,6 +59,7 @@ class PartSink(Datasink):
             self._write(text, cache.TEXT, names)
             appended = pc.is_in(status, pa.array([TEXT, LATENT, MASK]))
             probed.append(table.filter(pc.invert(appended)).select(PROBE_COLUMNS))
+        timed(self.timer, "write", start)
         return pa.concat_tables(probed) if probed else STREAM_SCHEMA.empty_table()
 
     def on_write_complete(self, write_result) -> None:

@@ -1,5 +1,6 @@
 """`raytuner bench preprocess`: the whole preprocess (probe, decode, encode, commit) against
-the stream's own steps called in one process without Ray, alternated in rounds."""
+the stream's own steps called in one process without Ray, alternated in rounds; and the time of
+each stage of both, so that a slower preprocess names the stage that got slower."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from raytuner.data import cache
 from raytuner.preprocess.decode import ENCODE, Known, probe_decode
 from raytuner.preprocess.encode import Encoder
 from raytuner.preprocess.job import decode_spec, preprocess
+from raytuner.preprocess.pipeline import rows_per_block
+from raytuner.preprocess.progress import clock, since
 from raytuner.preprocess.sources import list_source
 from raytuner.tools.bench.common import (
     alternate,
@@ -40,26 +43,48 @@ def _bench_data(job: JobConfig, images: int, workdir: str) -> DataConfig:
     return DataConfig(images=str(folder), cache=os.path.join(workdir, "cache"))
 
 
-def _bare(job: JobConfig, family, data: DataConfig) -> tuple[int, float]:
+def _bare(job: JobConfig, family, data: DataConfig) -> tuple[int, float, dict]:
     """Probe, decode and encode every image in this process, with the stream's own steps
-    (``probe_decode``, then one ``Encoder`` over the same batches) called directly, without
-    Ray: (images encoded, seconds)."""
+    (``probe_decode``, then one ``Encoder``) called directly on the stream's blocks, without
+    Ray: (images encoded, seconds, the time of each of the two steps)."""
     pre = job.preprocess
-    encoder = Encoder(family, job.model, pre.dtype, pre.store_std)
+    encoder = Encoder(family, job.model, pre.dtype, pre.store_std, batch_size=pre.batch_size)
     sources = data.all_sources()
     listing = [{**r, "known_key": ""} for i, s in enumerate(sources) for r in list_source(i, s)]
     spec = decode_spec(family, data, pre)
+    side = max(max(w, h) for w, h in spec.buckets)
+    rows = rows_per_block(len(listing), pre.batch_size, side, pre.max_actors)
     # the Encoder builds its models on first use: one image first, off the clock, builds both
     # (as the bare loop always did before timing); then it forgets the captions it encoded
     nothing = Known(frozenset(), frozenset())  # the cache holds nothing yet
     encoder(probe_decode(pa.Table.from_pylist(listing[:1]), sources, spec, nothing))
     encoder.seen = set()
+    stages = {name: {"seconds": 0.0, "cpu_seconds": 0.0} for name in ("decode", "encode")}
     start, done = time.perf_counter(), 0
-    for i in range(0, len(listing), pre.batch_size):
-        batch = pa.Table.from_pylist(listing[i : i + pre.batch_size])
-        encoded = encoder(probe_decode(batch, sources, spec, nothing))
-        done += encoded.column("status").to_pylist().count(ENCODE)
-    return done, time.perf_counter() - start
+    for i in range(0, len(listing), rows):
+        began = clock()
+        block = probe_decode(pa.Table.from_pylist(listing[i : i + rows]), sources, spec, nothing)
+        decoded, began = since(began), clock()
+        done += block.column("status").to_pylist().count(ENCODE)
+        encoder(block)
+        for name, took in (("decode", decoded), ("encode", since(began))):
+            stages[name] = {k: stages[name][k] + took[k] for k in took}
+    return done, time.perf_counter() - start, stages
+
+
+def _stage_figures(runs: list[dict], images: int) -> dict:
+    """Each stage's median seconds and CPU seconds over the rounds (a round without the stage:
+    0), its milliseconds per encoded image and its share of all the stages' seconds."""
+    out, none = {}, {"seconds": 0.0, "cpu_seconds": 0.0}
+    for name in dict.fromkeys(name for r in runs for name in r):
+        times = [r.get(name, none) for r in runs]
+        seconds = statistics.median(t["seconds"] for t in times)
+        cpus = [t["cpu_seconds"] for t in times if t["cpu_seconds"] is not None]
+        cpu = round(statistics.median(cpus), 3) if cpus else None  # None: timed from outside
+        out[name] = {"seconds": round(seconds, 3), "cpu_seconds": cpu}
+        out[name]["ms_per_image"] = round(1000 * seconds / max(images, 1), 4)
+    total = sum(s["seconds"] for s in out.values()) or 1.0
+    return {name: s | {"share": round(s["seconds"] / total, 4)} for name, s in out.items()}
 
 
 def _latent_bytes(version: cache.Version, manifest: dict) -> tuple[int, int]:
@@ -91,9 +116,13 @@ def bench_preprocess(job: JobConfig, family, images: int, as_json: bool, rounds:
         def pipeline(r: int) -> dict:
             cache_r = os.path.join(workdir, f"cache-{r}")
             data_r = dataclasses.replace(data, cache=cache_r)
-            return preprocess(job.model, data_r, job.preprocess, family=family)
+            start = time.perf_counter()
+            rep = preprocess(job.model, data_r, job.preprocess, family=family)
+            # what follows the report: the index, captions, report and manifest written
+            commit = {"seconds": time.perf_counter() - start - rep["seconds"], "cpu_seconds": None}
+            return rep | {"stages": rep["stages"] | {"commit": commit}}
 
-        def bare(r: int) -> tuple[int, float]:
+        def bare(r: int) -> tuple[int, float, dict]:
             return _bare(job, family, data)
 
         load_before = load_average()
@@ -105,7 +134,7 @@ def bench_preprocess(job: JobConfig, family, images: int, as_json: bool, rounds:
     reports = sides["pipeline"]
     rates = {
         "pipeline": [r["encoded"] / r["seconds"] for r in reports],
-        "bare": [done / seconds for done, seconds in sides["bare"]],
+        "bare": [done / seconds for done, seconds, _ in sides["bare"]],
     }
     bare = statistics.median(rates["bare"])
     startup, marginal = _startup(reports)
@@ -119,6 +148,11 @@ def bench_preprocess(job: JobConfig, family, images: int, as_json: bool, rounds:
         "bytes_per_latent_ratio": round(stored / tensor, 4),
         "latent_bytes_stored": stored,
         "latent_tensor_bytes": tensor,
+        # the pipeline's stages (decode, encode, write: summed over the tasks and actors that
+        # ran them, which overlap; list, locate, commit: the driver's) and the bare loop's
+        # (decode, encode): the stage whose milliseconds an image grew is the one to look at
+        "stages": _stage_figures([r["stages"] for r in reports], reports[0]["encoded"]),
+        "bare_stages": _stage_figures([b[2] for b in sides["bare"]], reports[0]["encoded"]),
         "encoder_actors": [job.preprocess.min_actors, job.preprocess.max_actors],
         "cpus": os.cpu_count(),
         **round_figures(rounds, rates, load_before, load_after),
