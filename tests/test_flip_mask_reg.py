@@ -22,6 +22,7 @@ from PIL import Image, ImageOps
 from run_checks import lora_changes_the_pipeline
 from safetensors.torch import load_file
 
+from raytuner import placement
 from raytuner.api import preprocess, train
 from raytuner.checkpoint import layout
 from raytuner.config import ObjectiveConfig, load_job
@@ -342,9 +343,10 @@ def test_regularization_samples_weigh_the_prior_loss_weight(features):
     loss_fn = family.loss(TINY, ObjectiveConfig().for_family(family))
     total = forward_backward(model, loss_fn, mixed, torch.device("cpu"), 0, scale=1.0)
     generators = [torch.Generator().manual_seed(s) for s in mixed.seeds]
+    tensors = placement.batch(mixed.tensors, torch.device("cpu"))  # float32, as the step takes
     with torch.no_grad():
-        per_sample = loss_fn(model, mixed.tensors, generators)
-    torch.testing.assert_close(total, (per_sample * mixed.tensors["loss_weight"]).sum())
+        per_sample = loss_fn(model, tensors, generators)
+    torch.testing.assert_close(total, (per_sample * tensors["loss_weight"]).sum())
 
 
 def _checkpoint_weights(run_dir: str) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ CUDA = torch.device("cuda")
 def test_frozen_weights_are_bfloat16_on_a_gpu_and_the_step_autocasts():
     job = load_job(REPO / "jobs" / "tiny.toml")
     family = get_family(job.model.family)
-    denoiser, weights, source, amp, _ = trainable_model(
+    denoiser, weights, source, amp, *_ = trainable_model(
         job.model, job.train, job.lora, family, CUDA
     )
     frozen = {p.dtype for p in denoiser.parameters() if not p.requires_grad}

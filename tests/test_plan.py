@@ -181,7 +181,7 @@ def test_plan_matches_what_a_real_step_allocates_on_cpu():
     shapes = family.cache_shapes(*size)
     planned = planner.trace_step(job, family, shapes, size, 1, False)["backward_peak_bytes"]
     cpu = torch.device("cpu")
-    denoiser, _, source, _, _ = trainable_model(job.model, job.train, job.lora, family, cpu)
+    denoiser, _, source, *_ = trainable_model(job.model, job.train, job.lora, family, cpu)
     batch = family.example_batch(shapes, 1, size, "meta", torch.float32)
     batch = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in batch.items()}
     loss_fn = family.loss(source, job.objective.for_family(family))

@@ -98,7 +98,7 @@ def _train_and_save(rank: int, world: int, folder: str, port: int) -> None:
         step(_slice(i, rank, world))
     state = files.TrainState(step=STEPS)
     export = lambda d: weights.export_lora(None, None, {})  # noqa: E731 (gathered, not written)
-    files.save_checkpoint(folder, weights, opt, sched, state, {}, export, rank=rank)
+    files.save_checkpoint(folder, weights, opt, sched, state, {}, export, rank=rank, sharded=True)
     reference = _state(weights, opt, sched)
     if rank == 0:
         save_file(reference, os.path.join(folder, "..", "reference.safetensors"))

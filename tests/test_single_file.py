@@ -115,7 +115,7 @@ def test_a_worker_trains_a_step_on_the_single_file_model(sd15_file, tmp_path):
     latent, _ = SD15.image_encoder(source, "cpu")(pixels)
     batch = {"latent": latent, **SD15.text_encoder(source, "cpu")(["a red circle", ""])}
     # the worker's own setup and one optimizer step
-    denoiser, weights, source, amp, _ = trainable_model(
+    denoiser, weights, source, amp, *_ = trainable_model(
         job.model, job.train, job.lora, SD15, device, job.memory
     )
     base = {k.replace(".base_layer", ""): v for k, v in denoiser.state_dict().items()}
