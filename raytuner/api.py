@@ -56,10 +56,11 @@ def _train(job: JobConfig, family) -> dict:
 
     if "raytuner.train.trainer" not in sys.modules:  # seconds of imports, more on a busy host
         log.info("train: loading Ray Train, torch and the model's libraries")
+    from raytuner.tools import plan_adopt
     from raytuner.train.trainer import train as fit
 
     runtime.connect()
-    return fit(job, family)
+    return fit(plan_adopt.on_gpus(job, family), family)
 
 
 def preprocess(job: JobConfig) -> dict:

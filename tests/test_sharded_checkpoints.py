@@ -117,7 +117,9 @@ def _load(rank: int, world: int, folder: str, port: int) -> None:
     from test_export_final import Recording  # the local filesystem, noting every read
 
     reads = Recording()
-    loaded = files.load_checkpoint(folder, weights, opt, sched, pafs.PyFileSystem(reads))
+    loaded = files.load_checkpoint(
+        folder, weights, opt, sched, pafs.PyFileSystem(reads), sharded=True
+    )
     result = {"step": loaded.step, "read": {p: sum(n) for p, n in reads.opened.items()}}
     got = _state(weights, opt, sched)
     if rank == 0:
@@ -131,7 +133,7 @@ def _load(rank: int, world: int, folder: str, port: int) -> None:
                 damage(shard)
             dist.barrier()
             try:
-                files.load_checkpoint(folder, weights, opt, sched)
+                files.load_checkpoint(folder, weights, opt, sched, sharded=True)
             except files.CheckpointError as e:
                 result["errors"].append(str(e))
             dist.barrier()

@@ -53,6 +53,9 @@ class JobConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # the dotted keys the job file and its --set overrides name (``train.micro_batch_size`` …):
+    # what the job pins, as against what it leaves to its defaults (``tools/plan_adopt.py``)
+    given: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.train.global_batch_size < self.scaling.max_workers:
@@ -68,10 +71,16 @@ class JobConfig:
         rules.paths_apart(self.data, self.train)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The sections as plain values (``job.json``, ``raytuner check --print``)."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
 
-SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)  # section name -> its dataclass
+# section name -> its dataclass
+SECTIONS: dict[str, type] = {
+    name: hint
+    for name, hint in typing.get_type_hints(JobConfig).items()
+    if dataclasses.is_dataclass(hint)
+}
 
 
 def unknown_section(where: str, name: str) -> ConfigError:
@@ -90,8 +99,10 @@ def build_job(raw: dict[str, Any], where: str) -> JobConfig:
         if required not in raw:
             raise ConfigError(f"{where}: missing section [{required}]")
     sections = {name: build_section(SECTIONS[name], raw[name], where, name) for name in raw}
+    tables = [(name, table) for name, table in raw.items() if isinstance(table, dict)]
+    given = {f"{name}.{key}" for name, table in tables for key in table}
     try:
-        return JobConfig(**sections)
+        return JobConfig(**sections, given=frozenset(given))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 

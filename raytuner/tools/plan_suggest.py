@@ -150,7 +150,7 @@ def faster(job: JobConfig, traces: Traces, usable: int) -> list[dict]:
     last. Gradient checkpointing off (the forward is not run again in backward: a third less
     work a sample for a transformer), then the largest micro-batch up to the worker's slice of
     the global batch (fewer, larger kernels), of twice, four times … the job's, capped at the
-    slice (``_largest``)."""
+    slice (``largest_fitting``)."""
     out, best = [], job
     if job.train.gradient_checkpointing and not job.memory.blocks_to_swap:  # swap needs it
         off = _with(_set(job, "memory", activation_offload=False), gradient_checkpointing=False)
@@ -163,12 +163,12 @@ def faster(job: JobConfig, traces: Traces, usable: int) -> list[dict]:
     while micro < slice_:
         micro = min(2 * micro, slice_)
         sizes.append(micro)
-    if larger := _largest(best, sizes, traces, usable):
+    if larger := largest_fitting(best, sizes, traces, usable):
         out.append(_faster(changes(job, larger[0]), larger[1], larger[2]))
     return out
 
 
-def _largest(job: JobConfig, sizes: list[int], traces: Traces, usable: int):
+def largest_fitting(job: JobConfig, sizes: list[int], traces: Traces, usable: int):
     """The largest micro-batch of ``sizes`` (ascending) that fits, as (the job with it, peak,
     TFLOP a sample), or None: the largest tried first (it often fits), then halving the
     sizes left (a worker's peak grows with its micro-batch: one that does not fit rules out
