@@ -188,8 +188,10 @@ def test_three_workers_train_the_same_rows_and_weights_as_two(job_file):
     three, three_dir = run(job_file, "three", "scaling.workers=3", "train.micro_batch_size=1")
     assert sample_log.trained(three_dir) == sample_log.trained(reference_dir)
     # float rounding only (another all-reduce and accumulation order), which AdamW's normalised
-    # steps at lr 1e-2 carry through 12 steps: measured up to 1.1e-4
-    assert_same_weights(three, expected, tolerance=3e-4)
+    # steps at lr 1e-2 carry through 12 steps: measured up to 1.1e-4 (2026-11-25), 3.1e-4 with
+    # gradients in DDP's buckets (2026-11-26, one lora_B of ~100 tensors); a wrong row, seed or
+    # scale differs by more than 1e-2
+    assert_same_weights(three, expected, tolerance=1e-3)
     slices = sample_log.read_attempts(three_dir)[0][1]
     assert [len(slices[r]["ids"]) for r in (0, 1, 2)] == [2, 1, 1]
 

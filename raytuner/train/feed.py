@@ -97,7 +97,10 @@ class Feed:
         buckets = data.buckets
         self.buckets = [buckets[i] for i in self.rows]
         self.paths = [data.paths[i] for i in self.rows]
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)  # futures of batches
+        self._queue: queue.Queue = queue.Queue()  # futures of batches, in schedule order
+        # a batch is submitted only for a free slot; ``next`` frees one as it takes a batch, so
+        # at most ``prefetch`` batches are read ahead of the step (not one more in the thread)
+        self._slots = threading.Semaphore(prefetch)
         self._assemblers = ThreadPoolExecutor(prefetch, thread_name_prefix="raytuner-assemble")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -132,13 +135,12 @@ class Feed:
         ids = [self.paths[j] for j in mine]
         return RankSlice(epoch, index, len(batches), tensors, seeds, ids, tuple(flips))
 
-    def _put(self, item) -> None:
+    def _slot(self) -> bool:
+        """Waits for a free slot; False once the feed is closing."""
         while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+            if self._slots.acquire(timeout=0.1):
+                return True
+        return False
 
     def _produce(self, epoch: int, index: int) -> None:
         """Hands out the batches in schedule order, assembled up to ``prefetch`` at once (their
@@ -147,12 +149,12 @@ class Feed:
             while not self._stop.is_set():
                 batches = self.epoch(epoch)
                 for i in range(index, len(batches)):
-                    if self._stop.is_set():
+                    if not self._slot():
                         return
-                    self._put(self._assemblers.submit(self.assemble, epoch, i, batches))
+                    self._queue.put(self._assemblers.submit(self.assemble, epoch, i, batches))
                 epoch, index = epoch + 1, 0
         except BaseException as e:  # handed to the training thread, which raises it
-            self._put(e)
+            self._queue.put(e)
 
     def start(self, epoch: int, index: int) -> Feed:
         self._thread = threading.Thread(
@@ -165,6 +167,7 @@ class Feed:
         """The batch at cursor (epoch, index); the caller moves its cursor past it."""
         tick = time.perf_counter()
         item = self._queue.get()
+        self._slots.release()
         try:
             if isinstance(item, BaseException):
                 raise item
