@@ -150,13 +150,13 @@ def plan(job: JobConfig, gpu_memory: str = "80GiB") -> dict:
     ``"24GB"`` (decimal, 22.4 GiB); a bare number is refused (``ConfigError``). Planning runs
     nothing: the job's optional packages (8-bit AdamW's bitsandbytes, wandb), image folders and
     outputs need not be there."""
-    from raytuner.tools.plan_progress import Progress
-    from raytuner.tools.plan_report import parse_size
+    from raytuner.tools.plan.progress import Progress
+    from raytuner.tools.plan.report import parse_size
 
     memory = parse_size(gpu_memory)
     with Progress() as progress:  # a line at least every 10 s (logger raytuner.plan)
         progress.now("loading torch, diffusers and the model code")
-        from raytuner.tools.plan import plan as size_up
+        from raytuner.tools.plan.measure import measure
 
         family = check(job, runs=False)
-        return {"gpu_memory": gpu_memory.strip()} | size_up(job, family, memory, True, progress)
+        return {"gpu_memory": gpu_memory.strip()} | measure(job, family, memory, True, progress)

@@ -263,7 +263,7 @@ def do_sample(job: JobConfig, args: argparse.Namespace) -> None:
 
 
 def do_plan(job: JobConfig, args: argparse.Namespace) -> int:
-    from raytuner.tools.plan_report import print_plan
+    from raytuner.tools.plan.report import print_plan
 
     result = api.plan(job, args.gpu_memory)
     if args.json:

@@ -79,7 +79,7 @@ def test_plan_is_within_15_percent_of_the_measured_peak():
 
 def _tiny_shapes() -> dict:
     family = get_family(load_job(REPO / "jobs" / "tiny.toml").model.family)
-    from raytuner.tools import plan_trace as plan
+    from raytuner.tools.plan import trace as plan
 
     job = load_job(REPO / "jobs" / "tiny.toml")
     return plan.trace_encoders(job, family, plan.largest_bucket(job, family))[1]

@@ -276,8 +276,8 @@ def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(
 
 def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_path):
     from raytuner.config import load_job
-    from raytuner.tools.plan import plan
-    from raytuner.tools.plan_trace import MARGIN, swapped_peak
+    from raytuner.tools.plan.measure import measure
+    from raytuner.tools.plan.trace import MARGIN, swapped_peak
 
     path = tmp_path / "job.toml"
     path.write_text(
@@ -286,10 +286,10 @@ def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_
         )
     )
     rank = ["lora.rank=256"]  # LoRA matrices over bitsandbytes' 8-bit threshold
-    plain = plan(load_job(path, rank), FAMILIES["flux"], 2**40, compare=False)
+    plain = measure(load_job(path, rank), FAMILIES["flux"], 2**40, compare=False)
     worker = plain["worker"]
     assert len(worker["block_bytes"]) == 4 and min(worker["block_bytes"]) > 0
-    swapped = plan(
+    swapped = measure(
         load_job(path, rank + ["memory.blocks_to_swap=3"]), FAMILIES["flux"], 2**40, compare=False
     )
     streamed = worker["block_bytes"][1:]
@@ -300,10 +300,10 @@ def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_
     )
 
     # float8: every linear weight at one byte instead of bfloat16's two (norms, biases stay)
-    fp8 = plan(
+    fp8 = measure(
         load_job(path, rank + ['model.dtype="float8"']), FAMILIES["flux"], 2**40, compare=False
     )
-    half = plan(
+    half = measure(
         load_job(path, rank + ['model.dtype="bfloat16"']), FAMILIES["flux"], 2**40, compare=False
     )
     fp8_bytes, bf16_bytes = fp8["worker"]["weights_by_dtype"], half["worker"]["weights_by_dtype"]
@@ -311,7 +311,7 @@ def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_
     linear = bf16_bytes["bfloat16"] - fp8_bytes["bfloat16"]
     assert fp8_bytes["float8_e4m3fn"] * 2 == linear
 
-    eight = plan(
+    eight = measure(
         load_job(path, rank + ['train.optimizer="adamw8bit"']),
         FAMILIES["flux"],
         2**40,
@@ -323,7 +323,7 @@ def test_plan_counts_streamed_blocks_float8_weights_and_the_optimizer_state(tmp_
     # three, the fewest that fit
     gpu = int(swapped_peak(worker, 3, 2) / (1 - MARGIN)) + 1
     assert swapped_peak(worker, 2, 2) > gpu * (1 - MARGIN)
-    suggested = plan(load_job(path, rank), FAMILIES["flux"], gpu, compare=False)["suggestions"]
+    suggested = measure(load_job(path, rank), FAMILIES["flux"], gpu, compare=False)["suggestions"]
     swaps = [s for s in suggested if "blocks_to_swap" in s["set"] and "float8" not in s["set"]]
     assert swaps[0]["set"].endswith("memory.blocks_to_swap = 3") and swaps[0]["fits"]
 
@@ -335,7 +335,7 @@ def test_the_shipped_12gb_flux_job_fits_12gib():
     from pathlib import Path
 
     from raytuner.config import load_job
-    from raytuner.tools.plan_trace import MARGIN, GiB, largest_bucket, micro_batch, trace_step
+    from raytuner.tools.plan.trace import MARGIN, GiB, largest_bucket, micro_batch, trace_step
 
     path = Path(__file__).resolve().parents[1] / "jobs" / "flux-12gb.toml"
     job = load_job(path)

@@ -17,8 +17,8 @@ from raytuner.cli import main
 from raytuner.config import LoraConfig, ObjectiveConfig, load_job
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
-from raytuner.tools.plan import GiB, plan
-from raytuner.tools.plan_report import parse_size
+from raytuner.tools.plan.measure import GiB, measure
+from raytuner.tools.plan.report import parse_size
 from raytuner.train.model import adapt, autocast_dtype
 from raytuner.train.step import forward_backward
 
@@ -38,7 +38,7 @@ def test_every_shipped_job_fits_the_gpu_its_comment_names(family):
     package (no network here) and traces one training step at the largest bucket."""
     job = load_job(str(REPO / "jobs" / f"{family}.toml"), [])
     assert "L40S (48 GB)" in (REPO / "jobs" / f"{family}.toml").read_text()
-    result = plan(job, FAMILIES[family], parse_size("48GiB"), compare=False)
+    result = measure(job, FAMILIES[family], parse_size("48GiB"), compare=False)
     published, tolerance = PUBLISHED[family]
     assert abs(result["denoiser_params"] - published) <= tolerance * published
     # frozen weights in bfloat16 on GPUs by default: 2 bytes a parameter, the LoRA in float32
@@ -79,14 +79,14 @@ def test_a_faster_suggestion_does_less_work_or_the_same_in_larger_micro_batches_
     settings = ["train.gradient_checkpointing=true", "train.micro_batch_size=1"]
     settings += ["train.global_batch_size=8"]
     job = load_job(tiny, settings)
-    roomy = plan(job, sdxl, parse_size("24GiB"))
-    filled = plan(job, sdxl, roomy["peak_bytes"])
+    roomy = measure(job, sdxl, parse_size("24GiB"))
+    filled = measure(job, sdxl, roomy["peak_bytes"])
     faster = {id(r): [s for s in r["suggestions"] if s.get("faster")] for r in (roomy, filled)}
     assert len(faster[id(roomy)]) >= 2, roomy["suggestions"]
     for result in (roomy, filled):
         gpu, before = result["gpu_memory_bytes"], result["tflops_per_sample"]
         for suggestion in faster[id(result)]:
-            again = plan(load_job(tiny, settings + _overrides(suggestion["set"])), sdxl, gpu,
+            again = measure(load_job(tiny, settings + _overrides(suggestion["set"])), sdxl, gpu,
                          compare=False)  # fmt: skip
             assert suggestion["fits"] and again["fits"], (suggestion, again["peak_bytes"], gpu)
             work = again["tflops_per_sample"]
@@ -170,7 +170,7 @@ def test_plan_matches_what_a_real_step_allocates_on_cpu():
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
-    from raytuner.tools import plan_trace as planner
+    from raytuner.tools.plan import trace as planner
     from raytuner.train.model import trainable_model
 
     overrides = ['model.pretrained="random"', 'model.dtype="float32"', "train.micro_batch_size=1"]

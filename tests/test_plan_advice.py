@@ -21,11 +21,11 @@ import pytest
 
 from raytuner.config import load_job
 from raytuner.families import FAMILIES
-from raytuner.tools.plan import plan
-from raytuner.tools.plan_progress import Progress
-from raytuner.tools.plan_report import print_plan
-from raytuner.tools.plan_suggest import MOST_LORA_WORKERS
-from raytuner.tools.plan_trace import MARGIN, trace_step
+from raytuner.tools.plan.measure import measure
+from raytuner.tools.plan.progress import Progress
+from raytuner.tools.plan.report import print_plan
+from raytuner.tools.plan.suggest import MOST_LORA_WORKERS
+from raytuner.tools.plan.trace import MARGIN, trace_step
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "jobs" / "tiny.toml"
@@ -41,7 +41,7 @@ def plans():
     exactly P; on the smallest card one sample a forward fits with the margin (validation on
     half a GPU, beside a training worker); on a card smaller than the CUDA overhead."""
     quiet = load_job(TINY, [*BIG, "validation.every_steps=0"])
-    large = plan(quiet, SDXL, 80 * 2**30, compare=False)
+    large = measure(quiet, SDXL, 80 * 2**30, compare=False)
     shapes, size = large["cache_shapes"], tuple(large["bucket"])
     one = trace_step(quiet, SDXL, shapes, size, 1, True)["peak_bytes"]
     card = int(one / (1 - MARGIN)) + 2
@@ -49,9 +49,9 @@ def plans():
     sharing = load_job(TINY, [*BIG, "validation.gpus=0.5"])
     return {
         "large": large,
-        "at_peak": plan(quiet, SDXL, large["peak_bytes"], compare=False),
-        "one_fits": plan(sharing, SDXL, card, compare=False),
-        "nothing_fits": plan(quiet, SDXL, 1000 * 2**20, compare=False),
+        "at_peak": measure(quiet, SDXL, large["peak_bytes"], compare=False),
+        "one_fits": measure(sharing, SDXL, card, compare=False),
+        "nothing_fits": measure(quiet, SDXL, 1000 * 2**20, compare=False),
     }
 
 
@@ -160,8 +160,8 @@ def test_ops_answered_from_memory_count_what_their_kernels_would(monkeypatch, ch
     blocks, LoRA, float8 storage, the step and AdamW) makes and frees the same bytes after
     every op, and counts the same FLOPs, as with every kernel run, also from a memo already
     full."""
-    from raytuner.tools import trace
-    from raytuner.tools.plan_trace import largest_bucket, micro_batch, trace_encoders
+    from raytuner.tools.plan import meta as trace
+    from raytuner.tools.plan.trace import largest_bucket, micro_batch, trace_encoders
 
     timelines = []
 

@@ -20,10 +20,10 @@ from test_jobcheck import accepted, refused
 
 from raytuner.config import load_job
 from raytuner.families import FAMILIES
-from raytuner.tools import plan_sharded
-from raytuner.tools import plan_trace as planner
-from raytuner.tools.plan import GiB, plan
-from raytuner.tools.plan_report import parse_size
+from raytuner.tools.plan import fsdp
+from raytuner.tools.plan import trace as planner
+from raytuner.tools.plan.measure import GiB, measure
+from raytuner.tools.plan.report import parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 FULL = ['train.mode="full"']
@@ -33,7 +33,7 @@ def test_the_shipped_sharded_flux_job_fits_the_l40s_its_comment_names():
     text = (REPO / "jobs" / "flux-full.toml").read_text()
     assert "L40S (48 GB)" in text and "42.2 GiB at 5" in text
     job = load_job(REPO / "jobs" / "flux-full.toml")
-    result = plan(job, FAMILIES["flux"], parse_size("48GiB"), compare=False)
+    result = measure(job, FAMILIES["flux"], parse_size("48GiB"), compare=False)
     fewest, most = result["sharded"]["by_workers"]
     assert (fewest["workers"], most["workers"]) == (5, 8)
     assert result["peak_bytes"] == fewest["peak_bytes"] > most["peak_bytes"]
@@ -46,12 +46,12 @@ def test_the_shipped_sharded_flux_job_fits_the_l40s_its_comment_names():
 def test_a_flux_full_finetune_fits_80gib_sharded_over_8_and_plan_says_so():
     flux = REPO / "jobs" / "flux.toml"
     replicated = load_job(flux, [*FULL, "scaling.workers=8"])
-    result = plan(replicated, FAMILIES["flux"], parse_size("80GiB"), compare=False)
+    result = measure(replicated, FAMILIES["flux"], parse_size("80GiB"), compare=False)
     assert not result["fits"] and result["peak_bytes"] > 200 * GiB
     (fsdp,) = [s for s in result["suggestions"] if "fsdp" in s["set"]]
     assert fsdp["fits"] and fsdp["set"].startswith('scaling.strategy = "fsdp", scaling.workers =')
     sharded = load_job(flux, [*FULL, "scaling.workers=8", 'scaling.strategy="fsdp"'])
-    result = plan(sharded, FAMILIES["flux"], parse_size("80GiB"), compare=False)
+    result = measure(sharded, FAMILIES["flux"], parse_size("80GiB"), compare=False)
     assert result["fits"] and result["peak_bytes"] < 40 * GiB
 
 
@@ -138,7 +138,7 @@ def test_plan_divides_the_state_as_fsdp_does(tmp_path):
     size = planner.largest_bucket(job, family)
     _, shapes = planner.trace_encoders(job, family, size)
     parts = planner.sharded_parts(job, family, shapes, size, 1, False)
-    planned = plan_sharded.worker_bytes(job, parts, 2, 0)
+    planned = fsdp.worker_bytes(job, parts, 2, 0)
     for key in ("weights_bytes", "gradients_bytes", "optimizer_bytes"):
         assert [m[key] for m in measured] == [planned[key]] * 2, key
     # what a worker holds whole at once: at most plan's root and two units in flight, and two

@@ -318,7 +318,7 @@ def test_the_feed_hands_token_ids_and_reads_captions_only_for_such_jobs(job_file
 def test_plan_counts_the_text_encoders():
     """SD1.5 at 512 px, micro-batch 1: its CLIP-L's weights (123 M parameters in bfloat16),
     its LoRA with gradients and AdamW state, and its work join the worker's figures."""
-    from raytuner.tools.plan import plan
+    from raytuner.tools.plan.measure import measure
 
     family = FAMILIES["sd15"]
     overrides = ["train.micro_batch_size=1", "train.gradient_checkpointing=true"]
@@ -327,7 +327,7 @@ def test_plan_counts_the_text_encoders():
         job = load_job(
             REPO / "jobs" / "sd15.toml", [*overrides, f"lora.text_encoder={str(on).lower()}"]
         )
-        figures[on] = plan(job, family, 80 * 2**30, compare=False)
+        figures[on] = measure(job, family, 80 * 2**30, compare=False)
     off, on = figures[False]["worker"], figures[True]["worker"]
     assert on["text_encoder_params"] == pytest.approx(123.06e6, rel=0.01)
     lora = 12 * 4 * 16 * (768 + 768)  # 12 layers, q/k/v/out, rank 16

@@ -24,7 +24,7 @@ import torch
 
 from raytuner.observe import flops
 from raytuner.placement import sharding
-from raytuner.tools.trace import offloaded, traced
+from raytuner.tools.plan.meta import offloaded, traced
 from raytuner.train import optim
 from raytuner.train.model import autocast_dtype
 

@@ -1,7 +1,7 @@
 """The traces `raytuner plan` is made of: one training worker's step, an encoder actor's and the
-validation actor's work, each run once on the meta device and counted (``tools/trace.py``: the
-bytes; ``observe/flops.py``: the FLOPs), and the sharded worker's parts (``plan_sharded.py``).
-``plan.py`` puts them together; ``plan_suggest.py`` traces the settings it suggests.
+validation actor's work, each run once on the meta device and counted (``meta.py``: the
+bytes; ``observe/flops.py``: the FLOPs), and the sharded worker's parts (``fsdp.py``).
+``measure.py`` puts them together; ``suggest.py`` traces the settings it suggests.
 
 A trace on meta tensors costs the same at any size (every op runs torch's Python meta kernel:
 an SDXL step is about 50 000 of them), so one plan traces each setting once (``Traces``): a
@@ -23,9 +23,9 @@ from raytuner.config import JobConfig
 from raytuner.families import parts
 from raytuner.observe import flops
 from raytuner.preprocess.buckets import make_buckets
-from raytuner.tools import plan_sharded
-from raytuner.tools.plan_progress import Progress
-from raytuner.tools.trace import offloaded, traced
+from raytuner.tools.plan import fsdp
+from raytuner.tools.plan.meta import offloaded, traced
+from raytuner.tools.plan.progress import Progress
 from raytuner.train import optim
 from raytuner.train.model import Trainable, trainable_model
 
@@ -126,14 +126,14 @@ class Traces:
         return copy.deepcopy(self._made[key])
 
     def sharded(self, job: JobConfig, micro: int, checkpointing: bool) -> dict:
-        """``plan_sharded.trace`` of the job's step (what sharding does not divide)."""
+        """``fsdp.trace`` of the job's step (what sharding does not divide)."""
         job = _setting(job, checkpointing)
         key = ("sharded", repr(job), micro)
         if self._reuse(key, "the sharded (fsdp) worker", job, micro):
             trained = self._model(job)
             batch = self._batch(trained, micro)
             offload = job.memory.activation_offload and checkpointing
-            self._made[key] = plan_sharded.trace(job, self.family, trained, batch, offload)
+            self._made[key] = fsdp.trace(job, self.family, trained, batch, offload)
         return copy.deepcopy(self._made[key])
 
     def _reuse(self, key: tuple, who: str, job: JobConfig, micro: int) -> bool:
@@ -344,5 +344,5 @@ def micro_batch(job: JobConfig) -> int:
 
 
 def sharded_parts(job: JobConfig, family, shapes, size, micro: int, checkpointing: bool):
-    """``plan_sharded.trace`` of the job's step (what sharding does not divide)."""
+    """``fsdp.trace`` of the job's step (what sharding does not divide)."""
     return Traces(family, shapes, size).sharded(job, micro, checkpointing)

@@ -1,7 +1,7 @@
 """What `raytuner plan` suggests: for a worker that does not fit, the settings that make it fit
 (cheaper remedies, block swap, sharding over the fewest workers); for one that fits, the faster
 settings that still fit (no gradient checkpointing, a larger micro-batch). Each suggestion is
-traced like the job itself (``plan_trace.py``)."""
+traced like the job itself (``trace.py``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import dataclasses
 from raytuner.config import JobConfig
 from raytuner.families import parts
 from raytuner.placement.strategy import SHARDED, UNSHARDABLE, Strategy
-from raytuner.tools import plan_sharded
-from raytuner.tools.plan_trace import OVERHEAD, Traces, micro_batch, swapped_peak
+from raytuner.tools.plan import fsdp
+from raytuner.tools.plan.trace import OVERHEAD, Traces, micro_batch, swapped_peak
 
 # the settings a suggestion may change, and how a job TOML writes them
 SETTINGS = (
@@ -103,14 +103,14 @@ def _shardable(job: JobConfig) -> JobConfig:
 def _fsdp_suggestion(job: JobConfig, sharded: JobConfig, traced: dict, usable: int) -> dict:
     """The fewest workers ``sharded`` (``job`` sharded; ``traced``: its ``Traces.sharded``)
     fits at, as a suggestion; up to ``MOST_LORA_WORKERS`` for a LoRA (sharding across nodes is
-    not what a LoRA should pick: docs/training.md), ``plan_sharded.MOST_WORKERS`` for a full
+    not what a LoRA should pick: docs/training.md), ``fsdp.MOST_WORKERS`` for a full
     fine-tune, still too big there."""
-    most = MOST_LORA_WORKERS if job.train.mode == "lora" else plan_sharded.MOST_WORKERS
-    worker = plan_sharded.fewest_workers(sharded, traced, usable, OVERHEAD, most)
+    most = MOST_LORA_WORKERS if job.train.mode == "lora" else fsdp.MOST_WORKERS
+    worker = fsdp.fewest_workers(sharded, traced, usable, OVERHEAD, most)
     text = changes(job, sharded)
     text = (text + ", " if text else "") + "scaling.workers = "
     if worker is None:
-        peak = plan_sharded.worker_bytes(sharded, traced, most, OVERHEAD)["peak_bytes"]
+        peak = fsdp.worker_bytes(sharded, traced, most, OVERHEAD)["peak_bytes"]
         return {"set": f"{text}{most}", "peak_bytes": peak, "fits": False}
     text += f"{worker['workers']} (or more)"
     return {"set": text, "peak_bytes": worker["peak_bytes"], "fits": True}
@@ -141,7 +141,7 @@ def _measure(job: JobConfig, traces: Traces) -> tuple[int, float]:
         worker = traces.step(job, micro, checkpointing)
         return worker["peak_bytes"], worker["tflops_per_sample"]
     parts = traces.sharded(job, micro, checkpointing)
-    fewest = plan_sharded.worker_bytes(job, parts, job.scaling.min_workers, OVERHEAD)
+    fewest = fsdp.worker_bytes(job, parts, job.scaling.min_workers, OVERHEAD)
     return fewest["peak_bytes"], parts["flops"] / micro / 1e12
 
 

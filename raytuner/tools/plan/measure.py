@@ -3,7 +3,7 @@ actor, measured by running the real step on the meta device (nothing is allocate
 
 The training worker's figure is one real training step of the job (the worker's own model setup,
 ``train.model.trainable_model``, on the meta device; the family's loss on its example batch;
-AdamW), run once on meta tensors (``tools/trace.py`` counts them); a later step is the
+AdamW), run once on meta tensors (``meta.py`` counts them); a later step is the
 same with the optimizer state alive: its peak is the weights (by dtype) plus the peak of every
 tensor the step keeps alive at once (activations saved for backward, gradients, optimizer state,
 temporaries).
@@ -13,7 +13,7 @@ see ``OVERHEAD``), allocator fragmentation, DDP's gradient buckets (another copy
 gradients; counted below) and the pinned host batches of the feed. A worker or actor fits a card
 when its peak is within ``1 - MARGIN`` of it (fragmentation, what the driver keeps).
 
-Each setting is traced once (``plan_trace.Traces``), and ``plan_progress.Progress`` says what is
+Each setting is traced once (``trace.Traces``), and ``progress.Progress`` says what is
 traced, on the ``raytuner.plan`` logger.
 """
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from raytuner.config import JobConfig
 from raytuner.placement.strategy import Strategy
-from raytuner.tools import plan_sharded, plan_suggest
-from raytuner.tools.plan_progress import Progress
-from raytuner.tools.plan_trace import (
+from raytuner.tools.plan import fsdp, suggest
+from raytuner.tools.plan.progress import Progress
+from raytuner.tools.plan.trace import (
     MARGIN,
     OVERHEAD,
     GiB,
@@ -34,7 +34,7 @@ from raytuner.tools.plan_trace import (
     trace_validation,
 )
 
-__all__ = ["GiB", "plan"]
+__all__ = ["GiB", "measure"]
 
 
 def _sharded(job: JobConfig, traces: Traces, micro: int, compare: bool) -> dict:
@@ -45,32 +45,32 @@ def _sharded(job: JobConfig, traces: Traces, micro: int, compare: bool) -> dict:
     out = {
         "compute_dtype": parts["compute_dtype"],
         "by_workers": [
-            plan_sharded.worker_bytes(job, parts, n, OVERHEAD)
+            fsdp.worker_bytes(job, parts, n, OVERHEAD)
             for n in sorted({s.min_workers, s.max_workers})
         ],
     }
     if compare:
         other = traces.sharded(job, micro, not checkpointing)
         key = "without" if checkpointing else "with"
-        fewest = plan_sharded.worker_bytes(job, other, s.min_workers, OVERHEAD)
+        fewest = fsdp.worker_bytes(job, other, s.min_workers, OVERHEAD)
         out[f"peak_bytes_{key}_checkpointing"] = fewest["peak_bytes"]
     return out | {"parts": parts}
 
 
-def plan(job: JobConfig, family, gpu_memory: int, compare: bool = True, progress=None) -> dict:
+def measure(job: JobConfig, family, gpu_memory: int, compare: bool = True, progress=None) -> dict:
     """Everything ``raytuner plan`` prints (sizes in bytes); ``compare``: also the worker's
     peak with gradient checkpointing switched the other way. A ``scaling.strategy = "fsdp"``
     job's worker is the sharded one (``sharded``); a job that does not fit is offered the
-    settings that would fit (``plan_suggest.when_too_big``), one that fits the faster settings
-    that would still fit (``plan_suggest.faster``, with ``compare``). ``progress``: where it
-    says what it traces (``plan_progress.Progress``; by default one of its own)."""
+    settings that would fit (``suggest.when_too_big``), one that fits the faster settings
+    that would still fit (``suggest.faster``, with ``compare``). ``progress``: where it
+    says what it traces (``progress.Progress``; by default one of its own)."""
     if progress is not None:
-        return _plan(job, family, gpu_memory, compare, progress)
+        return _measure(job, family, gpu_memory, compare, progress)
     with Progress() as progress:
-        return _plan(job, family, gpu_memory, compare, progress)
+        return _measure(job, family, gpu_memory, compare, progress)
 
 
-def _plan(job: JobConfig, family, gpu_memory: int, compare: bool, progress: Progress) -> dict:
+def _measure(job: JobConfig, family, gpu_memory: int, compare: bool, progress: Progress) -> dict:
     size = largest_bucket(job, family)
     encoder, shapes = trace_encoders(job, family, size, progress)
     traces = Traces(family, shapes, size, progress)
@@ -88,9 +88,9 @@ def _plan(job: JobConfig, family, gpu_memory: int, compare: bool, progress: Prog
     usable = int(gpu_memory * (1 - MARGIN))
     fits = peak <= usable
     if fits:  # what would be faster and still fit (traced only for the full report)
-        suggestions = plan_suggest.faster(job, traces, usable) if compare else []
+        suggestions = suggest.faster(job, traces, usable) if compare else []
     else:
-        suggestions = plan_suggest.when_too_big(job, traces, usable, sharded)
+        suggestions = suggest.when_too_big(job, traces, usable, sharded)
     if sharded is not None:
         del sharded["parts"]  # traced for the suggestions; not printed
     result = {
@@ -117,7 +117,7 @@ def _plan(job: JobConfig, family, gpu_memory: int, compare: bool, progress: Prog
         "cache_shapes": {k: list(v) for k, v in shapes.items()},
         "suggestions": suggestions,
     }
-    return result | {"closing": plan_suggest.closing(job, result)}
+    return result | {"closing": suggest.closing(job, result)}
 
 
 def _fits(needs: int, usable: int) -> dict:

@@ -1,4 +1,4 @@
-"""What `raytuner plan` prints, and its ``--gpu-memory`` argument (the figures: ``plan.py``)."""
+"""What `raytuner plan` prints, and its ``--gpu-memory`` argument (the figures: ``measure.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 from raytuner.config import ConfigError
 
-GiB = 2**30  # as plan counts (plan_trace.GiB); imported without torch
+GiB = 2**30  # as plan counts (trace.GiB); imported without torch
 
 UNITS = {"gib": GiB, "mib": 2**20, "gb": 10**9, "mb": 10**6}  # binary, then decimal
 SPELLING = {"gib": "GiB", "mib": "MiB", "gb": "GB", "mb": "MB"}
