@@ -34,12 +34,12 @@ def check(job: JobConfig, *, runs: bool = True, reads_images: bool = True):
     `raytuner check`) refuses all a run would trip over. ``runs=False``: the operation only sizes
     the job (``plan``): no optional package, image folder or output path is looked at;
     ``reads_images=False``: it reads the committed cache, not the image folders (``train``,
-    ``sample``). See ``raytuner.tools.check``."""
+    ``sample``). See ``raytuner.jobcheck``."""
     from raytuner.families import get_family
-    from raytuner.tools.check import check as refuse
+    from raytuner.jobcheck import check_job
 
     family = get_family(job.model.family)
-    refuse(job, family, runs=runs, reads_images=reads_images)
+    check_job(job, family, runs=runs, reads_images=reads_images)
     return family
 
 

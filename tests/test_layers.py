@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("rendering", ["render"]),
     ("training", ["train"]),
     ("operations", ["tools"]),
-    ("api", ["api", "__init__"]),
+    ("api", ["jobcheck", "api", "__init__"]),
     ("commands", ["cli", "demo", "__main__"]),
 ]
 

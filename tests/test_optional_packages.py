@@ -1,5 +1,5 @@
 """An optimizer whose package is missing is refused before anything starts: `raytuner train`
-and `run` exit 2 naming the package (``tools/check.py``), in a process where the
+and `run` exit 2 naming the package (``jobcheck/machine.py``), in a process where the
 package cannot be imported, and no Ray starts. (`check` and `plan` on a job with 8-bit AdamW:
 tests/test_plan.py.)"""
 

@@ -1,6 +1,7 @@
-"""The LoRA a job trains, refused before anything starts (``tools/check.py`` calls these): a
+"""The job check's rules about the LoRA a job trains (``raytuner.jobcheck``): a
 ``lora.init_from`` file that is missing, set for a run that trains no LoRA, or whose LoRA does
-not fit the job's adapter; target modules peft or the family's kohya layout cannot take."""
+not fit the job's adapter; target modules peft or the family's kohya layout cannot take; a
+text encoders' LoRA for a family whose text encoders raytuner does not train."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def adapter(job: JobConfig, family) -> None:
         return
     import torch
 
-    from raytuner.lora import init_from as lora_file
+    from raytuner.lora.init_from import check_file
     from raytuner.train.model import adapt
 
     meta, source = torch.device("meta"), parts.model_source(job.model, "cpu")
@@ -65,7 +66,23 @@ def adapter(job: JobConfig, family) -> None:
         )
     if lora.init_from:
         starts = text.start() if text is not None else []
-        lora_file.check_file(weights.denoiser, lora.init_from, lora, family, starts)
+        check_file(weights.denoiser, lora.init_from, lora, family, starts)
+
+
+def text_encoder(lora, family) -> None:
+    """Refuse ``lora.text_encoder`` for a family whose text encoders raytuner does not train
+    (``raytuner check``, exit 2); what it needs of the other sections is refused when the job
+    is loaded (``config.rules.text_encoder_needs``)."""
+    if not lora.text_encoder or family.adapters.text_encoders:
+        return
+    from raytuner.families import FAMILIES
+
+    able = ", ".join(n for n, f in FAMILIES.items() if f.adapters.text_encoders)
+    raise ConfigError(
+        f"lora.text_encoder = true: raytuner trains no {family.name} text encoder (its LoRA "
+        f"files and loaders take the denoiser's; the cache's text embeddings are used); "
+        f"allowed for {able}; set lora.text_encoder = false"
+    )
 
 
 @contextlib.contextmanager
