@@ -45,10 +45,10 @@ def check(job: JobConfig, *, runs: bool = True, reads_images: bool = True):
 
 def _preprocess(job: JobConfig, family) -> dict:
     from raytuner import runtime
-    from raytuner.preprocess.job import preprocess as encode
+    from raytuner.preprocess.job import update_cache
 
     runtime.connect()
-    return encode(job.model, job.data, job.preprocess, job.train.name, family=family)
+    return update_cache(job.model, job.data, job.preprocess, job.train.name, family=family)
 
 
 def _train(job: JobConfig, family) -> dict:
@@ -56,10 +56,10 @@ def _train(job: JobConfig, family) -> dict:
 
     if "raytuner.train.trainer" not in sys.modules:  # seconds of imports, more on a busy host
         log.info("train: loading Ray Train, torch and the model's libraries")
-    from raytuner.train.trainer import train as fit
+    from raytuner.train import trainer
 
     runtime.connect()
-    return fit(job, family)
+    return trainer.train(job, family)
 
 
 def preprocess(job: JobConfig) -> dict:
@@ -99,8 +99,7 @@ def sample(
     "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution.
     Returns the files written under ``out``."""
     from raytuner.render import prompts as prompt_lines
-    from raytuner.render.sample import default_size
-    from raytuner.render.sample import sample as render_sample
+    from raytuner.render.sample import default_size, render_samples
 
     family = check(job, reads_images=False)
     lines = [prompt_lines.PromptLine(prompt=p) for p in prompts]
@@ -122,7 +121,7 @@ def sample(
         guidance_scale=v.guidance_scale,
         negative_prompt=v.negative_prompt,
     )
-    return render_sample(job, family, checkpoint, lines, defaults, out)
+    return render_samples(job, family, checkpoint, lines, defaults, out)
 
 
 def _sample_options(family, seeds, steps, width, height) -> None:

@@ -13,7 +13,7 @@ from raytuner.cli import print_report
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
 from raytuner.data import cache
 from raytuner.families import FAMILIES
-from raytuner.preprocess.job import preprocess
+from raytuner.preprocess.job import update_cache
 from raytuner.preprocess.sources import KohyaFolder, image_repeats, kohya_folder
 
 MODEL = ModelConfig(family="sdxl", pretrained="tiny")
@@ -81,10 +81,10 @@ def kohya(ray_local, tmp_path_factory):
     )
     source = SourceConfig(path=str(img), caption_extension=".caption", repeats_from_folder=True)
     data = DataConfig(cache=str(root / "cache"), sources=[source])
-    first = preprocess(MODEL, data, PRE, family=SDXL)
+    first = update_cache(MODEL, data, PRE, family=SDXL)
     manifest, rows = _committed(data)
     (img / "10_ohwx person").rename(img / "5_ohwx person")
-    second = preprocess(MODEL, data, PRE, family=SDXL)
+    second = update_cache(MODEL, data, PRE, family=SDXL)
     renamed_manifest, renamed = _committed(data)
     return first, manifest, rows, second, renamed_manifest, renamed
 
@@ -151,7 +151,7 @@ def test_a_kohya_tree_as_data_images_takes_its_folders(ray_local, tmp_path, caps
     data = DataConfig(
         images=str(tmp_path / "cats"), cache=str(tmp_path / "cache"), sources=[source]
     )
-    report = preprocess(MODEL, data, PRE, family=SDXL)
+    report = update_cache(MODEL, data, PRE, family=SDXL)
     manifest, rows = _committed(data)
     assert {p: (r["repeats"], r["caption"]) for p, r in rows.items()} == {
         "10_ohwx cat/004.png": (10, "ohwx cat"),

@@ -18,7 +18,7 @@ from raytuner.data import cache
 from raytuner.data.cache import caption_key
 from raytuner.data.reader import CachedDataset, open_dataset
 from raytuner.families import FAMILIES
-from raytuner.preprocess.job import preprocess
+from raytuner.preprocess.job import update_cache
 from raytuner.tools.bench.preprocess import _latent_bytes
 
 MODEL = ModelConfig(family="sdxl", pretrained="tiny")
@@ -57,7 +57,7 @@ def hostile(ray_local, tmp_path_factory):
         cache=str(root / "cache"),
         sources=[SourceConfig(path=str(meta), repeats=3)],
     )
-    report = preprocess(MODEL, data, PRE, family=SDXL)
+    report = update_cache(MODEL, data, PRE, family=SDXL)
     return data, expect, report, open_dataset(data.cache, cache.fingerprint(MODEL, PRE))
 
 
@@ -188,7 +188,7 @@ def test_incremental_reruns(ray_local, tmp_path):
     wide_images(images / "wide")
     data = DataConfig(images=f"file://{images}", cache=f"file://{tmp_path / 'cache'}")
     pre = PreprocessConfig(resolution=64, bucket_step=16, crop="center", store_std=True)
-    first = preprocess(MODEL, data, pre, family=SDXL)
+    first = update_cache(MODEL, data, pre, family=SDXL)
     assert (first["encoded"], first["already_cached"]) == (9, 0)
     dataset = open_dataset(data.cache, cache.fingerprint(MODEL, pre))
     assert crops(dataset, wide) == CENTRED
@@ -196,17 +196,17 @@ def test_incremental_reruns(ray_local, tmp_path):
     assert batch["latent_std"].shape == batch["latent"].shape
     assert (batch["latent_std"] > 0).all()
     # nothing changed: probed only, no encoder starts
-    again = preprocess(MODEL, data, pre, family=SDXL)
+    again = update_cache(MODEL, data, pre, family=SDXL)
     assert (again["encoded"], again["already_cached"]) == (0, 9)
     (images / "wide" / "wide0.txt").write_text("only this caption is new")  # images unchanged
-    captioned = preprocess(MODEL, data, pre, family=SDXL)
+    captioned = update_cache(MODEL, data, pre, family=SDXL)
     assert (captioned["encoded"], captioned["already_cached"]) == (0, 9)
     assert "only this caption is new" in [r["caption"] for r in committed(data, "index", pre)]
 
     Image.new("RGB", (96, 96), (1, 2, 3)).save(images / "square" / "square_00.png")
     (images / "portrait" / "portrait_01.png").unlink()
     (images / "portrait" / "portrait_00.txt").write_text("a brand new caption")
-    edited = preprocess(MODEL, data, pre, family=SDXL)
+    edited = update_cache(MODEL, data, pre, family=SDXL)
     assert (edited["total"], edited["encoded"], edited["already_cached"]) == (8, 1, 7)
     rows = committed(data, "index", pre)
     assert len(rows) == 8 and "portrait/portrait_01.png" not in [r["path"] for r in rows]
@@ -224,7 +224,7 @@ def test_random_crop_is_reproducible(ray_local, tmp_path):
 
     def encode(pre: PreprocessConfig, cache_dir: Path) -> tuple[dict, CachedDataset]:
         data = DataConfig(images=str(images), cache=str(cache_dir))
-        report = preprocess(MODEL, data, pre, family=SDXL)
+        report = update_cache(MODEL, data, pre, family=SDXL)
         return report, open_dataset(data.cache, cache.fingerprint(MODEL, pre))
 
     seeded = PreprocessConfig(resolution=64, bucket_step=16, crop="random", seed=3)
@@ -245,7 +245,7 @@ def test_random_crop_is_reproducible(ray_local, tmp_path):
 def test_sources_reject_missing_folders(ray_local, tmp_path):
     data = DataConfig(images=str(tmp_path / "nope"), cache=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="is not a folder"):
-        preprocess(MODEL, data, PRE, family=SDXL)
+        update_cache(MODEL, data, PRE, family=SDXL)
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 

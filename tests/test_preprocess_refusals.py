@@ -18,7 +18,7 @@ from raytuner.config import DataConfig, ModelConfig, PreprocessConfig, SourceCon
 from raytuner.data import cache
 from raytuner.errors import root_line
 from raytuner.families import FAMILIES
-from raytuner.preprocess.job import preprocess
+from raytuner.preprocess.job import update_cache
 
 MODEL = ModelConfig(family="sdxl", pretrained="tiny")
 SDXL = FAMILIES["sdxl"]
@@ -49,7 +49,7 @@ def _generation(data: DataConfig) -> int:
 
 
 def test_captions_that_are_not_utf8_are_counted_and_named(ray_local, folders, capsys):
-    report = preprocess(MODEL, _data(folders), PRE, family=SDXL)
+    report = update_cache(MODEL, _data(folders), PRE, family=SDXL)
     assert report["encoded"] == 2  # replaced (caption_errors = "replace"), not skipped
     assert report["captions"]["not_utf8"] == 1
     assert report["not_utf8_files"] == [{"source": str(folders / "images"), "path": "b.txt"}]
@@ -63,7 +63,7 @@ def test_strict_caption_errors_refuse_them_naming_the_files(ray_local, folders):
     data = _data(folders, caption_errors="strict")
     before = _generation(data)
     with pytest.raises(ValueError) as refused:
-        preprocess(MODEL, data, PRE, family=SDXL)
+        update_cache(MODEL, data, PRE, family=SDXL)
     message = str(refused.value)
     expected = (
         f'1 caption file(s) are not UTF-8 (caption_errors = "strict"): {folders}/images/b.txt.'
@@ -77,7 +77,7 @@ def test_a_regularization_source_without_a_usable_image_fails_naming_why(ray_loc
     data = _data(folders, sources=[reg])
     before = _generation(data)
     with pytest.raises(ValueError) as refused:
-        preprocess(MODEL, data, PRE, family=SDXL)
+        update_cache(MODEL, data, PRE, family=SDXL)
     message = str(refused.value)
     assert "has no usable image, so the run would train without it" in message
     assert f"regularization source {folders / 'reg'}: 1 file(s) left out (empty.png: " in message
@@ -90,7 +90,7 @@ def test_a_full_disk_names_the_file_the_bytes_and_the_room_left(ray_local, folde
     with small_tmpfs(tmp_path / "small", 8192) as small:
         data = DataConfig(images=str(folders / "images"), cache=str(small / "cache"))
         with pytest.raises(Exception) as failed:  # noqa: B017  (raised inside Ray: its wrapper)
-            preprocess(MODEL, data, PRE, family=SDXL)
+            update_cache(MODEL, data, PRE, family=SDXL)
     line = root_line(failed.value)
     print(line)
     pattern = (

@@ -33,20 +33,20 @@ def bucket_sizes(pre: PreprocessConfig, family) -> None:
             f"that are multiples of {grid} pixels; use a multiple of {grid} "
             f"(0: the family's {family.geometry.pixel_multiple})"
         )
-    step = pre.bucket_step or family.geometry.pixel_multiple
-    if pre.resolution % step:
-        near = max(step, round(pre.resolution / step) * step)
+    bucket_step = pre.bucket_step or family.geometry.pixel_multiple
+    if pre.resolution % bucket_step:
+        near = max(bucket_step, round(pre.resolution / bucket_step) * bucket_step)
         raise ConfigError(
             f"preprocess.resolution = {pre.resolution} is not a multiple of the bucket step "
-            f"{step} (preprocess.bucket_step, or {family.name}'s pixel multiple when 0): "
-            f"use a multiple of {step}, e.g. {near}"
+            f"{bucket_step} (preprocess.bucket_step, or {family.name}'s pixel multiple when 0): "
+            f"use a multiple of {bucket_step}, e.g. {near}"
         )
     side = family.geometry.default_resolution
-    if not pre.resolution and side % step:
+    if not pre.resolution and side % bucket_step:
         raise ConfigError(
-            f"preprocess.bucket_step = {step} does not divide {family.name}'s default "
+            f"preprocess.bucket_step = {bucket_step} does not divide {family.name}'s default "
             f"resolution {side}: set preprocess.resolution to a multiple "
-            f"of {step}, or a bucket step that divides {side}"
+            f"of {bucket_step}, or a bucket step that divides {side}"
         )
 
 

@@ -50,8 +50,8 @@ def _bytes_by_dtype(*modules) -> dict[str, int]:
 def largest_bucket(job: JobConfig, family) -> tuple[int, int]:
     pre = job.preprocess
     resolution = pre.resolution or family.geometry.default_resolution
-    step = pre.bucket_step or family.geometry.pixel_multiple
-    buckets = make_buckets(resolution, step, pre.min_aspect, pre.max_aspect)
+    bucket_step = pre.bucket_step or family.geometry.pixel_multiple
+    buckets = make_buckets(resolution, bucket_step, pre.min_aspect, pre.max_aspect)
     return max(buckets, key=lambda b: (b[0] * b[1], b[0]))
 
 
