@@ -164,7 +164,7 @@ class DenoiserPlacement:
         # gradients written into DDP's buckets (no second copy of them). Not static_graph: a
         # rank accumulates as many micro-batches as its slice holds (an uneven last batch, a
         # padded bucket), and a static graph's reducer fails on a rank whose count differs
-        # (tests/test_train_exact.py, test_fsdp.py's skewed job)
+        # (tests/train/test_train_exact.py, test_fsdp.py's skewed job)
         options = {"gradient_as_bucket_view": True}
         return prepare(self.denoiser, move_to_device=False, parallel_strategy_kwargs=options)
 
