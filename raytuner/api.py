@@ -34,21 +34,21 @@ def check(job: JobConfig, *, runs: bool = True, reads_images: bool = True):
     `raytuner check`) refuses all a run would trip over. ``runs=False``: the operation only sizes
     the job (``plan``): no optional package, image folder or output path is looked at;
     ``reads_images=False``: it reads the committed cache, not the image folders (``train``,
-    ``sample``). See ``raytuner.tools.check``."""
+    ``sample``). See ``raytuner.jobcheck``."""
     from raytuner.families import get_family
-    from raytuner.tools.check import check as refuse
+    from raytuner.jobcheck import check_job
 
     family = get_family(job.model.family)
-    refuse(job, family, runs=runs, reads_images=reads_images)
+    check_job(job, family, runs=runs, reads_images=reads_images)
     return family
 
 
 def _preprocess(job: JobConfig, family) -> dict:
     from raytuner import runtime
-    from raytuner.preprocess.job import preprocess as encode
+    from raytuner.preprocess.job import update_cache
 
     runtime.connect()
-    return encode(job.model, job.data, job.preprocess, job.train.name, family=family)
+    return update_cache(job.model, job.data, job.preprocess, job.train.name, family=family)
 
 
 def _train(job: JobConfig, family) -> dict:
@@ -56,11 +56,11 @@ def _train(job: JobConfig, family) -> dict:
 
     if "raytuner.train.trainer" not in sys.modules:  # seconds of imports, more on a busy host
         log.info("train: loading Ray Train, torch and the model's libraries")
-    from raytuner.tools import plan_adopt
-    from raytuner.train.trainer import train as fit
+    from raytuner.tools.plan import adopt
+    from raytuner.train import trainer
 
     runtime.connect()
-    return fit(plan_adopt.on_gpus(job, family), family)
+    return trainer.train(adopt.on_gpus(job, family), family)
 
 
 def preprocess(job: JobConfig) -> dict:
@@ -100,8 +100,7 @@ def sample(
     "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution.
     Returns the files written under ``out``."""
     from raytuner.render import prompts as prompt_lines
-    from raytuner.render.sample import default_size
-    from raytuner.render.sample import sample as render_sample
+    from raytuner.render.sample import default_size, render_samples
 
     family = check(job, reads_images=False)
     lines = [prompt_lines.PromptLine(prompt=p) for p in prompts]
@@ -123,7 +122,7 @@ def sample(
         guidance_scale=v.guidance_scale,
         negative_prompt=v.negative_prompt,
     )
-    return render_sample(job, family, checkpoint, lines, defaults, out)
+    return render_samples(job, family, checkpoint, lines, defaults, out)
 
 
 def _sample_options(family, seeds, steps, width, height) -> None:
@@ -151,13 +150,13 @@ def plan(job: JobConfig, gpu_memory: str = "80GiB") -> dict:
     ``"24GB"`` (decimal, 22.4 GiB); a bare number is refused (``ConfigError``). Planning runs
     nothing: the job's optional packages (8-bit AdamW's bitsandbytes, wandb), image folders and
     outputs need not be there."""
-    from raytuner.tools.plan_progress import Progress
-    from raytuner.tools.plan_report import parse_size
+    from raytuner.tools.plan.progress import Progress
+    from raytuner.tools.plan.report import parse_size
 
     memory = parse_size(gpu_memory)
     with Progress() as progress:  # a line at least every 10 s (logger raytuner.plan)
         progress.now("loading torch, diffusers and the model code")
-        from raytuner.tools.plan import plan as size_up
+        from raytuner.tools.plan.measure import measure
 
         family = check(job, runs=False)
-        return {"gpu_memory": gpu_memory.strip()} | size_up(job, family, memory, True, progress)
+        return {"gpu_memory": gpu_memory.strip()} | measure(job, family, memory, True, progress)

@@ -238,13 +238,13 @@ def do_cache(job: JobConfig, family, args: argparse.Namespace) -> int:
         print(f"bad {b['path']}: {b['problem']}")
     if bad and args.repair:
         from raytuner import runtime
-        from raytuner.preprocess.job import preprocess
+        from raytuner.preprocess.job import update_cache
 
         runtime.connect()
         for path in verify.quarantine(version, bad):
             print(f"quarantined {path} as {path}.corrupt")
         pre = job.preprocess
-        print_report(preprocess(job.model, job.data, pre, job.train.name, family=family))
+        print_report(update_cache(job.model, job.data, pre, job.train.name, family=family))
         bad = verify.verify(version)
     print(f"{version.root}: {'ok' if not bad else f'{len(bad)} bad file(s)'}")
     return 1 if bad else 0
@@ -263,7 +263,7 @@ def do_sample(job: JobConfig, args: argparse.Namespace) -> None:
 
 
 def do_plan(job: JobConfig, args: argparse.Namespace) -> int:
-    from raytuner.tools.plan_report import print_plan
+    from raytuner.tools.plan.report import print_plan
 
     result = api.plan(job, args.gpu_memory)
     if args.json:

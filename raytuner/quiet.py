@@ -80,7 +80,7 @@ DROPPED: tuple[tuple[str, str], ...] = (
 WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     # scaling.strategy = "fsdp": diffusers' Flux blocks return views of their concatenated
     # output, which FSDP2 flags in case an in-place op follows; none does, in diffusers' forward
-    # or in raytuner's losses (tests/test_fsdp.py: sharded training equals unsharded)
+    # or in raytuner's losses (tests/train/test_fsdp.py: sharded training equals unsharded)
     (UserWarning, r"FSDP2-wrapped module \(\w+\) returned a view tensor"),
     # train.compile: diffusers' gradient checkpointing asks is_torch_version (an lru_cache'd
     # pure function of the installed version) inside the compiled blocks

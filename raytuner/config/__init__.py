@@ -2,7 +2,7 @@
 sections in ``inputs.py``, the objective's in ``objective.py``), loaded from a job TOML
 (``job.py``, through ``loader.py``) with the rules between sections (``rules.py``) checked at
 load. What a job asks of its model family and this installation is refused by
-``raytuner.tools.check``, once, from the API.
+the job check (``raytuner.jobcheck``), once, from the API.
 """
 
 from raytuner.config.inputs import DataConfig, ModelConfig, PreprocessConfig, SourceConfig

@@ -127,9 +127,9 @@ class DataConfig:
 class PreprocessConfig:
     """The Ray Data encode job: bucketing, cropping and the encoder actor pools."""
 
-    # 0: the family's default; a multiple of the bucket step (tools/check)
+    # 0: the family's default; a multiple of the bucket step (jobcheck)
     resolution: int = ranged(0, 64, 8192, zero="the family's default")
-    # 0: the family's pixel multiple; a multiple of its pixel grid (tools/check)
+    # 0: the family's pixel multiple; a multiple of its pixel grid (jobcheck)
     bucket_step: int = ranged(0, 8, 1024, zero="the family's pixel multiple")
     min_aspect: float = ranged(0.5, 0, 1, low_open=True)
     max_aspect: float = ranged(2.0, 1)

@@ -54,7 +54,7 @@ class JobConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # the dotted keys the job file and its --set overrides name (``train.micro_batch_size`` …):
-    # what the job pins, as against what it leaves to its defaults (``tools/plan_adopt.py``)
+    # what the job pins, as against what it leaves to its defaults (``tools/plan/adopt.py``)
     given: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ is not finite (``nan``, ``inf``), is refused with the key, the value and what is
 
 A range is ``low``/``high`` bounds (each included unless ``*_open``; ``None``: none), and may
 allow 0 besides (``zero``: what 0 means, e.g. "the family's default"); a list's range is each
-element's. ``tests/test_config_ranges.py`` fails for a numeric key declared without one.
+element's. ``tests/config/test_config_ranges.py`` fails for a numeric key declared without one.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from raytuner.placement.strategy import Strategy
 
 def memory_needs(memory, train, model) -> None:
     """What block swap, activation offload and float8 weights require of the other sections
-    (the family's side is checked where the family is known: ``placement.check``)."""
+    (the family's side is checked where the family is known: ``jobcheck.model.blocks_to_swap``)."""
     if memory.blocks_to_swap and train.mode != "lora":
         raise ConfigError(
             f"memory.blocks_to_swap = {memory.blocks_to_swap} streams frozen weights: it needs "
@@ -67,7 +67,7 @@ def gpu_needs(train, scaling, model=None, memory=None) -> None:
 def text_encoder_needs(lora, train, scaling, memory) -> None:
     """What ``lora.text_encoder`` (a LoRA on the text encoders, trained beside the denoiser's)
     cannot be combined with; the family's side is checked where the family is known
-    (``train.text_lora.check``)."""
+    (``jobcheck.lora.text_encoder``)."""
     if not lora.text_encoder:
         return
     fix = "set lora.text_encoder = false"

@@ -172,7 +172,7 @@ class MemoryConfig:
 
     # the denoiser's last N blocks keep their frozen weights in pinned CPU memory and stream to
     # the GPU just before they run (LoRA, transformer families, gradient checkpointing)
-    blocks_to_swap: int = ranged(0, 0)  # at most the family's blocks - 1 (tools/check)
+    blocks_to_swap: int = ranged(0, 0)  # at most the family's blocks - 1 (jobcheck)
     # streamed blocks resident at once (the one running + the next)
     swap_ring: int = ranged(2, 1)
     activation_offload: bool = False  # the checkpointed blocks' inputs wait in pinned CPU memory
@@ -230,7 +230,7 @@ class ValidationConfig:
     prompts: list[str] = field(default_factory=list)
     seeds: list[int] = ranged([0], 0, SEED_MAX)
     steps: int = ranged(20, 1, MAX_RENDER_STEPS)  # denoising steps per image
-    # pixels, multiples of the family's pixel grid (tools/check); 0: the job's resolution
+    # pixels, multiples of the family's pixel grid (jobcheck); 0: the job's resolution
     width: int = ranged(0, 8, MAX_SIDE, zero="the job's resolution")
     height: int = ranged(0, 8, MAX_SIDE, zero="the job's resolution")
     prompts_file: str = ""  # one prompt per line, kohya style: "a cat --w 512 --s 20 --n ugly"

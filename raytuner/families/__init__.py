@@ -17,7 +17,7 @@ FAMILIES: dict[str, Family] = {
 
 
 def get_family(name: str) -> Family:
-    """The family ``model.family`` names; the one lookup is ``tools.check``'s (every other place
+    """The family ``model.family`` names; the one lookup is ``api.check``'s (every other place
     is handed the family object)."""
     try:
         return FAMILIES[name]

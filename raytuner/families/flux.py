@@ -97,7 +97,7 @@ def _from_bfl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Flux transformer in BFL's layout (bare, or under ComfyUI's ``model.diffusion_model.``
     beside other parts) in diffusers' names, its width read from ``img_in``. diffusers' own
     converter assumes Flux.1's width (3072); this one is checked against it at that width in
-    ``tests/test_single_file.py``."""
+    ``tests/families/test_single_file.py``."""
     comfy = "model.diffusion_model."
     if any(k.startswith(comfy) for k in state):
         state = {k.removeprefix(comfy): v for k, v in state.items() if k.startswith(comfy)}

@@ -80,28 +80,6 @@ def blocks(denoiser: nn.Module, family) -> list[nn.Module]:
     return [block for name in family.blocks.swap for block in getattr(denoiser, name)]
 
 
-def check(memory, family, source) -> None:
-    """Refuse, before anything runs, a ``[memory]`` section the family's denoiser cannot run:
-    block swap on a family without swappable blocks, or more blocks than it has (built on the
-    meta device: nothing is allocated). Raises ConfigError (``raytuner check`` exits 2)."""
-    from raytuner.config import ConfigError
-
-    n = memory.blocks_to_swap
-    if not n:
-        return
-    if not family.blocks.swap:
-        raise ConfigError(
-            f"memory.blocks_to_swap = {n}: the {family.name} family's denoiser does not stream "
-            "blocks (block swap is for the transformer families); set it to 0"
-        )
-    count = len(blocks(family.denoiser(source, "meta", weights=False), family))
-    if n >= count:
-        raise ConfigError(
-            f"memory.blocks_to_swap = {n}: the {family.name} denoiser has {count} blocks "
-            f"({' + '.join(family.blocks.swap)}); allowed: 0 to {count - 1}"
-        )
-
-
 class DenoiserPlacement:
     """Places a (peft-wrapped) denoiser for training or sampling on ``device`` and keeps it so:
     ``swapped`` block indices stream, everything else is resident."""
@@ -186,7 +164,7 @@ class DenoiserPlacement:
         # gradients written into DDP's buckets (no second copy of them). Not static_graph: a
         # rank accumulates as many micro-batches as its slice holds (an uneven last batch, a
         # padded bucket), and a static graph's reducer fails on a rank whose count differs
-        # (tests/test_train_exact.py, test_fsdp.py's skewed job)
+        # (tests/train/test_train_exact.py, test_fsdp.py's skewed job)
         options = {"gradient_as_bucket_view": True}
         return prepare(self.denoiser, move_to_device=False, parallel_strategy_kwargs=options)
 

@@ -85,7 +85,7 @@ class _Pass:
     tag: str  # the run name the dashboard's metrics carry
 
 
-def preprocess(
+def update_cache(
     model: ModelConfig,
     data: DataConfig,
     pre: PreprocessConfig,

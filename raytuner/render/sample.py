@@ -129,7 +129,9 @@ def write_samples(rows, renders: list[Render], out: Path, record: dict) -> list:
     return paths
 
 
-def sample(job, family, checkpoint: str, lines: list[PromptLine], defaults: Defaults, out: str):
+def render_samples(
+    job, family, checkpoint: str, lines: list[PromptLine], defaults: Defaults, out: str
+):
     """`raytuner sample`: render each prompt line with its options (else ``defaults``: every
     seed, the size, the steps) with the job's trained weights; returns the PNGs written."""
     from raytuner.families import parts

@@ -31,8 +31,7 @@ from raytuner.config import ConfigError, TrackingConfig
 from raytuner.lora.find import find_weights
 from raytuner.observe import metrics
 from raytuner.observe.observer import ValidationReport
-from raytuner.render import prompts
-from raytuner.render import sample as render
+from raytuner.render import prompts, sample
 
 log = logging.getLogger("raytuner.validation")
 DRAIN_TIMEOUT_S = 900.0  # after training: how long the driver waits for the last renders
@@ -133,31 +132,31 @@ class Validator:
         from raytuner.families import get_family, parts
 
         started, started_at, s = time.perf_counter(), time.time(), self.spec
-        family, device = get_family(s.family), render.default_device()
+        family, device = get_family(s.family), sample.default_device()
         if self.pipe is None:
             log.info("validation: loading the %s pipeline for the renders", s.family)
             source = parts.model_source(s, device)  # the spec carries [model]'s fields
             swap = s.blocks_to_swap
-            self.pipe = render.load_pipeline(family, source, None, device, swap)
+            self.pipe = sample.load_pipeline(family, source, None, device, swap)
         if self.writer is None:
             tracked = TrackingConfig(**s.tracking) if s.tracking else None
             self.writer = ValidationReport(s.run_dir, s.tensorboard, tracked)
         try:
             weights = find_weights(local)
-            render.apply_weights(self.pipe, family, weights, device, None, s.blocks_to_swap)
+            sample.apply_weights(self.pipe, family, weights, device, None, s.blocks_to_swap)
             options = family.pipeline_options(self.pipe)
             renders = prompts.resolve(_prompt_lines(s), family, _defaults(s))
-            rows = render.render(self.pipe, options, renders)
+            rows = sample.render(self.pipe, options, renders)
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        sheet = render.grid(rows)
+        sheet = sample.grid(rows)
         fs, folder = storage.resolve(storage.join(s.run_dir, VALIDATION))
         seconds = time.perf_counter() - started
         record = {"step": step, "checkpoint": path, "seconds": seconds}
         record |= {"started_at": started_at, "finished_at": time.time()}
         record |= {"prompts": [r.prompt for r in renders], "seeds": s.seeds, "steps": s.steps}
         record["lines"] = [r.record() for r in renders]  # each prompt's options, as rendered
-        storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", render.png_bytes(sheet))
+        storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", sample.png_bytes(sheet))
         storage.write_json_atomic(fs, f"{folder}/step_{step:06d}.json", record)
         self.writer.image(step, np.asarray(sheet), seconds)
         metrics.gauge("raytuner_validation_time_s", seconds, self.run)
@@ -205,7 +204,7 @@ def start(job, family, run_dir: str):
     v = job.validation
     if not v.every_steps:
         return None, []
-    width, height = render.default_size(job, family)
+    width, height = sample.default_size(job, family)
     spec = RenderSpec(
         family=job.model.family,
         pretrained=job.model.pretrained,

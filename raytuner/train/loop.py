@@ -147,7 +147,9 @@ class Worker:
         model = strategy.wrap(placed, ray.train.torch.prepare_model)
         loss_fn = cfg.family.loss(trained.source, cfg.objective.for_family(cfg.family))
         opt, sched = self.opt, self.sched
-        self.step = train_step(trained, model, loss_fn, opt, sched, t, cfg.memory, device, world)
+        self.train_step = train_step(
+            trained, model, loss_fn, opt, sched, t, cfg.memory, device, world
+        )
         pin = device.type == "cuda"
         where = (cfg.cache, cfg.fingerprint, cfg.manifest)
         text = trained.weights.text
@@ -173,12 +175,12 @@ class Worker:
         """Train this rank's slice of the next global batch; the step and cursor move past it."""
         st = self.state
         batch = self.feed.next(st.epoch, st.index)
-        loss = self.step(batch)
-        self.meter.add(loss, self.step.flops, self.step.model_flops)
+        loss = self.train_step(batch)
+        self.meter.add(loss, self.train_step.flops, self.train_step.model_flops)
         st.step, (st.epoch, st.index) = st.step + 1, batch.after()
         self.samples.add(st.step, batch.epoch, batch.index, batch.ids)
         # the step before's verdict (this one's is still on the device)
-        self.went_wrong = self.guard.add(st.step, loss, self.step.grad_norm)
+        self.went_wrong = self.guard.add(st.step, loss, self.train_step.grad_norm)
 
     def stop_reason(self, window: bool, due: bool) -> str | None:
         """Why the run must stop before it logs, checkpoints or trains on (the same on every

@@ -22,7 +22,7 @@ from torch import nn
 from raytuner.checkpoint.layout import KOHYA_FILE
 from raytuner.config import ConfigError
 from raytuner.lora import export, kohya
-from raytuner.lora import init_from as lora_init
+from raytuner.lora.init_from import start_from
 from raytuner.placement import sharding
 from raytuner.placement.strategy import REPLICATED, Strategy
 from raytuner.train import float8_matmul, text_lora
@@ -144,7 +144,7 @@ def _lora_files(denoiser: nn.Module, names: list[str], family, lora, text) -> di
     if not lora.init_from:
         return {}
     texts = text.start() if text is not None else []
-    state, text_state, provenance = lora_init.start_from(
+    state, text_state, provenance = start_from(
         denoiser, lora.init_from, lora, family, texts
     )
     peft_names = {n.replace(".default", ""): n for n in names}

@@ -18,7 +18,7 @@ log = logging.getLogger("raytuner.train")
 
 # what `ray job stop` needs to stop a run cleanly on a small machine: the controller aborts the
 # workers, the validation actor closes its files, the driver reads the run folder (measured:
-# tests/test_job_submit.py, docs/cluster.md); jobs/runtime_env.yaml gives it more
+# tests/operate/test_job_submit.py, docs/cluster.md); jobs/runtime_env.yaml gives it more
 STOP_NEEDS_S = 20
 # the driver's own exit comes this long before Ray's SIGKILL: time to print and exit
 MARGIN_S = 1.5

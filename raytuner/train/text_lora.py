@@ -22,24 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytuner.config import ConfigError
 from raytuner.families.text import TOKENS
-
-
-def check(lora, family) -> None:
-    """Refuse ``lora.text_encoder`` for a family whose text encoders raytuner does not train
-    (``raytuner check``, exit 2); what it needs of the other sections is refused when the job
-    is loaded (``config.rules.text_encoder_needs``)."""
-    if not lora.text_encoder or family.adapters.text_encoders:
-        return
-    from raytuner.families import FAMILIES
-
-    able = ", ".join(n for n, f in FAMILIES.items() if f.adapters.text_encoders)
-    raise ConfigError(
-        f"lora.text_encoder = true: raytuner trains no {family.name} text encoder (its LoRA "
-        f"files and loaders take the denoiser's; the cache's text embeddings are used); "
-        f"allowed for {able}; set lora.text_encoder = false"
-    )
 
 
 def _checkpointing(encoder: nn.Module) -> None:

@@ -19,7 +19,7 @@ from raytuner.config import DataConfig, JobConfig
 from raytuner.data import cache
 from raytuner.preprocess.decode import ENCODE, Known, probe_decode
 from raytuner.preprocess.encode import Encoder
-from raytuner.preprocess.job import decode_spec, preprocess
+from raytuner.preprocess.job import decode_spec, update_cache
 from raytuner.preprocess.pipeline import rows_per_block
 from raytuner.preprocess.progress import clock, since
 from raytuner.preprocess.sources import list_source
@@ -117,7 +117,7 @@ def bench_preprocess(job: JobConfig, family, images: int, as_json: bool, rounds:
             cache_r = os.path.join(workdir, f"cache-{r}")
             data_r = dataclasses.replace(data, cache=cache_r)
             start = time.perf_counter()
-            rep = preprocess(job.model, data_r, job.preprocess, family=family)
+            rep = update_cache(job.model, data_r, job.preprocess, family=family)
             # what follows the report: the index, captions, report and manifest written
             commit = {"seconds": time.perf_counter() - start - rep["seconds"], "cpu_seconds": None}
             return rep | {"stages": rep["stages"] | {"commit": commit}}

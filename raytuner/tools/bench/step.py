@@ -17,8 +17,7 @@ import torch
 from raytuner.config import JobConfig
 from raytuner.observe import flops
 from raytuner.placement.strategy import Strategy
-from raytuner.tools import plan_sharded
-from raytuner.tools import plan_trace as plan
+from raytuner.tools.plan import fsdp, trace
 from raytuner.train import optim, step
 from raytuner.train.feed import RankSlice
 from raytuner.train.model import trainable_model
@@ -31,12 +30,12 @@ def bench_step(
     then ``steps`` timed; ``planned``: also trace plan's step for the same settings (on the
     CPU: seconds to minutes of a full-size model) and report it beside the measured peak."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    size = plan.largest_bucket(job, family)
+    size = trace.largest_bucket(job, family)
     if job.model.pretrained == "random":  # the released shapes, no encoder trace needed
         shapes = family.cache_shapes(*size)
     else:
-        shapes = plan.trace_encoders(job, family, size)[1]
-    micro = plan.micro_batch(job)
+        shapes = trace.trace_encoders(job, family, size)[1]
+    micro = trace.micro_batch(job)
     checkpointing = job.train.gradient_checkpointing
     planned_step = _planned(job, family, shapes, size, micro) if planned else None
     strategy = Strategy.of(job.scaling.strategy)
@@ -140,7 +139,7 @@ def _planned(job: JobConfig, family, shapes, size, micro: int) -> int:
     not count it); sharded, plan's worker of a group of one."""
     checkpointing = job.train.gradient_checkpointing
     if Strategy.of(job.scaling.strategy).sharded:
-        parts = plan.sharded_parts(job, family, shapes, size, micro, checkpointing)
-        return plan_sharded.worker_bytes(job, parts, 1, 0)["peak_bytes"]
-    planned = plan.trace_step(job, family, shapes, size, micro, checkpointing)
+        parts = trace.sharded_parts(job, family, shapes, size, micro, checkpointing)
+        return fsdp.worker_bytes(job, parts, 1, 0)["peak_bytes"]
+    planned = trace.trace_step(job, family, shapes, size, micro, checkpointing)
     return planned["weights_bytes"] + planned["ema_bytes"] + planned["step_peak_bytes"]

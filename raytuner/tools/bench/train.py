@@ -22,7 +22,7 @@ from raytuner.config import JobConfig, ValidationConfig
 from raytuner.data.cache import fingerprint
 from raytuner.data.reader import for_readers, open_dataset
 from raytuner.families import parts
-from raytuner.preprocess.job import preprocess
+from raytuner.preprocess.job import update_cache
 from raytuner.tools.bench.common import (
     alternate,
     load_average,
@@ -114,13 +114,13 @@ def _bare_loop(job: JobConfig, family, steps: int, batches: list) -> float:
     trained = trainable_model(job.model, t, job.lora, family, device, job.memory)
     opt, sched = optim.for_run(t, trained.weights.param_groups())
     loss_fn = family.loss(trained.source, job.objective.for_family(family))
-    step = train_step(trained, trained.denoiser, loss_fn, opt, sched, t, job.memory, device)
+    take_step = train_step(trained, trained.denoiser, loss_fn, opt, sched, t, job.memory, device)
     start = 0.0
     for i, (tensors, seeds) in enumerate(batches):
         if i == steps:
             _synchronize(device)
             start = time.perf_counter()
-        step(RankSlice(0, i, len(batches), tensors, seeds, []))
+        take_step(RankSlice(0, i, len(batches), tensors, seeds, []))
     _synchronize(device)
     return steps * t.global_batch_size / (time.perf_counter() - start)
 
@@ -139,7 +139,7 @@ def bench_train(job: JobConfig, family, steps: int, as_json: bool, rounds: int =
     try:
         job_dataset(job, fingerprint(job.model, job.preprocess))
     except FileNotFoundError:  # the job's rows are not committed yet
-        preprocess(job.model, job.data, job.preprocess, family=family)
+        update_cache(job.model, job.data, job.preprocess, family=family)
     batches = _batches(job, family, 2 * steps)  # read once: the bare loop's clock never sees them
     threads: list[int] = []
     with tempfile.TemporaryDirectory(prefix="raytuner-bench-train-") as output:

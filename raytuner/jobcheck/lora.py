@@ -1,0 +1,98 @@
+"""The job check's rules about the LoRA a job trains (``raytuner.jobcheck``): a
+``lora.init_from`` file that is missing, set for a run that trains no LoRA, or whose LoRA does
+not fit the job's adapter; target modules peft or the family's kohya layout cannot take; a
+text encoders' LoRA for a family whose text encoders raytuner does not train."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+from raytuner.config import ConfigError, JobConfig
+from raytuner.families import parts
+from raytuner.train import text_lora
+
+
+def init_from(job: JobConfig) -> None:
+    """A LoRA to start from: for a LoRA run, and (a local path) there; what it holds is checked
+    by ``adapter``."""
+    path = job.lora.init_from
+    if not path:
+        return
+    if job.train.mode != "lora":
+        raise ConfigError(
+            f"lora.init_from = {path!r}: train.mode = {job.train.mode!r} trains no LoRA; "
+            'remove the key or set train.mode = "lora"'
+        )
+    if "://" not in path and not os.path.isfile(os.path.expanduser(path)):
+        raise ConfigError(
+            f"lora.init_from = {path!r}: no such file (a relative path is from the working "
+            f"directory, {os.getcwd()})"
+        )
+
+
+def adapter(job: JobConfig, family) -> None:
+    """What a worker refuses as it builds its LoRA, refused from the architecture alone (built
+    on the meta device: nothing allocated, no weight read): target modules that reach no
+    module of the denoiser or of the text encoders (peft), that the family's kohya layout has
+    no name for, and a ``lora.init_from`` file whose LoRA does not fit the adapter (its rank,
+    alpha, modules or shapes, read from the file's header: ``init_from.check_file``). Only for a
+    job that sets one of those keys (the family's own targets fit)."""
+    lora = job.lora
+    own_targets = lora.target_modules or (lora.text_encoder and lora.text_encoder_target_modules)
+    if job.train.mode != "lora" or not (lora.init_from or own_targets):
+        return
+    import torch
+
+    from raytuner.lora.init_from import check_file
+    from raytuner.train.model import adapt
+
+    meta, source = torch.device("meta"), parts.model_source(job.model, "cpu")
+    dtype = parts.DTYPES[job.model.trainable_dtype]
+    text = None
+    if lora.text_encoder:
+        with _refusing("lora.text_encoder_target_modules", lora.text_encoder_target_modules):
+            text = text_lora.build(family, source, meta, lora, job.train, dtype)
+    with _refusing("lora.target_modules", lora.target_modules):
+        weights = adapt(
+            family.denoiser(source, "meta", weights=False),
+            mode="lora",
+            lora=dataclasses.replace(lora, init_from=""),  # its values are read below
+            targets=family.adapters.targets,
+            ema_decay=0.0,
+            dtype=dtype,
+            family=family,
+        )
+    if lora.init_from:
+        starts = text.start() if text is not None else []
+        check_file(weights.denoiser, lora.init_from, lora, family, starts)
+
+
+def text_encoder(lora, family) -> None:
+    """Refuse ``lora.text_encoder`` for a family whose text encoders raytuner does not train
+    (``raytuner check``, exit 2); what it needs of the other sections is refused when the job
+    is loaded (``config.rules.text_encoder_needs``)."""
+    if not lora.text_encoder or family.adapters.text_encoders:
+        return
+    from raytuner.families import FAMILIES
+
+    able = ", ".join(n for n, f in FAMILIES.items() if f.adapters.text_encoders)
+    raise ConfigError(
+        f"lora.text_encoder = true: raytuner trains no {family.name} text encoder (its LoRA "
+        f"files and loaders take the denoiser's; the cache's text embeddings are used); "
+        f"allowed for {able}; set lora.text_encoder = false"
+    )
+
+
+@contextlib.contextmanager
+def _refusing(key: str, value: list[str]):
+    """peft's refusal of target modules (none of the model's, or of a kind it cannot adapt)
+    as a ConfigError naming ``key``."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as e:
+        shown = value or "(the family's)"
+        raise ConfigError(f"{key} = {shown}: {str(e).splitlines()[0]}") from None

@@ -1,0 +1,9 @@
+"""`raytuner plan`: a job's GPU memory per training worker, encoder actor and validation actor,
+traced on the meta device.
+
+``measure.py`` puts the figures together (``measure``: what ``raytuner.plan`` returns);
+``trace.py`` traces each setting once, counted by ``meta.py``'s byte counter; ``fsdp.py`` the
+sharded worker; ``suggest.py`` the settings to try; ``report.py`` what the command prints (and
+``--gpu-memory``), ``progress.py`` its lines on stderr. ``report.py`` and ``progress.py``
+import no torch: the CLI and the API load them before planning starts.
+"""

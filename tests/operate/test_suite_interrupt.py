@@ -1,0 +1,70 @@
+"""The suite's own Ctrl-C (``tests/conftest.py``): one SIGINT to the process group, as a terminal
+sends it, stops the whole pytest run with exit 130, although the test it lands in swallows the
+KeyboardInterrupt (as ``raytuner.cli.main`` does: one line, exit 130); and a process the run
+started in a session of its own (a `raytuner` subprocess, the local Ray it started) is stopped
+on the way out. A pytest run of two tests, with this suite's conftest, in a process of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+INNER = """
+import os, subprocess, sys, time
+from pathlib import Path
+
+OUT = Path({out!r})
+
+
+def test_a_test_that_swallows_ctrl_c():
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                               start_new_session=True)
+    (OUT / "sleeper").write_text(str(sleeper.pid))
+    (OUT / "ready").touch()
+    try:
+        time.sleep(120)
+    except KeyboardInterrupt:  # what raytuner.cli.main does with it: exit 130
+        pass
+    assert False, "interrupted"
+
+
+def test_the_next_test():
+    (OUT / "next ran").touch()
+"""
+
+
+def test_one_ctrl_c_stops_the_run_and_the_processes_it_started(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_inner.py").write_text(INNER.format(out=str(out)))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"]
+    inner = subprocess.Popen(
+        command, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    sleeper = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "ready").exists():
+            assert inner.poll() is None and time.monotonic() < deadline, inner.stdout.read()
+            time.sleep(0.1)
+        sleeper = psutil.Process(int((out / "sleeper").read_text()))
+        os.killpg(inner.pid, signal.SIGINT)
+        output, _ = inner.communicate(timeout=60)
+        assert inner.returncode == 130, output
+        assert not (out / "next ran").exists(), output
+        assert "interrupted (Ctrl-C)" in output, output
+        assert not sleeper.is_running() or sleeper.status() == psutil.STATUS_ZOMBIE, output
+    finally:
+        for process in (inner, sleeper):
+            with contextlib.suppress(psutil.Error, OSError, AttributeError):
+                process.kill()
