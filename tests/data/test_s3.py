@@ -154,7 +154,7 @@ def test_a_whole_job_on_s3_survives_a_killed_worker(s3, tmp_path, monkeypatch, c
     run_dir = f"s3://{BUCKET}/runs/on-s3"
 
     proc = subprocess.Popen(
-        ["raytuner", "run", "job.toml"],
+        [sys.executable, "-m", "raytuner", "run", "job.toml"],
         cwd=tmp_path,
         env=os.environ | s3,
         stdout=subprocess.PIPE,
