@@ -205,6 +205,6 @@ class ZImage(base.DiffusersFamily):
         return ZImagePipeline(
             **self.preset_parts(source),
             tokenizer=_tokenizer(source),
-            # Z-Image-Turbo's scheduler (Base: shift 6.0)
+            # the scheduler of Tongyi-MAI's inference code (static shift 3, as ai-toolkit trains)
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         )
