@@ -136,7 +136,8 @@ class ZImage(base.DiffusersFamily):
     # and both refiners, as train_dreambooth_lora_z_image.py adapts them); the diffusers file,
     # which ComfyUI also loads (its z_image_to_diffusers key map); Qwen3: not trained
 
-    # ZImagePipeline's default guidance_scale (Turbo renders with 0: set sample.guidance_scale)
+    # ZImagePipeline's default guidance_scale; Z-Image-Turbo renders without CFG (0), which
+    # validation.guidance_scale cannot say yet (0 is the family's default there)
     guidance = base.Guidance(default_scale=5.0)
     parts = base.Parts(
         classes={
@@ -156,16 +157,7 @@ class ZImage(base.DiffusersFamily):
         return {"latent": latent, "prompt_embeds": (MAX_TOKENS, TEXT_WIDTH)}
 
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
-        vae = self.part(source, "vae", device, weights).requires_grad_(False)
-        shift, scale = vae.config.shift_factor, vae.config.scaling_factor
-        dtype = vae.dtype  # diffusers walks every module to answer: once, not each batch
-
-        @torch.no_grad()
-        def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            dist = vae.encode(placement.inputs(pixels, device, dtype)).latent_dist
-            return (dist.mean - shift) * scale, dist.std * scale
-
-        return encode
+        return base.kl_image_encoder(self.part(source, "vae", device, weights), device)
 
     def text_encoder(self, source: parts.Source, device: str, weights: bool = True):
         encoder = self.part(source, "text_encoder", device, weights)
