@@ -399,7 +399,7 @@ def test_auto_compiles_on_gpus_where_it_was_measured_faster():
     "family, overrides, shown",
     [
         ("flux", [], "scaling.use_gpu = false: CPU workers have no FP8"),
-        ("sdxl", ["scaling.use_gpu=true"], "allowed for flux, sana"),
+        ("sdxl", ["scaling.use_gpu=true"], "allowed for flux, sana, z-image"),
         ("flux", ["scaling.use_gpu=true", 'model.dtype="float8"'], "stored in float8 already"),
         ("flux", ["scaling.use_gpu=true", 'scaling.strategy="fsdp"'], "sharded weights"),
         ("flux", ["scaling.use_gpu=true", 'train.mode="full"'], "only frozen base weights"),

@@ -268,7 +268,7 @@ def _float8_matmul(job: JobConfig, family) -> None:
     if job.train.float8_matmul and not family.blocks.float8_matmul:
         from raytuner.families import FAMILIES
 
-        able = ", ".join(n for n, f in FAMILIES.items() if f.float8_matmul)
+        able = ", ".join(n for n, f in FAMILIES.items() if f.blocks.float8_matmul)
         raise ConfigError(
             f"train.float8_matmul = true: the {family.name} denoiser's linears are not made "
             f"for float8 here (allowed for {able}); set train.float8_matmul = false"
