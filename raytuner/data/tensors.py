@@ -8,6 +8,7 @@ import pyarrow as pa
 import torch
 
 from raytuner.data.cache import checksum
+from raytuner.families.text import rows_kept
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -30,10 +31,22 @@ def cell_column(batch: torch.Tensor, dtype: str) -> tuple[pa.BinaryArray, list[i
     return cells, list(rows.shape[1:]), sums
 
 
+def ragged_cell_column(
+    batch: torch.Tensor, dtype: str
+) -> tuple[pa.BinaryArray, list[list[int]], pa.Array]:
+    """``cell_column`` of each sample without its trailing all-zero rows (``rows_kept``): its
+    tokens alone, each cell of its own shape, which the reader pads back with zero rows."""
+    rows = batch.detach().to("cpu", DTYPES[dtype]).contiguous()
+    kept = [r[:n].contiguous() for r, n in zip(rows, rows_kept(rows), strict=True)]
+    raw = [r.view(torch.uint8).reshape(-1).numpy() for r in kept]
+    cells = pa.array([b.tobytes() for b in raw], pa.binary())
+    sums = pa.array([checksum(memoryview(b)) for b in raw], pa.uint64())
+    return cells, [list(r.shape) for r in kept], sums
+
+
 def to_cells(batch: torch.Tensor, dtype: str) -> tuple[list[bytes], np.ndarray, list[int]]:
     """``cell_column`` as Python values: B byte strings, their shapes [B, ndim] and their
     checksums."""
     cells, shape, sums = cell_column(batch, dtype)
     shapes = np.tile(np.asarray(shape, dtype=np.int32), (len(cells), 1))
     return cells.to_pylist(), shapes, sums.to_pylist()
-

@@ -7,12 +7,14 @@ from raytuner.families.flux import Flux
 from raytuner.families.sana import Sana
 from raytuner.families.sd15 import SD15
 from raytuner.families.sdxl import SDXL
+from raytuner.families.z_image import ZImage
 
 FAMILIES: dict[str, Family] = {
     "sd15": SD15(),
     "sdxl": SDXL(),
     "flux": Flux(),
     "sana": Sana(),
+    "z-image": ZImage(),
 }
 
 

@@ -294,14 +294,16 @@ def hub_kwargs(source: Source) -> dict:
 
 
 def kl_image_encoder(vae, device: str) -> ImageEncoder:
-    """Latent mean and std of an AutoencoderKL, in the denoiser's scale (scaling_factor)."""
+    """Latent mean and std of an AutoencoderKL, in the denoiser's scale: (mean - shift_factor)
+    x scaling_factor, as its pipelines decode latent / scaling_factor + shift_factor (Flux.1's
+    VAE has a shift; Stable Diffusion's none)."""
     vae = placement.move(vae, device).eval().requires_grad_(False)
-    scale = vae.config.scaling_factor
+    scale, shift = vae.config.scaling_factor, vae.config.get("shift_factor") or 0.0
     dtype = vae.dtype  # diffusers walks every module to answer: once, not each batch
 
     @torch.no_grad()
     def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dist = vae.encode(placement.inputs(pixels, device, dtype)).latent_dist
-        return dist.mean * scale, dist.std * scale
+        return (dist.mean - shift) * scale, dist.std * scale
 
     return encode

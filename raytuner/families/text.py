@@ -18,6 +18,12 @@ class TextEncoder(Protocol):
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]: ...  # name -> [B, ...]
     def truncated(self, captions: list[str]) -> list[bool]: ...  # longer than the tokenizer limit
 
+    # the text tensors [B, tokens, ...] whose trailing all-zero rows are padding after a caption
+    # of fewer tokens than the batch's longest: the cache stores each caption's rows without
+    # them and the feed pads them back to the batch's longest (an encoder without the
+    # attribute: none; Z-Image's variable-length captions)
+    ragged: tuple[str, ...]
+
 
 class TrainableTextEncoder(TextEncoder, Protocol):
     """The text encoders of a family whose ``adapters.text_encoders`` are trained
@@ -69,6 +75,7 @@ class FrozenTextEncoders:
     (captions -> the same) where its encoders are never trained."""
 
     outputs: tuple[str, ...] = ()
+    ragged: tuple[str, ...] = ()
 
     def __init__(self, tokenizers, encoders, device: str):
         self.tokenizers = tokenizers
@@ -93,6 +100,16 @@ class FrozenTextEncoders:
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             return self.embed(self.tokens(captions, self.device))
+
+
+def rows_kept(batch: torch.Tensor) -> list[int]:
+    """How many rows of each sample's [rows, ...] tensor in ``batch`` [B, rows, ...] come before
+    its trailing all-zero rows (a ``ragged`` text tensor's padding)."""
+    if not batch.shape[1]:
+        return [0] * batch.shape[0]
+    nonzero = (batch != 0).reshape(batch.shape[0], batch.shape[1], -1).any(dim=-1)
+    last = torch.arange(1, batch.shape[1] + 1, device=batch.device) * nonzero  # [B, rows]
+    return last.amax(dim=1).tolist()
 
 
 def truncated(tokenizers, captions: list[str]) -> list[bool]:

@@ -24,6 +24,7 @@ from raytuner.config import ConfigError
 from raytuner.lora import export, kohya
 from raytuner.lora.header import Header
 
+COMFY = "diffusion_model."  # ComfyUI's name of the denoiser in LoRA keys
 ADAPTER_KEY = "lora_adapter_metadata"  # the peft config diffusers' save_lora_weights stores
 # what the export keeps of the file's own metadata (sd-scripts' dataset keys are long)
 SOURCE_PREFIXES = ("raytuner.", "ss_", "modelspec.")
@@ -94,7 +95,13 @@ def _alpha(tensors: dict, adapter: dict, part: str, module: str, rank: int) -> f
 def file_modules(tensors: dict, meta: dict, family, denoiser, load=None) -> dict:
     """The file's LoRA per module of the denoiser: {module: (down, up, alpha)}. ``load``: a
     tensor's values when ``tensors`` are the header's (``check_file``)."""
-    dims = export.out_dims(denoiser)
+    dims, denoiser_part = export.out_dims(denoiser), f"{family.parts.denoiser}."
+    # the diffusers module names under ComfyUI's name of the denoiser, as ComfyUI-side trainers
+    # write them (diffusers' Z-Image loader takes them so)
+    tensors = {
+        denoiser_part + k.removeprefix(COMFY) if k.startswith(COMFY) else k: v
+        for k, v in tensors.items()
+    }
     if not any(k.endswith(".lora_down.weight") for k in tensors):
         return from_diffusers(tensors, meta, family.parts.denoiser)
     # a family without a kohya layout: the diffusers names, as kohya writes them

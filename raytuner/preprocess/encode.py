@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import torch
 
 from raytuner.data.cache import caption_key, checksum_column
-from raytuner.data.tensors import cell_column
+from raytuner.data.tensors import cell_column, ragged_cell_column
 from raytuner.families import parts
 from raytuner.preprocess.decode import ENCODE, FAILED, LATENT, MASK, PROBE_COLUMNS, SHAPE, TEXT
 from raytuner.preprocess.progress import ENCODED, READY, clock, since
@@ -276,9 +276,14 @@ class Encoder:
             "truncated": pa.array(encode.truncated(texts), pa.bool_()),
             "status": pa.array([TEXT] * len(keys), pa.string()),
         }
+        ragged = getattr(encode, "ragged", ())
         for name, tensor in encode(texts).items():
-            cells, shape, sums = cell_column(tensor, self.dtype)
+            if name in ragged:  # each caption's tokens alone, without the zero rows after them
+                cells, shapes, sums = ragged_cell_column(tensor, self.dtype)
+            else:
+                cells, shape, sums = cell_column(tensor, self.dtype)
+                shapes = [shape] * len(cells)
             columns[name] = cells
-            columns[f"{name}_shape"] = pa.array([shape] * len(cells), SHAPE)
+            columns[f"{name}_shape"] = pa.array(shapes, SHAPE)
             columns[checksum_column(name)] = sums
         return pa.table(columns)

@@ -29,6 +29,7 @@ PUBLISHED = {
     "sdxl": (2567e6, 0.01),
     "flux": (11901e6, 0.01),
     "sana": (1600e6, 0.03),
+    "z-image": (6_154_908_736, 0),  # the released configs, counted exactly
 }
 
 

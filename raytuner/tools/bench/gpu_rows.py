@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FAMILIES = ("sd15", "sdxl", "flux", "sana")
+FAMILIES = ("sd15", "sdxl", "flux", "sana", "z-image")
 GROUP_LIMIT_S = 480  # a group's estimate at most: 8 minutes
 RANDOM = ("--set", 'model.pretrained="random"')
 START_S = 10.0  # a process: python, torch, diffusers, the job checked
@@ -24,8 +24,11 @@ BASE = {  # family: (micro-batch, samples/s eager, load s, compile s of its bloc
     "sdxl": (4, 4.16, 6.0, 70.0),
     "sana": (4, 11.6, 6.0, 60.0),
     "flux": (1, 1.20, 15.0, 90.0),
+    # not measured yet: Flux's rate scaled by plan's TFLOP a sample (203.1 against 245.8), one
+    # block class to compile (two variants: with and without modulation), as Sana's one
+    "z-image": (1, 1.45, 10.0, 60.0),
 }
-SHIPPED_MICRO = {"sd15": 32, "sdxl": 16, "sana": 16, "flux": 1}  # the jobs' own (whole slice)
+SHIPPED_MICRO = {"sd15": 32, "sdxl": 16, "sana": 16, "flux": 1, "z-image": 1}  # the jobs' own
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,7 +182,9 @@ def _train(families: list[str], jobs: str, workdir: str) -> list[Row]:
                    "checkpoint.max_failures=0")  # fmt: skip
         micro, rate, load_s, _ = BASE[f]
         seconds = 40.0 + 90.0 + 2 * (START_S + load_s + 20 * micro / rate)
-        group = "train" if f in ("sd15", "sdxl") else "train-2"
+        group = {"sd15": "train", "sdxl": "train", "flux": "train-2", "sana": "train-2"}.get(
+            f, "train-3"
+        )
         out.append(Row(name=f"train {f}", group=group,
                        args=("bench", "train", f"{jobs}/{f}.toml", *RANDOM,
                              *_sets(*folders, f"train.micro_batch_size={micro}",

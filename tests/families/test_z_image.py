@@ -1,0 +1,309 @@
+"""The Z-Image family: its cache holds what ZImagePipeline's own encoders make (Qwen3's
+second-to-last hidden states of the chat-templated caption's tokens alone, latents with the
+VAE's shift and scale), its loss is a step of diffusers' train_dreambooth_lora_z_image.py (time
+1 - sigma, the output negated), its LoRA loads through the pipeline, and `raytuner plan` builds
+the released 6.15 B transformer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from run_checks import lora_changes_the_pipeline
+
+from raytuner.config import FlowObjective, LoraConfig
+from raytuner.data.reader import _stacked
+from raytuner.data.tensors import ragged_cell_column
+from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
+from raytuner.train.model import adapt
+
+TINY = Source("tiny")
+ZI = FAMILIES["z-image"]
+CAPTIONS = ["a red circle", "a much longer caption: a blue square on a grey ground", ""]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return ZI.pipeline(TINY)
+
+
+@pytest.fixture(scope="module")
+def batch(pipe) -> dict[str, torch.Tensor]:
+    pixels = torch.rand(3, 3, 64, 96, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latent, std = ZI.image_encoder(TINY, "cpu")(pixels)
+    assert latent.shape == std.shape == (3, 16, 8, 12)  # 16 channels at 1/8
+    return {"latent": latent, "pixels": pixels, **ZI.text_encoder(TINY, "cpu")(CAPTIONS)}
+
+
+def _direct_text(pipe) -> list[torch.Tensor]:
+    """The pipeline's own encode_prompt: one [tokens, width] tensor a caption."""
+    embeds, _ = pipe.encode_prompt(
+        list(CAPTIONS), device=torch.device("cpu"), do_classifier_free_guidance=False,
+        max_sequence_length=ZI.pipeline_options(pipe)["max_sequence_length"],
+    )  # fmt: skip
+    return embeds
+
+
+def test_cached_text_is_the_pipelines_encode_prompt_and_stores_its_tokens_alone(pipe, batch):
+    direct = _direct_text(pipe)
+    lengths = [len(d) for d in direct]
+    # the chat template's tokens are kept; a longer caption has more rows
+    assert lengths[1] > lengths[0] > lengths[2] > 0
+    text = batch["prompt_embeds"]
+    assert text.shape == (3, max(lengths), 16)
+    for rows, own, n in zip(text, direct, lengths, strict=True):
+        torch.testing.assert_close(rows[:n], own, rtol=0, atol=0)
+        assert not rows[n:].any()  # the batch's padding: zero rows
+    # the cache stores each caption's rows alone (2 bytes a value in bfloat16: 2 x width a
+    # token) and the feed pads them back to the batch's longest with zero rows
+    cells, shapes, _ = ragged_cell_column(text, "bfloat16")
+    assert shapes == [[n, 16] for n in lengths]
+    assert [len(c.as_py()) for c in cells] == [n * 16 * 2 for n in lengths]
+    read = [
+        torch.frombuffer(bytearray(c.as_py()), dtype=torch.bfloat16).view(*s)
+        for c, s in zip(cells, shapes, strict=True)
+    ]
+    torch.testing.assert_close(_stacked(read, torch.float32), text.bfloat16().float())
+
+
+def test_cached_latent_is_what_the_pipeline_decodes(pipe, batch):
+    """The pipeline decodes latent / scaling_factor + shift_factor: the cache holds the VAE's
+    mean put through the inverse, as the diffusers training script normalises it."""
+    mean = pipe.vae.encode(batch["pixels"]).latent_dist.mean
+    config = pipe.vae.config
+    torch.testing.assert_close(batch["latent"] / config.scaling_factor + config.shift_factor, mean)
+    assert config.scaling_factor == 0.3611 and config.shift_factor == 0.1159
+
+
+def test_the_loss_is_a_step_of_diffusers_z_image_script(pipe, batch):
+    """Same noise and noise levels: x_t = (1 - s) x0 + s noise, the transformer called on lists
+    at time (1000 - 1000 s) / 1000, its output negated, against noise - x0."""
+    model = ZI.denoiser(TINY)
+    objective = FlowObjective(resolution_shift=False, shift=3.0, timestep_sampling="uniform")
+    loss = ZI.loss(TINY, objective)
+    x0 = batch["latent"]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    drawn = loss.draw(tuple(x0.shape), gens)
+    ours = loss(model, {"latent": x0, "prompt_embeds": batch["prompt_embeds"], **drawn})
+
+    noise, sigmas = drawn["noise"], drawn["sigma"]
+    s = sigmas[:, None, None, None]
+    noisy = (1.0 - s) * x0 + s * noise
+    timesteps = sigmas * 1000
+    with torch.no_grad():
+        out = model(
+            list(noisy.unsqueeze(2).unbind(dim=0)),
+            (1000 - timesteps) / 1000,
+            _direct_text(pipe),
+            return_dict=False,
+        )[0]
+    pred = -torch.stack(out, dim=0).squeeze(2)
+    target = noise - x0
+    theirs = ((pred.float() - target.float()) ** 2).reshape(3, -1).mean(1)
+    torch.testing.assert_close(ours.detach(), theirs)
+    # the sign matters: the unnegated output is far off
+    assert not torch.allclose(((-pred - target) ** 2).reshape(3, -1).mean(1), theirs)
+    # the shift: 3 u / (1 + 2 u) of uniform draws, each in (0, 1)
+    assert ((sigmas > 0) & (sigmas < 1)).all()
+
+
+def test_a_trained_lora_loads_into_the_z_image_pipeline(batch, tmp_path):
+    model = ZI.denoiser(TINY)
+    lora = LoraConfig(rank=4, alpha=4.0)
+    weights = adapt(model, mode="lora", lora=lora, targets=ZI.adapters.targets, ema_decay=0)
+    # diffusers' targets: every attention projection of the layers and both refiners
+    names = [n for n in weights.names if "lora_B" in n]
+    assert {n.split(".")[0] for n in names} == {"layers", "noise_refiner", "context_refiner"}
+    assert len(names) == 4 * (2 + 1 + 1)
+    opt = torch.optim.AdamW(weights.params, lr=1e-2)
+    loss = ZI.loss(TINY, FlowObjective())
+    train = {k: v for k, v in batch.items() if k != "pixels"}
+    for _ in range(3):
+        gens = [torch.Generator().manual_seed(i) for i in range(3)]
+        loss(model, train, gens).mean().backward()
+        opt.step(), opt.zero_grad()
+    ZI.save_lora(str(tmp_path / "lora"), weights.state(), model.peft_config["default"].to_dict())
+
+    assert lora_changes_the_pipeline(str(tmp_path / "lora"), "z-image")
+
+
+def test_the_tiny_pipeline_renders(pipe):
+    image = pipe(
+        "a red circle", num_inference_steps=2, height=64, width=64, output_type="np",
+        generator=torch.Generator().manual_seed(0), **ZI.pipeline_options(pipe),
+    ).images  # fmt: skip
+    assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
+
+
+JOB = """
+[model]
+family = "z-image"
+pretrained = "{folder}"
+[data]
+images = "{images}"
+cache = "{root}/cache"
+[preprocess]
+resolution = 64
+bucket_step = 32
+[train]
+output = "{root}/runs"
+"""
+
+
+@pytest.mark.slow
+def test_the_cache_holds_each_captions_own_rows_of_encode_prompt(ray_local, tmp_path):
+    """Preprocessed by Ray Data from a diffusers folder: a row read alone is its caption's
+    encode_prompt, of its own length; rows read together are padded with zero rows."""
+    from raytuner.api import preprocess
+    from raytuner.config import load_job
+    from raytuner.data import cache
+    from raytuner.data.reader import open_dataset
+    from raytuner.tools.demo_images import make_demo_images
+
+    pipe = ZI.pipeline(TINY)
+    pipe.save_pretrained(tmp_path / "model")
+    images = make_demo_images(tmp_path / "images", per_aspect=2)
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(JOB.format(folder=tmp_path / "model", images=images, root=tmp_path))
+    job = load_job(job_file)
+    assert preprocess(job)["encoded"] == 6
+    data = open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
+    try:
+        # the caption as the preprocess reads it: whitespace runs made one space, ends stripped
+        files = [(images / p).with_suffix(".txt") for p in data.paths]
+        captions = [" ".join(f.read_text().split()) for f in files]
+        direct, _ = pipe.encode_prompt(
+            list(captions), device=torch.device("cpu"), do_classifier_free_guidance=False,
+            max_sequence_length=ZI.pipeline_options(pipe)["max_sequence_length"],
+        )  # fmt: skip
+        lengths = [len(d) for d in direct]
+        assert len(set(lengths)) > 1  # captions of several lengths
+        for i, own in enumerate(direct):
+            alone = data.batch([i])["prompt_embeds"][0]
+            assert alone.shape == own.shape  # its tokens alone, no padding stored
+            torch.testing.assert_close(alone, own.bfloat16().float(), rtol=0, atol=0)
+        together = data.batch(list(range(len(data))))["prompt_embeds"]
+        assert together.shape == (len(data), max(lengths), 16)
+        for rows, own in zip(together, direct, strict=True):
+            torch.testing.assert_close(rows[: len(own)], own.bfloat16().float())
+            assert not rows[len(own) :].any()
+    finally:
+        data.close()
+
+
+def _lora_after_steps(rank: int, world: int, port: int, out: str) -> None:
+    """Three LoRA steps of the tiny Z-Image on 4 captions of several lengths, this rank's share
+    of them; ``world`` 2: sharded over two gloo workers (``scaling.strategy = "fsdp"``). Rank 0
+    writes the LoRA (gathered) and the losses to ``out``."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from raytuner.config import MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
+    from raytuner.placement.strategy import SHARDED
+    from raytuner.train import optim
+    from raytuner.train.feed import RankSlice
+    from raytuner.train.model import trainable_model
+    from raytuner.train.step import train_step
+
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    pixels = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    text = ZI.text_encoder(TINY, "cpu")(["a red circle", CAPTIONS[1], "", "a square"])
+    sizes = torch.tensor([[64, 64]] * 4)
+    rows = {"latent": ZI.image_encoder(TINY, "cpu")(pixels)[0], **text, "original_size": sizes,
+            "crop_top_left": sizes * 0, "target_size": sizes}  # fmt: skip
+    n = 4 // world
+    mine = {k: v[n * rank : n * (rank + 1)] for k, v in rows.items()}
+    cpu, model = torch.device("cpu"), ModelConfig(family="z-image", pretrained="tiny")
+    train = TrainConfig(output="unused", global_batch_size=4, max_steps=4, learning_rate=1e-2)
+    kw = {"strategy": SHARDED} if world > 1 else {}
+    trained = trainable_model(model, train, LoraConfig(rank=4, alpha=4.0), ZI, cpu, **kw)
+    opt, sched = optim.for_run(train, trained.weights.params)
+    loss_fn = ZI.loss(trained.source, ObjectiveConfig().for_family(ZI))
+    step = train_step(trained, trained.denoiser, loss_fn, opt, sched, train, MemoryConfig(), cpu,
+                      world)  # fmt: skip
+    seeds = list(range(n * rank, n * (rank + 1)))
+    losses = [step(RankSlice(0, i, 4, mine, seeds, [])).item() for i in range(3)]
+    state = {}
+    for name, tensor in trained.weights.state().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        state[name] = full.detach().float().contiguous()
+    if rank == 0:
+        save_file(state, f"{out}/lora-{world}.safetensors")
+        Path(out, f"losses-{world}.json").write_text(json.dumps(losses))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_lora_trains_what_one_process_trains(tmp_path):
+    """Captions of several lengths on each rank (each batch padded to its own longest): two
+    sharded gloo workers end where one process on the whole batch does."""
+    import torch.multiprocessing as mp
+    from ray_head import free_ports
+    from safetensors.torch import load_file
+
+    _lora_after_steps(0, 1, 0, str(tmp_path))
+    mp.spawn(_lora_after_steps, args=(2, free_ports(1)[0], str(tmp_path)), nprocs=2)
+    one, two = (load_file(tmp_path / f"lora-{world}.safetensors") for world in (1, 2))
+    assert one.keys() == two.keys() and any("lora_B" in k for k in one)
+    for name in one:  # the reduce-scatter sums in another order: float rounding apart
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_init_from_reads_the_layouts_other_z_image_trainers_write(pipe, tmp_path):
+    """The diffusers names under ComfyUI's ``diffusion_model.`` with ``.alpha`` keys, and in
+    kohya's ``lora_unet_`` keys: each starts the run from the same LoRA, and diffusers'
+    ZImagePipeline loads each as the same LoRA as raytuner's own file."""
+    from safetensors.torch import save_file
+
+    from raytuner.config import ModelConfig, TrainConfig
+    from raytuner.train.model import trainable_model
+
+    def weights(lora: LoraConfig):
+        model, train = ModelConfig(family="z-image"), TrainConfig(output="unused")
+        return trainable_model(model, train, lora, ZI, torch.device("cpu")).weights
+
+    known = weights(LoraConfig(rank=2, alpha=4.0))
+    for p in known.params:  # B starts at zero: a LoRA that does something
+        p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    known.export_lora(str(tmp_path / "own"), ZI, {})
+    state = known.state()  # "<module>.lora_A.weight" / "lora_B"
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    comfy, kohya = {}, {}
+    for m in modules:
+        down, up = state[f"{m}.lora_A.weight"], state[f"{m}.lora_B.weight"]
+        comfy |= {f"diffusion_model.{m}.lora_A.weight": down,
+                  f"diffusion_model.{m}.lora_B.weight": up,
+                  f"diffusion_model.{m}.alpha": torch.tensor(4.0)}  # fmt: skip
+        flat = "lora_unet_" + m.replace(".", "_")
+        kohya |= {f"{flat}.lora_down.weight": down, f"{flat}.lora_up.weight": up,
+                  f"{flat}.alpha": torch.tensor(4.0)}  # fmt: skip
+    own = pipeline_image_with(pipe, tmp_path / "own" / "lora")
+    for name, tensors in (("comfy", comfy), ("kohya", kohya)):
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "pytorch_lora_weights.safetensors"
+        save_file(tensors, str(path))
+        start = weights(LoraConfig(rank=2, alpha=4.0, init_from=str(path))).state()
+        assert start.keys() == state.keys()
+        for key in state:
+            torch.testing.assert_close(start[key], state[key], msg=f"{name}: {key}")
+        np.testing.assert_allclose(pipeline_image_with(pipe, tmp_path / name), own, atol=1e-5)
+
+
+def pipeline_image_with(pipe, lora_dir) -> np.ndarray:
+    """The tiny pipeline's image with the LoRA of ``lora_dir`` loaded, then unloaded."""
+    from run_checks import pipeline_image
+
+    pipe.load_lora_weights(str(lora_dir))
+    try:
+        return pipeline_image(pipe)
+    finally:
+        pipe.unload_lora_weights()
