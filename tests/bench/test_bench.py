@@ -132,6 +132,7 @@ def test_rounds_alternate_the_two_sides_and_report_their_spread():
         alternate(0, {"a": lambda r: r})
 
 
+@pytest.mark.slow
 def test_bench_step_shards_over_a_process_group_of_one():
     """`bench step` with ``scaling.strategy = "fsdp"`` (a process of its own: it starts a
     process group): the sharded step trains, and plan's sharded worker is what it compares."""

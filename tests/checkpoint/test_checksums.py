@@ -106,6 +106,7 @@ def damaged(job_file, tmp_path_factory) -> Damaged:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_flipped_byte_in_a_latent_fails_the_training_run_naming_the_file(ray_local, damaged):
     args = ["train", str(damaged.job)] + [a for s in damaged.sets for a in ("--set", s)]

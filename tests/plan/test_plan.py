@@ -135,6 +135,7 @@ def test_the_api_plan_refuses_a_bare_number():
             raytuner.plan(job, bare)
 
 
+@pytest.mark.slow
 def test_plan_needs_no_optional_package_nor_the_jobs_data():
     """jobs/flux-12gb.toml trains with 8-bit AdamW (bitsandbytes) on /data/images: `plan` sizes
     its state without the package (``optim.state_bytes``) and reads no image, while `check` (what

@@ -130,6 +130,7 @@ def _sharded_bytes(rank: int, world: int, out: str, port: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_plan_divides_the_state_as_fsdp_does(tmp_path):
     mp.spawn(_sharded_bytes, args=(2, str(tmp_path), free_ports(1)[0]), nprocs=2)
     measured = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]

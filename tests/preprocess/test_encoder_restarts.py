@@ -59,6 +59,7 @@ def _kill_encoders(proc: subprocess.Popen, killed: list, stop: threading.Event) 
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # about 20 s: the encoder dies before it has loaded its models
 def test_an_encoder_killed_each_time_fails_the_preprocess_after_max_restarts(tmp_path):
     make_demo_images(tmp_path / "images", per_aspect=4)

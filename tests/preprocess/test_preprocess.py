@@ -178,6 +178,7 @@ def crops(dataset: CachedDataset, paths: list[str] | None = None) -> list:
 CENTRED = [[[0, 35]]] * 3
 
 
+@pytest.mark.slow
 def test_incremental_reruns(ray_local, tmp_path):
     """Also the centre crop, and the posterior std stored (``store_std``), on its first run:
     one preprocess less than a run of their own (test_random_crop_is_reproducible below)."""
@@ -218,6 +219,7 @@ def test_incremental_reruns(ray_local, tmp_path):
     assert cache.fingerprint(MODEL, bigger) != cache.fingerprint(MODEL, pre)
 
 
+@pytest.mark.slow
 def test_random_crop_is_reproducible(ray_local, tmp_path):
     """The centre crops of the same images (CENTRED) are checked by test_incremental_reruns."""
     images = wide_images(tmp_path / "images")

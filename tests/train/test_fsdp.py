@@ -230,6 +230,7 @@ def test_sharded_full_finetune_trains_as_ddp_and_resumes_a_killed_worker(flux_jo
     assert np.isfinite(image).all() and not np.allclose(image, base)
 
 
+@pytest.mark.slow
 def test_a_run_cannot_switch_strategy(flux_job):
     _, run_dir = once(flux_job, "ddp", 'scaling.strategy="ddp"')
     before = sorted(p.name for p in run_dir.iterdir())

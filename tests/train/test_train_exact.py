@@ -69,6 +69,7 @@ def buckets_of(job_file: Path) -> dict[str, str]:
     return dict(zip(data.paths, data.buckets, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # a rank waiting in a collective for the other would hang: fail instead
 def test_skewed_buckets_give_every_rank_the_same_steps_and_shapes(job_file):
     summary, run_dir = reference(job_file)
@@ -136,6 +137,7 @@ def _commit_then_kill(run_dir: str, step: int, job: Path, killed: list, errors: 
         errors.append(e)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigkilled_worker_resumes_exactly_on_the_dataset_the_job_started_with(job_file, tmp_path):
     """A worker is SIGKILLed mid-epoch just after a preprocess committed the dataset without
