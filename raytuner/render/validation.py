@@ -87,7 +87,9 @@ class Validator:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         self.spec = RenderSpec(**spec)
         self.run = storage.basename(self.spec.run_dir)
-        self.pipe, self.writer = None, None
+        self.pipe, self.writer, self.closed = None, None, False
+        # close() runs on the actor's thread while a render may be on its way (a stopped run)
+        self.writer_lock = threading.Lock()
         self.jobs: queue.Queue = queue.Queue()
         self.results: list[dict] = []
         self.scratch = tempfile.mkdtemp(prefix="raytuner-validation-")
@@ -113,9 +115,10 @@ class Validator:
 
     def close(self) -> None:
         """The TensorBoard and W&B writers closed (their files complete, remote copies made)."""
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        with self.writer_lock:
+            if self.writer is not None:
+                self.writer.close()
+            self.writer, self.closed = None, True
 
     def _work(self) -> None:
         while True:
@@ -138,9 +141,10 @@ class Validator:
             source = parts.model_source(s, device)  # the spec carries [model]'s fields
             swap = s.blocks_to_swap
             self.pipe = sample.load_pipeline(family, source, None, device, swap)
-        if self.writer is None:
-            tracked = TrackingConfig(**s.tracking) if s.tracking else None
-            self.writer = ValidationReport(s.run_dir, s.tensorboard, tracked)
+        with self.writer_lock:
+            if self.writer is None and not self.closed:
+                tracked = TrackingConfig(**s.tracking) if s.tracking else None
+                self.writer = ValidationReport(s.run_dir, s.tensorboard, tracked)
         try:
             weights = find_weights(local)
             sample.apply_weights(self.pipe, family, weights, device, None, s.blocks_to_swap)
@@ -158,7 +162,9 @@ class Validator:
         record["lines"] = [r.record() for r in renders]  # each prompt's options, as rendered
         storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", sample.png_bytes(sheet))
         storage.write_json_atomic(fs, f"{folder}/step_{step:06d}.json", record)
-        self.writer.image(step, np.asarray(sheet), seconds)
+        with self.writer_lock:  # closed meanwhile: the PNG and its record are written already
+            if self.writer is not None:
+                self.writer.image(step, np.asarray(sheet), seconds)
         metrics.gauge("raytuner_validation_time_s", seconds, self.run)
         log.info("validation at step %d: %s/step_%06d.png (%.1f s)", step, folder, step, seconds)
         return record | {"path": f"{folder}/step_{step:06d}.png"}
