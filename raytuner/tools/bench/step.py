@@ -50,30 +50,12 @@ def bench_step(
     one = dataclasses.replace(job.train, global_batch_size=micro, micro_batch_size=0)
     args = (trained, trained.denoiser, loss_fn, opt, sched, one, job.memory, device)
     train_step = step.train_step(*args)
-    # the family's example of what the feed hands the step (float32, as read from the cache)
-    batch = family.example_batch(shapes, micro, size, device, torch.float32)
-    if (text := trained.weights.text) is not None:  # lora.text_encoder: the token ids instead
-        batch = text.example(batch, device)
-    generators = [torch.Generator().manual_seed(i) for i in range(micro)]
-    drawn = loss_fn.draw(tuple(batch["latent"].shape), generators)  # as the feed makes them
-    batch |= {k: v.to(device) for k, v in drawn.items()}
+    batch = _example(family, trained, loss_fn, shapes, micro, size, device)
 
     def run(i: int) -> None:  # the training step itself, on one micro-batch of random inputs
         train_step(RankSlice(0, i, 1, batch, [i * micro + j for j in range(micro)], []))
 
-    started = time.perf_counter()
-    for i in range(warmup):  # kernels chosen, optimizer state made, compiled blocks compiled
-        run(i)
-    _sync(device)
-    warmup_s = time.perf_counter() - started
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    graphs = compiled_graphs()
-    started = time.perf_counter()
-    for i in range(steps):
-        run(warmup + i)
-    _sync(device)
-    seconds = time.perf_counter() - started
+    warmup_s, seconds, graphs = _timed(run, warmup, steps, device)
     shape = tuple(batch["latent"].shape[1:])
     per_sample = train_step.per_sample[shape] / 1e12  # the hardware's: recompute included
     model_per_sample = train_step.model_per_sample[shape] / 1e12
@@ -120,6 +102,37 @@ def bench_step(
     }
     print(json.dumps(result) if as_json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return result
+
+
+def _example(family, trained, loss_fn, shapes, micro: int, size, device) -> dict:
+    """The family's example of what the feed hands the step (float32, as read from the cache;
+    with ``lora.text_encoder`` the token ids instead), with each sample's draws as the feed
+    makes them."""
+    batch = family.example_batch(shapes, micro, size, device, torch.float32)
+    if (text := trained.weights.text) is not None:
+        batch = text.example(batch, device)
+    generators = [torch.Generator().manual_seed(i) for i in range(micro)]
+    drawn = loss_fn.draw(tuple(batch["latent"].shape), generators)
+    return batch | {k: v.to(device) for k, v in drawn.items()}
+
+
+def _timed(run, warmup: int, steps: int, device) -> tuple[float, float, int]:
+    """``run(i)`` ``warmup`` times (kernels chosen, optimizer state made, compiled blocks
+    compiled), then ``steps`` times on the clock: (warm-up seconds, timed seconds, graphs
+    compiled before the timed steps); the peak memory counts the timed steps only."""
+    started = time.perf_counter()
+    for i in range(warmup):
+        run(i)
+    _sync(device)
+    warmup_s = time.perf_counter() - started
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    graphs = compiled_graphs()
+    started = time.perf_counter()
+    for i in range(steps):
+        run(warmup + i)
+    _sync(device)
+    return warmup_s, time.perf_counter() - started, graphs
 
 
 def _sync(device: torch.device) -> None:
