@@ -105,6 +105,14 @@ class Guidance:
     embedding: bool = False  # its denoiser takes objective.flow.guidance (guidance-distilled)
     # its pipeline takes a negative prompt (classifier-free guidance: kohya's --n and --l)
     negative_prompt: bool = True
+    # validation's steps when validation.steps and the prompt line set none
+    default_steps: int = 20
+    # a step-distilled release of the family (validation.distilled): its few steps (0: none is
+    # released), the guidance_scale at which its pipeline makes no unconditional pass, and the
+    # hub ids of such releases (a pipeline whose config says is_distilled is one too)
+    distilled_steps: int = 0
+    distilled_scale: float = 0.0
+    distilled_repos: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
