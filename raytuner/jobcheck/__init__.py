@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from raytuner.config import JobConfig
 from raytuner.families import parts
-from raytuner.jobcheck import lora, machine, model
+from raytuner.jobcheck import encoders, lora, machine, model
 
 __all__ = ["check_job"]
 
@@ -45,6 +45,7 @@ def check_job(job: JobConfig, family, *, runs: bool = True, reads_images: bool =
     # a released repo: its architecture from the package, no download
     model.blocks_to_swap(job.memory, family, parts.model_source(job.model, "cpu"))
     lora.adapter(job, family)  # builds the model on the meta device when needed
+    encoders.encoder_pool(job, family)  # builds the text encoder on meta when sized
     if runs:
         machine.outputs_outside_ray_working_dir(job)
     if runs and reads_images:
