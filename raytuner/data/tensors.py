@@ -3,9 +3,10 @@ its checksum (``cache.checksum``), made here, where the bytes are, and read back
 (``from_cell``).
 
 A cell stored in ``float8`` (``preprocess.text_dtype``: text tensors only) is its elements in
-float8 e4m3 (scaled so that each row of the last axis, a token's features, spans e4m3's range)
-followed by one float32 scale per such row (``cache.cell_bytes``); ``from_cell`` multiplies
-them back. Every other dtype is the tensor's own bytes."""
+float8 e4m3 (divided by a power of two that brings each row of the last axis, a token's
+features, within e4m3's range) followed by that float32 scale of every such row
+(``cache.cell_bytes``); ``from_cell`` multiplies them back. Every other dtype is the tensor's
+own bytes."""
 
 from __future__ import annotations
 
@@ -35,7 +36,11 @@ def _row_bytes(rows: torch.Tensor, dtype: str) -> torch.Tensor:
         rows = rows.detach().to("cpu", DTYPES[dtype]).contiguous()
         return rows.view(torch.uint8).reshape(n, -1)
     values = rows.detach().to("cpu", torch.float32)
-    scale = values.abs().amax(dim=-1, keepdim=True) / E4M3_MAX  # 0 for an all-zero row
+    # a power of two (exact to divide and multiply back: a 0/1 mask stays exact) that brings
+    # the row's largest value within e4m3's range; 0 for an all-zero row
+    amax = values.abs().amax(dim=-1, keepdim=True)
+    power = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    scale = torch.where(amax > 0, power, torch.zeros_like(amax))
     quantized = (values / scale.clamp_min(torch.finfo(torch.float32).tiny)).to(DTYPES[FLOAT8])
     elements = quantized.contiguous().view(torch.uint8).reshape(n, -1)
     scales = scale.contiguous().view(torch.uint8).reshape(n, -1)
