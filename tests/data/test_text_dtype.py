@@ -9,14 +9,16 @@ on it."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
 from raytuner import api
-from raytuner.config import FlowObjective, load_job
+from raytuner.config import ConfigError, FlowObjective, load_job
 from raytuner.data import cache
 from raytuner.data.reader import open_dataset
+from raytuner.data.verify import verify
 from raytuner.families import get_family, parts
 from raytuner.tools.demo_images import make_demo_images
 
@@ -77,6 +79,7 @@ def test_float8_text_is_another_version_of_about_half_the_bytes(caches):
     assert 0.45 < f8["bytes_per_caption"] / bf16["bytes_per_caption"] < 0.6
     manifest = cache.read_manifest(jobs["float8"].data.cache, fp["float8"])
     assert manifest["text_dtype"] == "float8"
+    assert verify(cache.Version(jobs["float8"].data.cache, fp["float8"])) == []  # cache verify
     data = _dataset(jobs["float8"])
     try:
         batch = data.batch([0])
@@ -85,6 +88,20 @@ def test_float8_text_is_another_version_of_about_half_the_bytes(caches):
         data.close()
     expected = sum(cache.cell_bytes(s, "float8") for s in shapes.values())
     assert f8["max_bytes_per_caption"] == expected
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ('preprocess.text_dtype="int8"', "preprocess.text_dtype = 'int8': must be one of"),
+        ("preprocess.gpus_per_actor=1.5", "above 1 an encoder actor takes whole GPUs"),
+    ],
+)
+def test_a_text_dtype_or_gpu_count_the_pool_cannot_take_is_refused(tmp_path, setting, named):
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.format(images=tmp_path, cache=tmp_path / "c", runs=tmp_path / "r"))
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_job(path, [setting])
 
 
 def _bucket(data) -> list[int]:
