@@ -114,6 +114,12 @@ def place(encoder, offload: bool, devices: list, gpu_bytes: int = 0) -> list:
     each module's layout."""
     from raytuner.placement import encoders
 
+    if not getattr(encoder, "encoders", None):
+        raise TypeError(
+            f"{type(encoder).__name__} names no modules (``encoders``): its family's text "
+            "encoder cannot be split over GPUs or offloaded; set preprocess.gpus_per_actor <= 1 "
+            "and preprocess.text_encoder_offload = false"
+        )
     layouts, kept = [], []
     for module in encoder.encoders:
         weights, blocks = encoders.block_bytes(module)

@@ -12,7 +12,7 @@ from raytuner.config import JobConfig
 from raytuner.data import cache
 from raytuner.placement import encoders
 from raytuner.tools.plan.meta import traced
-from raytuner.tools.plan.trace import MARGIN, OVERHEAD, _part_bytes, _source
+from raytuner.tools.plan.trace import MARGIN, OVERHEAD, _one_part_bytes, _part_bytes, _source
 
 GiB = 2**30
 MOST_GPUS = 16  # the most whole GPUs preprocess.gpus_per_actor may name
@@ -33,6 +33,9 @@ def _traced(family, source, batch: int) -> dict:
         weights, blocks = weights + w, blocks + b
         params += sum(p.numel() for p in module.parameters())
     dtypes = {str(p.dtype).removeprefix("torch.") for m in modules for p in m.parameters()}
+    if not modules:  # a text encoder that names no modules: its parts' weights, unsplittable
+        names = tuple(p for p in family.parts.classes if p.startswith("text_"))
+        weights = sum(_one_part_bytes(family, source, n) for n in names)
     return {
         "params": params,
         "weights_bytes": weights,
