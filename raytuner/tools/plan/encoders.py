@@ -43,6 +43,7 @@ def _traced(family, source, batch: int) -> dict:
         "dtype": ", ".join(sorted(dtypes)),
         "activations_bytes": live.peak,
         "shapes": {k: tuple(v.shape[1:]) for k, v in text.items()},
+        "ragged": bool(set(getattr(encode, "ragged", ())) & set(text)),
     }
 
 
@@ -105,8 +106,9 @@ def lines(p: dict) -> list[str]:
         f"{_gib(p['activations_bytes'])} for preprocess.batch_size = {p['batch_size']} "
         f"captions of {p['tokens']} tokens: {p['where']}, {_gib(p['per_gpu_bytes'])} a GPU "
         f"({'fits' if p['fits'] else 'does NOT fit'})",
-        f"  text in the cache: {n / 1e6:,.3f} MB a caption in {p['text_dtype']} "
-        f"({n * CAPTIONS / 1e9:,.1f} GB for {CAPTIONS:,} captions; preprocess.text_dtype)",
+        f"  text in the cache: {'at most ' * p['ragged']}{n / 1e6:,.3f} MB a caption in "
+        f"{p['text_dtype']} ({n * CAPTIONS / 1e9:,.1f} GB for {CAPTIONS:,} captions"
+        f"{'; a caption stores its own tokens alone' * p['ragged']}; preprocess.text_dtype)",
     ]
     if not p["fits"]:
         out.append(f"  the text encoder: {advice(p)}")
