@@ -1,5 +1,7 @@
 """``preprocess.text_dtype = "float8"``: the text tensors stored as float8 e4m3 with a float32
-scale per token row. One tiny Flux preprocess in each dtype (shared by every case here): the
+scale per token row. Quick: the text dtype is part of the fingerprint, and float8 cells are
+about half the bytes, located in their file and read back within float8's rounding, each token
+row in its own range. Slow: one tiny Flux preprocess in each dtype (shared by those cases): the
 float8 version is another cache version (its own fingerprint: the bfloat16 one is not mixed
 into it, and switching back finds the bfloat16 version as it was), its text is about half the
 bytes a caption, the reader hands back text within float8's rounding of the bfloat16 text, a
@@ -11,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import pyarrow as pa
+import pyarrow.fs as pafs
 import pytest
 import torch
 
@@ -22,6 +26,7 @@ from raytuner.data.verify import verify
 from raytuner.families import get_family, parts
 from raytuner.tools.demo_images import make_demo_images
 
+DTYPES = ("", "bfloat16", "float16", "float8")
 JOB = """
 [model]
 family = "flux"
@@ -65,6 +70,62 @@ def _dataset(job):
     return open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
 
 
+def test_text_dtype_is_part_of_the_cache_identity_and_the_default_keeps_it(tmp_path):
+    path = tmp_path / "job.toml"
+    images = tmp_path / "images"
+    path.write_text(JOB.format(images=images, cache=tmp_path / "c", runs=tmp_path / "r"))
+    fp = {
+        d: cache.fingerprint(job.model, job.preprocess)
+        for d, job in ((d, load_job(path, [f'preprocess.text_dtype="{d}"'])) for d in DTYPES)
+    }
+    assert fp[""] == fp["bfloat16"]  # the default: the latents' dtype, the fingerprint as before
+    assert len({fp[""], fp["float16"], fp["float8"]}) == 3
+
+
+def _cells_file(tmp_path, tensor: torch.Tensor, dtype: str):
+    """A text data file of ``tensor``'s rows in ``dtype``, written and located as the cache
+    does (``cache.write_part``, ``cache.locate``): its bytes and located rows."""
+    from raytuner.data.tensors import cell_column
+
+    cells, shape, sums = cell_column(tensor, dtype)
+    n = len(cells)
+    table = pa.table(
+        {
+            "caption_key": [str(i) for i in range(n)],
+            "prompt_embeds": cells,
+            "prompt_embeds_shape": pa.array([shape] * n, pa.list_(pa.int32())),
+            "prompt_embeds_xxh3": sums,
+        }
+    )
+    path = tmp_path / f"{dtype}.parquet"
+    cache.write_part(pafs.LocalFileSystem(), str(path), table)
+    data = path.read_bytes()
+    located, _ = cache.locate(pa.py_buffer(data), "bfloat16", dtype)
+    return data, located, shape
+
+
+def test_float8_cells_are_about_half_the_bytes_located_and_read_back_close(tmp_path):
+    from raytuner.data.tensors import from_cell
+
+    # 4 captions' token rows, 32 wide, of ranges a thousandfold apart, one caption padded
+    g = torch.Generator().manual_seed(0)
+    tensor = torch.randn(4, 16, 32, generator=g) * torch.logspace(-2, 1, 16)[None, :, None]
+    tensor[2, 10:] = 0
+    sizes = {}
+    for dtype in ("bfloat16", "float8"):
+        data, located, shape = _cells_file(tmp_path, tensor, dtype)
+        sizes[dtype] = cache.cell_bytes(shape, dtype)
+        for i, at in enumerate(located.column("prompt_embeds_at").to_pylist()):
+            row = from_cell(data, at, shape, dtype, torch.float32)
+            error = (row - tensor[i]).norm(dim=-1) / tensor[i].norm(dim=-1).clamp_min(1e-30)
+            # every token row within its own dtype's rounding, the small ones too
+            assert error.max() < (0.05 if dtype == "float8" else 0.005), (dtype, i, error)
+            if i == 2:  # its padding rows stay exactly zero
+                assert not row[10:].any()
+    assert sizes["float8"] / sizes["bfloat16"] == (32 + 4) / 64  # a float32 scale a row
+
+
+@pytest.mark.slow
 def test_float8_text_is_another_version_of_about_half_the_bytes(caches):
     jobs, reports = caches
     fp = {d: cache.fingerprint(j.model, j.preprocess) for d, j in jobs.items()}
@@ -118,6 +179,7 @@ def _loss(family, batch) -> float:
         return loss_fn(denoiser, batch, gens).mean().item()
 
 
+@pytest.mark.slow
 def test_float8_text_reads_back_close_to_bfloat16_and_trains_the_same_loss(caches):
     jobs, _ = caches
     family = get_family("flux")
