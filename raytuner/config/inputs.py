@@ -135,12 +135,24 @@ class PreprocessConfig:
     max_aspect: float = ranged(2.0, 1)
     crop: str = "center"
     dtype: str = "bfloat16"
+    # the text tensors' storage ("": preprocess.dtype, as the latents); "float8": float8 e4m3
+    # with a float32 scale per token row, about half of bfloat16's bytes (data/tensors.py)
+    text_dtype: str = ""
     batch_size: int = ranged(8, 1, 1024)
     min_actors: int = ranged(1, 1)
     max_actors: int = ranged(1, 1)  # >= min_actors
     gpus_per_actor: float = ranged(
-        0.0, RESOURCE_STEP, 1, zero="none", hint="an actor encodes on one GPU; a fraction shares it"
+        0.0,
+        RESOURCE_STEP,
+        16,
+        zero="none",
+        hint="a fraction shares one GPU; more than 1: whole GPUs the text encoder is split over",
     )
+    # the memory of each GPU an encoder actor gets, in GiB: `raytuner check` refuses a pool
+    # whose text encoder cannot fit it (0: not known, not checked; the actor sizes its GPUs)
+    gpu_memory_gib: float = ranged(0.0, 0, zero="not checked")
+    # the text encoder's repeated layers in host memory, streamed to the GPU as they run
+    text_encoder_offload: bool = False
     # reserved: with 1 each, 2 actors on 2 CPUs starved the decode
     cpus_per_actor: float = ranged(0.5, RESOURCE_STEP, hint=RESOURCE_HINT)
     seed: int = ranged(0, 0, SEED_MAX)
@@ -160,5 +172,18 @@ class PreprocessConfig:
         if len(self.background) != 3:
             raise ConfigError(f"preprocess.background = {self.background}: use [r, g, b] 0..255")
         one_of("preprocess.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        if self.text_dtype:  # "": preprocess.dtype
+            allowed = ("bfloat16", "float16", "float32", "float8")
+            one_of("preprocess.text_dtype", self.text_dtype, allowed)
+        if self.gpus_per_actor > 1 and self.gpus_per_actor != int(self.gpus_per_actor):
+            raise ConfigError(
+                f"preprocess.gpus_per_actor = {self.gpus_per_actor}: above 1 an encoder actor "
+                "takes whole GPUs (2, 3, ...); a fraction (<= 1) shares one"
+            )
         if self.max_actors < self.min_actors:
             raise ConfigError("preprocess.max_actors must be >= preprocess.min_actors")
+
+    @property
+    def text_storage(self) -> str:
+        """The dtype the cache stores text tensors in."""
+        return self.text_dtype or self.dtype

@@ -77,8 +77,11 @@ CHECKSUM = "_xxh3"  # a tensor column's checksum column: its name plus this
 # finds such a change).
 REPAIR = "raytuner cache verify JOB.toml --repair"
 # Bytes per element of each storage dtype (``data/tensors.py`` maps them to torch dtypes; this
-# module stays free of torch: the preprocess's write tasks import it).
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+# module stays free of torch: the preprocess's write tasks import it). A float8 cell (text
+# tensors only: ``preprocess.text_dtype``) is its e4m3 elements, then one float32 scale per
+# row of its last axis (``cell_bytes``).
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
+FLOAT8, SCALE_BYTES = "float8", 4
 # Preprocess keys that change the encoded bytes or which images are used; pool sizing does not.
 ENCODING_KEYS = (
     "resolution",
@@ -127,6 +130,8 @@ def caption_key(caption: str) -> str:
 
 def fingerprint(model: ModelConfig, pre: PreprocessConfig) -> str:
     encoding = {k: getattr(pre, k) for k in ENCODING_KEYS}
+    if pre.text_storage != pre.dtype:  # text stored otherwise: another version (the default
+        encoding["text_dtype"] = pre.text_storage  # keeps the fingerprints made before it)
     # what the encoders are (not model.trainable_dtype, which only training reads)
     encoders = {k: getattr(model, k) for k in ("family", "pretrained", "revision", "dtype")}
     if model.dtype == "float8":  # only the denoiser is stored in float8: encoders in bfloat16
@@ -210,6 +215,30 @@ def itemsize(dtype: str) -> int:
     return ITEMSIZE[dtype]
 
 
+def cell_bytes(shape, dtype: str) -> int:
+    """The bytes of a cell of ``shape`` stored in ``dtype``: its elements, and for float8 a
+    float32 scale per row of its last axis (a token's features keep their own range)."""
+    n = math.prod(shape) * ITEMSIZE[dtype]
+    if dtype == FLOAT8:
+        n += math.prod(shape[:-1]) * SCALE_BYTES
+    return n
+
+
+IMAGE_TENSORS = ("latent", "latent_std", MASK)  # stored in preprocess.dtype; the rest is text
+
+
+def column_dtype(column: str, dtype: str, text_dtype: str | None) -> str:
+    """The storage dtype of a tensor column: the latents' and masks' ``dtype``, the text
+    tensors' ``text_dtype`` (None: ``dtype``)."""
+    return dtype if column in IMAGE_TENSORS else text_dtype or dtype
+
+
+def text_dtype_of(manifest: dict) -> str:
+    """The storage dtype of a committed version's text tensors (a manifest written before
+    ``preprocess.text_dtype`` stored them in its ``dtype``)."""
+    return manifest.get("text_dtype") or manifest["dtype"]
+
+
 def part_file(run: str, kind: str, name: str) -> str:
     """Where a data file of ``kind`` (``latents`` or ``text``) written by ``run`` lies, relative
     to its version folder."""
@@ -236,7 +265,7 @@ def read_parquet(data: pa.Buffer, columns: list[str] | None = None) -> pa.Table:
     return reader.read(columns=columns, use_threads=False)
 
 
-def locate(data: pa.Buffer, dtype: str) -> tuple[pa.Table, list[str]]:
+def locate(data: pa.Buffer, dtype: str, text_dtype: str | None = None):
     """The file's small columns (with ``<tensor>_xxh3``, every cell's checksum) plus
     ``<tensor>_at``, the byte offset of every tensor cell, checked against its length prefix
     and its checksum; and the tensor column names."""
@@ -249,9 +278,9 @@ def locate(data: pa.Buffer, dtype: str) -> tuple[pa.Table, list[str]]:
         raise ValueError(f"no checksum column {missing[0]} (written before format 4?)")
     table = read_parquet(data, small)
     leaf = {meta.row_group(0).column(j).path_in_schema: j for j in range(meta.num_columns)}
-    size = itemsize(dtype)
     view = memoryview(data)
     for name in tensors:
+        stored = column_dtype(name, dtype, text_dtype)
         shapes = table.column(shape_column(name)).to_pylist()
         sums = table.column(checksum_column(name)).to_pylist()
         offsets = np.empty(meta.num_rows, np.int64)
@@ -261,7 +290,7 @@ def locate(data: pa.Buffer, dtype: str) -> tuple[pa.Table, list[str]]:
             chunk = meta.row_group(g).column(leaf[name])
             end = chunk.dictionary_page_offset or chunk.data_page_offset
             end += chunk.total_compressed_size
-            n = math.prod(shapes[g]) * size
+            n = cell_bytes(shapes[g], stored)
             offsets[g] = at = end - n
             if int.from_bytes(bytes(data[at - LENGTH_PREFIX : at]), "little") != n:
                 raise ValueError(f"row {g}: the {name} cell is not the tail of its column chunk")
@@ -306,12 +335,12 @@ class Version:
         path = self.path(MANIFEST)
         return storage.read_json(self.fs, path) if storage.exists(self.fs, path) else None
 
-    def describe(self, rel: str, dtype: str) -> tuple[dict, pa.Table]:
+    def describe(self, rel: str, dtype: str, text_dtype: str | None = None):
         """A data file's manifest entry (rows, bytes, sha256 of its content) and its located
         rows (``locate``, with ``file`` = ``rel``), from one read of the file."""
         data = storage.read_buffer(self.fs, self.path(rel))
         try:
-            located, _ = locate(data, dtype)
+            located, _ = locate(data, dtype, text_dtype)
         except (OSError, ValueError, pa.ArrowInvalid) as e:
             raise ValueError(f"{self.path(rel)} is not in the cache's layout: {e}") from e
         entry = {

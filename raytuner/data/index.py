@@ -169,8 +169,11 @@ class Located:
     opened. Each index is read in slices, so that the memory it takes is what the rows it adds
     hold, not a second copy of a dataset already read."""
 
-    def __init__(self, version: Version, dtype: str, manifest: dict | None, roots=None):
+    def __init__(
+        self, version: Version, dtype: str, manifest: dict | None, roots=None, text_dtype=None
+    ):
         self.version, self.dtype, self.manifest = version, dtype, manifest
+        self.text_dtype = text_dtype  # the text tensors' storage (None: ``dtype``)
         self.entries: dict[str, dict] = {}  # rel -> manifest entry
         self.latents: dict[str, dict] = {}  # image key -> its located latent row
         self.captions: dict[str, dict] = {}  # caption key -> its located text row
@@ -222,7 +225,8 @@ class Located:
                     self.entries[rel], rows = self._old_entries[rel], []
                 else:
                     try:
-                        self.entries[rel], table = self.version.describe(rel, self.dtype)
+                        dtypes = (self.dtype, self.text_dtype)
+                        self.entries[rel], table = self.version.describe(rel, *dtypes)
                     except ValueError as e:  # its rows are encoded again, into a new file
                         log.warning("ignoring a damaged part file: %s", e)
                         continue

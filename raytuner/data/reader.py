@@ -34,13 +34,15 @@ from raytuner.data.cache import (
     LENGTH_PREFIX,
     Version,
     caption_key,
+    cell_bytes,
     checksum,
     checksum_column,
+    column_dtype,
     damaged,
-    itemsize,
     row_at,
+    text_dtype_of,
 )
-from raytuner.data.tensors import DTYPES
+from raytuner.data.tensors import DTYPES, from_cell
 
 HOLE = 8 * 1024  # ranges of one file at most this far apart are read as one request
 THREADS = 8  # parallel requests per worker (object storage answers each in tens of ms)
@@ -184,7 +186,9 @@ class CachedDataset:
         """``computed``: the text tensors the worker makes itself from the captions (trained
         text encoders): not read, the captions' text (``captions``) read instead."""
         self.manifest, self.store = manifest, DTYPES[manifest["dtype"]]
-        self.size = itemsize(manifest["dtype"])
+        # the latents' and the text tensors' storage dtypes (float8 text: dequantized to the
+        # latents' dtype as it is read)
+        self.dtypes = (manifest["dtype"], text_dtype_of(manifest))
         self.reader = RangeReader(version.fs, version.root)
         self.paths: list[str] = rows.column("path").to_pylist()
         self.repeats: list[int] = rows.column("repeats").to_pylist()
@@ -237,7 +241,8 @@ class CachedDataset:
     def _cells(self, wanted: list[tuple]) -> list[torch.Tensor]:
         """Each (file, offset, shape, checksum, column) cell as a tensor, checked against its
         length prefix and its checksum."""
-        sizes = [int(np.prod(cell[2])) * self.size for cell in wanted]
+        stored = [column_dtype(cell[4], *self.dtypes) for cell in wanted]
+        sizes = [cell_bytes(cell[2], d) for cell, d in zip(wanted, stored, strict=True)]
         ranges = [
             (cell[0], cell[1] - LENGTH_PREFIX, n + LENGTH_PREFIX)
             for cell, n in zip(wanted, sizes, strict=True)
@@ -247,16 +252,13 @@ class CachedDataset:
         distinct = {(cell[0], cell[1]): n for cell, n in zip(wanted, sizes, strict=True)}
         self.bytes_used += sum(distinct.values())
         out = []
-        for cell, n, data in zip(wanted, sizes, read, strict=True):
+        for cell, n, data, dtype in zip(wanted, sizes, read, stored, strict=True):
             rel, at, shape, expected, column = cell
             if int.from_bytes(data[:LENGTH_PREFIX], "little") != n:
                 raise ValueError(f"{rel}: no {n}-byte cell at offset {at}: the file changed")
             if checksum(data[LENGTH_PREFIX:]) != int(expected):  # xxh3 releases the GIL
                 raise self._damaged(rel, int(at), column)
-            values = torch.frombuffer(
-                data, dtype=self.store, offset=LENGTH_PREFIX, count=n // self.size
-            )
-            out.append(values.view(tuple(shape)))
+            out.append(from_cell(data, LENGTH_PREFIX, shape, dtype, self.store))
         return out
 
     def _damaged(self, rel: str, at: int, column: str) -> Exception:
@@ -371,7 +373,7 @@ def for_readers(manifest: dict, dataset: dict | None = None) -> dict:
     with the dataset: what a job hands its workers."""
     dataset = manifest if dataset is None else dataset
     needed = ("format_version", "fingerprint", "dtype", "text_tensors")
-    return {k: manifest[k] for k in needed} | {
+    return {k: manifest[k] for k in needed} | {"text_dtype": text_dtype_of(manifest)} | {
         k: dataset[k] for k in ("index", "captions", "dataset")
     }
 

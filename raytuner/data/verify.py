@@ -5,7 +5,6 @@ references."""
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 import time
 
@@ -18,22 +17,28 @@ from raytuner.data.cache import (
     MANIFEST,
     MASK,
     Version,
+    cell_bytes,
     checksum,
     checksum_column,
+    column_dtype,
     committed_files,
     indexes,
-    itemsize,
     read_parquet,
     shape_column,
+    text_dtype_of,
 )
-from raytuner.data.tensors import DTYPES
+from raytuner.data.tensors import from_cell
+
+FLOAT = torch.float32
 
 
-def _tensor_problems(table: pa.Table, names: list[str], dtype: str) -> str:
+def _tensor_problems(table: pa.Table, names: list[str], dtypes: tuple[str, str]) -> str:
     """Cells whose bytes differ from their checksum, have the wrong size or hold NaN / Inf, in
-    any of these columns ("" if none): the first such cell's row and column, and how many."""
-    size, found = itemsize(dtype), []
+    any of these columns ("" if none): the first such cell's row and column, and how many.
+    ``dtypes``: the latents' and the text tensors' storage dtypes."""
+    found = []
     for name in names:
+        stored = column_dtype(name, *dtypes)
         cells, shapes = table.column(name).to_pylist(), table.column(shape_column(name)).to_pylist()
         sums = (
             table.column(checksum_column(name)).to_pylist()
@@ -45,9 +50,9 @@ def _tensor_problems(table: pa.Table, names: list[str], dtype: str) -> str:
                 problem = "no checksum"
             elif checksum(cell) != sum_:
                 problem = "its checksum differs from the one written with it"
-            elif len(cell) != math.prod(shape) * size:
-                problem = f"{len(cell)} bytes, shape {shape} needs {math.prod(shape) * size}"
-            elif not torch.isfinite(torch.frombuffer(bytearray(cell), dtype=DTYPES[dtype])).all():
+            elif len(cell) != (size := cell_bytes(shape, stored)):
+                problem = f"{len(cell)} bytes, shape {shape} needs {size}"
+            elif not torch.isfinite(from_cell(bytearray(cell), 0, shape, stored, FLOAT)).all():
                 problem = "holds NaN or Inf"
             else:
                 continue
@@ -58,7 +63,7 @@ def _tensor_problems(table: pa.Table, names: list[str], dtype: str) -> str:
     return found[0] + more
 
 
-def _file_problem(version: Version, entry: dict, tensors: list[str], dtype: str) -> str:
+def _file_problem(version: Version, entry: dict, tensors: list[str], dtypes) -> str:
     """What is wrong with a data or index file ("" if nothing): missing, unreadable, another
     row count; for a data file, its damaged cells (their checksums, sizes, values) after the
     sha256 of the whole file."""
@@ -75,7 +80,7 @@ def _file_problem(version: Version, entry: dict, tensors: list[str], dtype: str)
         return "; ".join([*problems, f"unreadable: {e}"])
     if table.num_rows != entry["rows"]:
         problems.append(f"{table.num_rows} rows, the manifest says {entry['rows']}")
-    cells = _tensor_problems(table, [n for n in tensors if n in table.column_names], dtype)
+    cells = _tensor_problems(table, [n for n in tensors if n in table.column_names], dtypes)
     return "; ".join(problems + [cells] * bool(cells))
 
 
@@ -85,7 +90,7 @@ def verify(version: Version) -> list[dict]:
     manifest = version.manifest()
     if manifest is None:
         raise FileNotFoundError(f"no committed cache at {version.root}")
-    dtype, bad = manifest["dtype"], []
+    dtypes, bad = (manifest["dtype"], text_dtype_of(manifest)), []
     groups = [
         (manifest["latents"], ["latent", "latent_std", MASK]),
         (manifest["text"], manifest["text_tensors"]),
@@ -93,7 +98,7 @@ def verify(version: Version) -> list[dict]:
     ]
     for entries, tensors in groups:
         for entry in entries:
-            if problem := _file_problem(version, entry, tensors, dtype):
+            if problem := _file_problem(version, entry, tensors, dtypes):
                 bad.append({"path": entry["path"], "problem": problem})
     return bad
 

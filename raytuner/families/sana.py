@@ -45,7 +45,7 @@ class _GemmaText:
         self.pipe = SanaPipeline(
             tokenizer=tokenizer, text_encoder=encoder, vae=None, transformer=None, scheduler=None
         )
-        self.tokenizer, self.device = tokenizer, device
+        self.tokenizer, self.device, self.encoders = tokenizer, device, [encoder]
         self.max_tokens = min(MAX_TOKENS, tokenizer.model_max_length)
 
     @torch.no_grad()

@@ -23,6 +23,10 @@ class TextEncoder(Protocol):
     # them and the feed pads them back to the batch's longest (an encoder without the
     # attribute: none; Z-Image's variable-length captions)
     ragged: tuple[str, ...]
+    # its modules, and where its inputs go: what an encoder actor places over its GPUs when
+    # the encoder does not fit one (``place``)
+    encoders: list[nn.Module]
+    device: str
 
 
 class TrainableTextEncoder(TextEncoder, Protocol):
@@ -100,6 +104,30 @@ class FrozenTextEncoders:
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             return self.embed(self.tokens(captions, self.device))
+
+
+def place(encoder, offload: bool, devices: list, gpu_bytes: int = 0) -> list:
+    """A family's text encoder (``encoders``: its modules, built on the host; ``device``:
+    where its inputs go) placed over ``devices``, an encoder actor's GPUs: each module whole
+    on the first where it fits ``gpu_bytes`` (0: taken to fit), its layers split over the GPUs
+    where not, or streamed from host memory with ``offload`` (``placement.encoders``). Returns
+    each module's layout."""
+    from raytuner.placement import encoders
+
+    if not getattr(encoder, "encoders", None):
+        raise TypeError(
+            f"{type(encoder).__name__} names no modules (``encoders``): its family's text "
+            "encoder cannot be split over GPUs or offloaded; set preprocess.gpus_per_actor <= 1 "
+            "and preprocess.text_encoder_offload = false"
+        )
+    layouts, kept = [], []
+    for module in encoder.encoders:
+        weights, blocks = encoders.block_bytes(module)
+        how = encoders.layout(weights, blocks, 0, gpu_bytes or weights, len(devices), offload)
+        kept += encoders.place(module, how, devices)
+        layouts.append(how)
+    encoder.device, encoder.placed = str(devices[0]), kept  # the hooks live with the encoder
+    return layouts
 
 
 def rows_kept(batch: torch.Tensor) -> list[int]:

@@ -11,7 +11,8 @@ and ``run``, and for ``cache verify --repair``, ``bench train`` and ``bench prep
 --images 0``, which encode the job's images. ``reads_images=False`` for the operations that
 read the committed cache and not the images (``train``, ``sample``, ``cache verify`` and
 ``cache gc``, ``bench step`` and ``bench feed``): a folder deleted or unmounted after its
-preprocess does not stop them. ``runs=False`` for ``plan`` alone, which builds the model on the
+preprocess does not stop them, and the encoder pool, which they do not run, is not
+sized. ``runs=False`` for ``plan`` alone, which builds the model on the
 meta device, runs no optimizer and reads and writes none of the job's data: the optional
 packages, the image folders and the output paths are not looked at (``jobs/flux-12gb.toml``
 plans without bitsandbytes, the shipped jobs without their ``/data`` folders); the rest, about
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from raytuner.config import JobConfig
 from raytuner.families import parts
-from raytuner.jobcheck import lora, machine, model
+from raytuner.jobcheck import encoders, lora, machine, model
 
 __all__ = ["check_job"]
 
@@ -47,5 +48,6 @@ def check_job(job: JobConfig, family, *, runs: bool = True, reads_images: bool =
     lora.adapter(job, family)  # builds the model on the meta device when needed
     if runs:
         machine.outputs_outside_ray_working_dir(job)
-    if runs and reads_images:
+    if runs and reads_images:  # the operations that run the encoder pool
+        encoders.encoder_pool(job, family)  # builds the text encoder on meta when sized
         machine.image_folders(job.data)  # last: the slow one

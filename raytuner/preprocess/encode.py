@@ -17,6 +17,7 @@ sink (``preprocess/sink.py``, which writes each kind into the cache's files) tha
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +29,7 @@ import torch
 
 from raytuner.data.cache import caption_key, checksum_column
 from raytuner.data.tensors import cell_column, ragged_cell_column
-from raytuner.families import parts
+from raytuner.families import parts, text
 from raytuner.preprocess.decode import ENCODE, FAILED, LATENT, MASK, PROBE_COLUMNS, SHAPE, TEXT
 from raytuner.preprocess.progress import ENCODED, READY, clock, since
 
@@ -43,6 +44,9 @@ ROW_FIELDS = [
     ("crop_top_left", SHAPE),
 ]
 
+
+log = logging.getLogger("raytuner")
+GPU_SHARE = 0.85  # of each GPU's memory a split text encoder's weights may take (activations)
 
 # diffusers imports every quantization backend it finds installed as soon as any of its models
 # is imported: bitsandbytes and torchao cost an encoder actor about 2 s of CPU at its start, a
@@ -73,6 +77,23 @@ def _built(make, source, device: str):
                 "unquantized encoders; point model.pretrained at weights without one"
             ) from e
         raise
+
+
+def _built_text(make, source, spread: tuple[bool, int]):
+    """The text encoder as ``_built`` makes it; on GPUs with ``spread`` = (offload, GPUs of
+    the actor) asking for it, built on the host and placed over the actor's GPUs: whole where
+    it fits one, its layers split over them, or streamed from host memory
+    (``text.place``)."""
+    offload, gpus = spread
+    if _device() != "cuda" or not (offload or gpus > 1):
+        return _built(make, source, _device())
+    encoder = _built(make, source, "cpu")
+    count = torch.cuda.device_count()
+    devices = [f"cuda:{i}" for i in range(count)]
+    memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+    layouts = text.place(encoder, offload, devices, int(memory * GPU_SHARE))
+    log.info("text encoder: %s", "; ".join(how.describe() for how in layouts))
+    return encoder
 
 
 def _cell_fields(name: str, shape: bool = True) -> list[tuple[str, pa.DataType]]:
@@ -120,7 +141,9 @@ class Encoder:
     ``preload``: start loading both encoders now, on a thread, while the
     first blocks are still being decoded; ``batch_size``: images (captions) per encoder call;
     ``own_process``: the actor has its process to itself (a Ray actor's), which then does
-    without diffusers' quantization backends (``without_quantizers``)."""
+    without diffusers' quantization backends (``without_quantizers``); ``text_dtype``: the
+    text tensors' storage dtype (None: ``dtype``); ``spread``: (offload, GPUs) the text
+    encoder is placed with (``preprocess.text_encoder_offload``, ``gpus_per_actor``)."""
 
     def __init__(
         self,
@@ -133,8 +156,11 @@ class Encoder:
         preload=False,
         batch_size: int = 8,
         own_process: bool = False,
+        text_dtype: str | None = None,
+        spread: tuple[bool, int] = (False, 1),
     ):
         self.model, self.dtype, self.store_std, self.progress = model, dtype, store_std, progress
+        self.text_dtype, self.spread = text_dtype or dtype, spread
         self.family, self.batch_size = family, batch_size
         self.seen = set(known)  # caption keys encoded by the cache or by this actor
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="raytuner-encoder-load")
@@ -154,7 +180,11 @@ class Encoder:
         if part not in self._loading:
             make = self.family.image_encoder if part == "image" else self.family.text_encoder
             source = parts.model_source(self.model, _device())
-            self._loading[part] = self._loader.submit(_built, make, source, _device())
+            if part == "text":
+                future = self._loader.submit(_built_text, make, source, self.spread)
+            else:
+                future = self._loader.submit(_built, make, source, _device())
+            self._loading[part] = future
             if part == "image" and self.progress is not None:  # the progress line's "loading"
                 self._loading[part].add_done_callback(
                     lambda _: self.progress.add.remote({READY: 1})
@@ -279,9 +309,9 @@ class Encoder:
         ragged = getattr(encode, "ragged", ())
         for name, tensor in encode(texts).items():
             if name in ragged:  # each caption's tokens alone, without the zero rows after them
-                cells, shapes, sums = ragged_cell_column(tensor, self.dtype)
+                cells, shapes, sums = ragged_cell_column(tensor, self.text_dtype)
             else:
-                cells, shape, sums = cell_column(tensor, self.dtype)
+                cells, shape, sums = cell_column(tensor, self.text_dtype)
                 shapes = [shape] * len(cells)
             columns[name] = cells
             columns[f"{name}_shape"] = pa.array(shapes, SHAPE)

@@ -180,6 +180,18 @@ def _refuse_unusable(p, indexed: list[dict], sources, roots: list[str]) -> None:
         )
 
 
+def text_bytes(located, keys, dtype: str) -> dict:
+    """The report's ``text``: the text tensors' storage dtype and the bytes a caption of
+    ``keys`` takes in the cache, on average and at most."""
+    sizes = [
+        sum(cache.cell_bytes(row[f"{n}_shape"], dtype) for n in located.text_tensors)
+        for row in (located.captions[k] for k in keys)
+    ]
+    mean = round(sum(sizes) / max(len(sizes), 1))
+    most = max(sizes, default=0)
+    return {"dtype": dtype, "bytes_per_caption": mean, "max_bytes_per_caption": most}
+
+
 def stage_report(stages: dict) -> dict:
     """The report's ``stages``: each step's wall seconds and CPU seconds (of the threads that
     ran it), summed over its blocks for the stream's steps (decode and write tasks, encoder
@@ -198,7 +210,7 @@ def _preprocess(job: _Pass) -> dict:
     sources = data.all_sources()
     roots = [storage.absolute(s.path) for s in sources]
     began = clock()
-    located = index.Located(version, pre.dtype, manifest, roots)
+    located = index.Located(version, pre.dtype, manifest, roots, pre.text_storage)
     located.refresh()
     listing = _listing(data, located)
     listed = since(began)
@@ -226,7 +238,9 @@ def _preprocess(job: _Pass) -> dict:
         if r["caption_from"] == NOT_UTF8
     ]
     rep["stages"] = stage_report({"list": listed, **streamed, "locate": since(began)})
+    rep["text"] = text_bytes(located, need, pre.text_storage)
     extra = {"family": job.family.name, "dtype": pre.dtype, "report": rep}
+    extra["text_dtype"] = pre.text_storage
     index.commit(version, job.run, indexed, located, generation, sources=sources, **extra)
     metrics.gauge("raytuner_cache_hits", len(p.cached), job.tag)
     metrics.gauge("raytuner_skipped_inputs", len(rep["skipped"]), job.tag)

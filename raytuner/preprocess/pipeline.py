@@ -55,7 +55,8 @@ def run(
     wait_for_encoders(pre)
     sink = PartSink(version.fs, version.root, run_rel, progress)
     args = (*encoder, pre.dtype, pre.store_std, set(caption_keys), progress, preload)
-    args += (pre.batch_size, True)  # own_process: a Ray actor's
+    args += (pre.batch_size, True, pre.text_storage)  # own_process: a Ray actor's
+    args += ((pre.text_encoder_offload, max(1, int(pre.gpus_per_actor))),)
     with quiet.ray_remote_args_accepted():  # max_restarts: no named parameter in Ray 2.60
         encoded = _probe_stream(listing, rows, probe).map_batches(
             Encoder,

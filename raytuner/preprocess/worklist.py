@@ -159,6 +159,11 @@ def report_lines(report: dict) -> list[str]:
         f"{report['seconds']:.1f} s, {report['images_per_s']:.1f} images/s encoded"
     )
     out.append("  buckets: " + ", ".join(f"{b}: {n}" for b, n in report["buckets"].items()))
+    if t := report.get("text"):
+        out.append(
+            f"  text: {t['bytes_per_caption']:,} bytes a caption on average in {t['dtype']} "
+            f"(at most {t['max_bytes_per_caption']:,}; preprocess.text_dtype)"
+        )
     out.extend(_kind_lines(report))
     out.extend(_folder_lines(report.get("folders", [])))
     for f in report.get("not_utf8_files", [])[:20]:

@@ -48,7 +48,15 @@ def _bare(job: JobConfig, family, data: DataConfig) -> tuple[int, float, dict]:
     (``probe_decode``, then one ``Encoder``) called directly on the stream's blocks, without
     Ray: (images encoded, seconds, the time of each of the two steps)."""
     pre = job.preprocess
-    encoder = Encoder(family, job.model, pre.dtype, pre.store_std, batch_size=pre.batch_size)
+    encoder = Encoder(
+        family,
+        job.model,
+        pre.dtype,
+        pre.store_std,
+        batch_size=pre.batch_size,
+        text_dtype=pre.text_storage,
+        spread=(pre.text_encoder_offload, max(1, int(pre.gpus_per_actor))),
+    )
     sources = data.all_sources()
     listing = [{**r, "known_key": ""} for i, s in enumerate(sources) for r in list_source(i, s)]
     spec = decode_spec(family, data, pre)

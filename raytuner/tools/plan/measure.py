@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from raytuner.config import JobConfig
 from raytuner.placement.strategy import Strategy
-from raytuner.tools.plan import fsdp, suggest
+from raytuner.tools.plan import encoders, fsdp, suggest
 from raytuner.tools.plan.progress import Progress
 from raytuner.tools.plan.trace import (
     MARGIN,
@@ -113,6 +113,7 @@ def _measure(job: JobConfig, family, gpu_memory: int, compare: bool, progress: P
         "worker": worker,
         "sharded": sharded,
         "encoder_actor": encoder | _fits(encoder["peak_bytes"], usable),
+        "text_encoder": encoders.pool(job, family, gpu_memory),
         "validation_actor": _validation(job, family, shapes, size, progress, peak, usable),
         "cache_shapes": {k: list(v) for k, v in shapes.items()},
         "suggestions": suggestions,

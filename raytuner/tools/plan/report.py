@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from raytuner.config import ConfigError
+from raytuner.tools.plan import encoders
 
 GiB = 2**30  # as plan counts (trace.GiB); imported without torch
 
@@ -95,6 +96,8 @@ def _print_actors(result: dict) -> None:
             f"  {label}: weights {_gib(a['weights_bytes'])}, peak {_gib(a['peak_bytes'])} "
             f"({verdict})"
         )
+        if name == "encoder_actor" and result.get("text_encoder"):
+            print("\n".join(encoders.lines(result["text_encoder"])))
 
 
 def _gib(n: int) -> str:
