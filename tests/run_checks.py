@@ -39,10 +39,11 @@ def committed_folder(run_dir: str) -> Path:
 def pipeline_image(pipe) -> np.ndarray:
     """Two seeded denoising steps at 64x64. Tiny models need two settings where a pipeline has
     them: their T5 / Gemma tokenizers keep 32 tokens, and Sana's resolution binning knows only
-    the real models' sizes."""
+    the real models' sizes; a video pipeline's output is its frames."""
     accepts = set(inspect.signature(pipe.__call__).parameters)
-    tiny = {"max_sequence_length": 32, "use_resolution_binning": False}
-    return pipe(
+    # a video pipeline (Wan) renders a one-frame clip
+    tiny = {"max_sequence_length": 32, "use_resolution_binning": False, "num_frames": 1}
+    out = pipe(
         "a red circle",
         num_inference_steps=2,
         height=64,
@@ -50,7 +51,8 @@ def pipeline_image(pipe) -> np.ndarray:
         output_type="np",
         generator=torch.Generator().manual_seed(0),
         **{k: v for k, v in tiny.items() if k in accepts},
-    ).images
+    )
+    return out.images if hasattr(out, "images") else out.frames[:, 0]  # each clip's frame
 
 
 def lora_changes_the_pipeline(lora_dir: str, family: str = "sdxl") -> bool:

@@ -7,6 +7,7 @@ from raytuner.families.flux import Flux
 from raytuner.families.sana import Sana
 from raytuner.families.sd15 import SD15
 from raytuner.families.sdxl import SDXL
+from raytuner.families.wan import Wan
 from raytuner.families.z_image import ZImage
 
 FAMILIES: dict[str, Family] = {
@@ -15,6 +16,7 @@ FAMILIES: dict[str, Family] = {
     "flux": Flux(),
     "sana": Sana(),
     "z-image": ZImage(),
+    "wan": Wan(),
 }
 
 

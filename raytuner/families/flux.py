@@ -131,21 +131,12 @@ def _from_bfl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tiny_t5_tokenizer(max_length: int):
-    """A character-level T5 tokenizer built in code (Unigram over single characters)."""
-    from transformers import T5Tokenizer
-
-    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?'-▁"
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(c, -1.0) for c in chars]
-    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
-
-
 def _tokenizers(source: parts.Source) -> list:
     """CLIP-L's and T5's."""
     if source.preset:
         clip = parts.tokenizer_length("flux", source, "tokenizer", 77)
         t5 = parts.tokenizer_length("flux", source, "tokenizer_2", 512)
-        return [text.tiny_clip_tokenizer(clip), _tiny_t5_tokenizer(t5)]
+        return [text.tiny_clip_tokenizer(clip), text.tiny_t5_tokenizer(t5)]
     from transformers import AutoTokenizer
 
     names = ("tokenizer", "tokenizer_2")

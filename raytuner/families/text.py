@@ -130,6 +130,16 @@ def place(encoder, offload: bool, devices: list, gpu_bytes: int = 0) -> list:
     return layouts
 
 
+def tiny_t5_tokenizer(max_length: int):
+    """A character-level T5 tokenizer built in code (Unigram over single characters): the tiny
+    presets' stand-in for T5's and UMT5's (73 tokens: a tiny encoder's vocab_size)."""
+    from transformers import T5Tokenizer
+
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?'-▁"
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(c, -1.0) for c in chars]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
+
+
 def rows_kept(batch: torch.Tensor) -> list[int]:
     """How many rows of each sample's [rows, ...] tensor in ``batch`` [B, rows, ...] come before
     its trailing all-zero rows (a ``ragged`` text tensor's padding)."""

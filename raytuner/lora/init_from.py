@@ -96,13 +96,13 @@ def file_modules(tensors: dict, meta: dict, family, denoiser, load=None) -> dict
     """The file's LoRA per module of the denoiser: {module: (down, up, alpha)}. ``load``: a
     tensor's values when ``tensors`` are the header's (``check_file``)."""
     dims, denoiser_part = export.out_dims(denoiser), f"{family.parts.denoiser}."
-    # the diffusers module names under ComfyUI's name of the denoiser, as ComfyUI-side trainers
-    # write them (diffusers' Z-Image loader takes them so)
-    tensors = {
-        denoiser_part + k.removeprefix(COMFY) if k.startswith(COMFY) else k: v
-        for k, v in tensors.items()
-    }
     if not any(k.endswith(".lora_down.weight") for k in tensors):
+        # the diffusers module names under ComfyUI's name of the denoiser, as ComfyUI-side
+        # trainers write them (diffusers' Z-Image loader takes them so)
+        tensors = {
+            denoiser_part + k.removeprefix(COMFY) if k.startswith(COMFY) else k: v
+            for k, v in tensors.items()
+        }
         return from_diffusers(tensors, meta, family.parts.denoiser)
     # a family without a kohya layout: the diffusers names, as kohya writes them
     names = export.kohya_names(family, denoiser) or kohya.unet_names

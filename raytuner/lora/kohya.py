@@ -101,12 +101,23 @@ def reverse(names: Names, modules: Iterable[str]) -> dict[str, tuple[str, ...]]:
     return table
 
 
+KINDS = (".lora_down.weight", ".lora_up.weight", ".alpha")  # a kohya name's tensors
+
+
+def _name(key: str) -> str | None:
+    """The kohya name of a tensor's key (a name may hold dots: Wan's ``diffusion_model.``
+    layout); None for a key of no kohya kind."""
+    for kind in KINDS:
+        if key.endswith(kind):
+            return key[: -len(kind)]
+    return None
+
+
 def from_kohya(tensors: dict, table: dict, out_dims: dict[str, int]) -> dict:
     """kohya tensors -> {module: (down, up, alpha)} with ``alpha / rank`` of each the scale a
     kohya loader applies. Raises ValueError naming the kohya names the model has no module for."""
-    kinds = {"lora_down.weight", "lora_up.weight", "alpha"}
-    odd = sorted(k for k in tensors if k.split(".", 1)[-1] not in kinds)
-    names = sorted({k.split(".", 1)[0] for k in tensors if k not in odd})
+    odd = sorted(k for k in tensors if _name(k) is None)
+    names = sorted({_name(k) for k in tensors if k not in odd})
     unknown = odd + [n for n in names if n not in table]
     if unknown:
         raise ValueError(

@@ -71,19 +71,14 @@ def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image]
     (rows: renders); the same seed gives the same noise for every prompt of a size, so rows
     compare. ``options``: the family's ``pipeline_options``."""
     device = pipe.device
-    return [
-        [
-            pipe(
-                r.prompt,
-                generator=torch.Generator(device).manual_seed(seed),
-                output_type="pil",
-                **r.call(),
-                **options,
-            ).images[0]
-            for seed in r.seeds
-        ]
-        for r in renders
-    ]
+
+    def image(r: Render, seed: int) -> Image.Image:
+        generator = torch.Generator(device).manual_seed(seed)
+        out = pipe(r.prompt, generator=generator, output_type="pil", **r.call(), **options)
+        # an image pipeline's first image; a video pipeline's (a one-frame clip) first frame
+        return out.images[0] if hasattr(out, "images") else out.frames[0][0]
+
+    return [[image(r, seed) for seed in r.seeds] for r in renders]
 
 
 def grid(rows: list[list[Image.Image]]) -> Image.Image:

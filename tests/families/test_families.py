@@ -29,7 +29,7 @@ TRAINED: dict[str, dict] = {}  # family -> the summary of its plain 2-worker LoR
 # diffusers converts kohya keys for these; Flux's kohya file is sd-scripts' fused layout, which
 # diffusers' converter splits only at Flux.1's own widths (tests/lora/test_lora_files.py checks it
 # there, and on the tiny model for the modules it splits at any width); Sana gets none
-KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl"}
+KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl", "wan"}
 
 JOB = """
 [model]
