@@ -63,3 +63,21 @@ def lora_changes_the_pipeline(lora_dir: str, family: str = "sdxl") -> bool:
     pipe.load_lora_weights(lora_dir)
     after = pipeline_image(pipe)
     return bool(np.isfinite(after).all() and not np.allclose(before, after))
+
+
+def lora_checkpoint(folder: Path, name: str, jitter: float = 0.0) -> Path:
+    """A checkpoint folder whose export is a LoRA of the tiny ``name`` family (its B matrices
+    zero, or random with ``jitter``: then it changes the images)."""
+    from raytuner.checkpoint.layout import EXPORT
+    from raytuner.config import LoraConfig
+    from raytuner.train.model import adapt
+
+    family = FAMILIES[name]
+    torch.manual_seed(0)
+    weights = adapt(family.denoiser(TINY), mode="lora", lora=LoraConfig(rank=4),
+                    targets=family.adapters.targets, ema_decay=0)  # fmt: skip
+    with torch.no_grad():
+        for p in weights.params:
+            p.add_(torch.randn_like(p) * jitter)
+    weights.export_lora(str(folder / EXPORT), family, {"raytuner.family": name})
+    return folder

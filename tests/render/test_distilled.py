@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import torch
+from run_checks import lora_checkpoint
 
-from raytuner.checkpoint.layout import EXPORT
 from raytuner.cli import main
-from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.render.prompts import Defaults, PromptLine, is_distilled, resolve
 from raytuner.render.sample import render
 from raytuner.render.validation import RenderSpec, Validator
-from raytuner.train.model import adapt
 
 ZI = FAMILIES["z-image"]
 TURBO = "Tongyi-MAI/Z-Image-Turbo"
@@ -72,20 +69,6 @@ def test_the_distilled_render_is_the_pipelines_few_step_render_without_cfg(pipe)
     assert not np.array_equal(np.asarray(image), np.asarray(guided))
 
 
-def _z_image_lora_checkpoint(folder: Path) -> Path:
-    """A checkpoint folder whose export is a Z-Image LoRA."""
-    torch.manual_seed(0)
-    weights = adapt(
-        ZI.denoiser(Source("tiny")),
-        mode="lora",
-        lora=LoraConfig(rank=4),
-        targets=ZI.adapters.targets,
-        ema_decay=0,
-    )
-    weights.export_lora(str(folder / EXPORT), ZI, {"raytuner.family": "z-image"})
-    return folder
-
-
 def test_validation_of_a_distilled_model_records_its_few_steps_and_no_guidance(tmp_path):
     spec = RenderSpec(
         family="z-image", pretrained="tiny", revision="", dtype="auto", prompts=["a red circle"],
@@ -93,7 +76,7 @@ def test_validation_of_a_distilled_model_records_its_few_steps_and_no_guidance(t
         distilled="yes",
     )  # fmt: skip
     validator = Validator(asdict(spec))
-    checkpoint = _z_image_lora_checkpoint(tmp_path / "ckpt")
+    checkpoint = lora_checkpoint(tmp_path / "ckpt", "z-image")
     validator.enqueue(2, str(checkpoint), pafs.LocalFileSystem())
     (done,) = validator.drain()
     assert "error" not in done, done

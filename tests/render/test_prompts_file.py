@@ -11,14 +11,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
-import torch
 from PIL import Image
+from run_checks import lora_checkpoint
 
-from raytuner.checkpoint.layout import EXPORT
 from raytuner.cli import main
-from raytuner.config import LoraConfig
 from raytuner.families import FAMILIES
-from raytuner.families.parts import Source
 from raytuner.render.prompts import (
     Defaults,
     PromptLine,
@@ -30,7 +27,6 @@ from raytuner.render.prompts import (
     resolve,
 )
 from raytuner.render.validation import RenderSpec, Validator
-from raytuner.train.model import adapt
 
 JOB = """
 [model]
@@ -249,26 +245,8 @@ def test_sample_renders_each_line_with_its_options(tmp_path, capsys):
     assert "line 2: --g 3.0: sd15 has no guidance embedding" in capsys.readouterr().err
 
 
-def _lora_checkpoint(folder: Path) -> Path:
-    """A checkpoint folder whose export is an SD1.5 LoRA with non-zero weights."""
-    family = FAMILIES["sd15"]
-    torch.manual_seed(0)
-    weights = adapt(
-        family.denoiser(Source("tiny")),
-        mode="lora",
-        lora=LoraConfig(rank=4),
-        targets=family.adapters.targets,
-        ema_decay=0,
-    )
-    with torch.no_grad():
-        for p in weights.params:
-            p.add_(torch.randn_like(p) * 0.5)
-    weights.export_lora(str(folder / EXPORT), family, {"raytuner.family": "sd15"})
-    return folder
-
-
 def test_validation_renders_the_prompts_file_and_records_each_lines_options(tmp_path):
-    checkpoint = _lora_checkpoint(tmp_path / "ckpt")
+    checkpoint = lora_checkpoint(tmp_path / "ckpt", "sd15", jitter=0.5)
     spec = RenderSpec(
         family="sd15",
         pretrained="tiny",
