@@ -60,7 +60,7 @@ def _train(job: JobConfig, family) -> dict:
     from raytuner.train import trainer
 
     runtime.connect()
-    return trainer.train(adopt.on_gpus(job, family), family)
+    return trainer.train(adopt.before_workers(job, family), family)
 
 
 def preprocess(job: JobConfig) -> dict:
