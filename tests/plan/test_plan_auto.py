@@ -19,6 +19,7 @@ from raytuner.cli import main
 from raytuner.config import ConfigError, load_job
 from raytuner.families import FAMILIES
 from raytuner.tools.plan import adopt, auto
+from raytuner.tools.plan.report import print_plan
 from raytuner.tools.plan.trace import MARGIN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,9 +150,13 @@ def test_plan_shows_the_choice(capsys):
     assert tight["strategy"] == "fsdp" and tight["workers"] == 2
     assert tight["sharded"]["by_workers"][0]["workers"] == 2
     assert tight["strategy_choice"].startswith("strategy auto → fsdp: a replica needs")
-    assert main(["plan", str(TINY), "--gpu-memory", between]) == 0
+    print_plan(tight)
     out = capsys.readouterr().out
     assert "  strategy auto → fsdp: " in out and "training worker of 2 (fsdp, sharded)" in out
+    # without --gpu-memory, the memory the job says a worker has
+    assert main(["plan", str(TINY), "--json", "--set", f"scaling.worker_memory={between}"]) == 0
+    named = json.loads(capsys.readouterr().out)
+    assert named["gpu_memory"] == between and named["strategy"] == "fsdp"
     pinned = ["plan", str(TINY), "--json", "--set", 'scaling.strategy="ddp"', "--gpu-memory"]
     assert main([*pinned, between]) == 0
     kept = json.loads(capsys.readouterr().out)

@@ -100,7 +100,8 @@ def worker_gpu(scaling, wait: bool = False) -> tuple[str, int] | None:
         log.info("train: waiting for a GPU to decide scaling.strategy = \"auto\" on")
         lower = "scaling.gpus_per_worker, or name scaling.worker_memory (then no GPU is asked)"
         runtime.wait_for_resources(
-            [{"GPU": share}], scaling.resource_wait_s, "deciding the strategy", lower=lower
+            [{"GPU": share}], scaling.resource_wait_s, 'scaling.strategy = "auto" and its probe',
+            lower=lower,
         )
 
     @ray.remote(num_cpus=0, num_gpus=share, max_calls=1)

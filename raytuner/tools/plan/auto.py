@@ -22,7 +22,7 @@ from raytuner.config import JobConfig
 from raytuner.families import parts
 from raytuner.placement.strategy import REPLICATED, SHARDED, Strategy
 from raytuner.tools.plan import fsdp
-from raytuner.tools.plan.suggest import MOST_LORA_WORKERS
+from raytuner.tools.plan.suggest import MOST_LORA_WORKERS, changes
 from raytuner.tools.plan.trace import MARGIN, OVERHEAD, GiB, Traces, micro_batch
 
 KEYS = ("train.gradient_checkpointing", "train.micro_batch_size")  # what a GPU run may adopt
@@ -92,8 +92,12 @@ def decide(job: JobConfig, family, memory: Memory, free: tuple[str, ...], traces
     pinned = Strategy.pinned(job.scaling.strategy)
     if pinned is not None:
         return Choice(job, "", _pinned_refusal(least, pinned, memory, traces))
-    replica = replica_peak(_as(least, REPLICATED.name), traces)
-    needs = f"a replica needs {_gib(replica)}"
+    # the job's own settings first: what plan traces anyway, and what fits needs nothing leaner
+    replica, leaner = replica_peak(_as(job, REPLICATED.name), traces), ""
+    if replica > memory.usable and least != job:  # what a GPU run may take (adopt.py)
+        replica = replica_peak(_as(least, REPLICATED.name), traces)
+        leaner = f" with {changes(job, least)}"
+    needs = f"a replica needs {_gib(replica)}{leaner}"
     if replica <= memory.usable:
         line = f"strategy auto → ddp: {needs}, within {memory.text()}"
         return Choice(_as(job, REPLICATED.name), line)
