@@ -96,7 +96,7 @@ def decide(job: JobConfig, family, memory: Memory, free: tuple[str, ...], traces
     replica, leaner = replica_peak(_as(job, REPLICATED.name), traces), ""
     if replica > memory.usable and least != job:  # what a GPU run may take (adopt.py)
         replica = replica_peak(_as(least, REPLICATED.name), traces)
-        leaner = f" with {changes(job, least)}"
+        leaner = f" (with {changes(job, least)})"
     needs = f"a replica needs {_gib(replica)}{leaner}"
     if replica <= memory.usable:
         line = f"strategy auto → ddp: {needs}, within {memory.text()}"
