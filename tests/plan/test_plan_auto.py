@@ -110,6 +110,8 @@ def test_a_run_decides_before_its_workers_and_says_why(peaks, caplog):
     """``api.train`` hands ``before_workers``'s job to the trainer: on CPU workers auto is a
     replica; with scaling.worker_memory it is decided on that memory."""
     caplog.set_level(logging.INFO, logger="raytuner")
+    pinned = adopt.before_workers(_job('scaling.strategy="fsdp"'), SDXL)
+    assert pinned.scaling.strategy == "fsdp" and "strategy auto" not in caplog.text
     cpu = adopt.before_workers(_job(), SDXL)
     assert cpu.scaling.strategy == "ddp"
     assert "strategy auto → ddp: CPU workers (scaling.use_gpu = false)" in caplog.text
