@@ -115,7 +115,7 @@ def decide(job: JobConfig, family, memory: Memory, free: tuple[str, ...], traces
     if found is not None and (workers_free or found[0] == start):
         n, peak = found
         chosen = _as(job, SHARDED.name, n if workers_free else job.scaling.workers)
-        line = f"strategy auto → fsdp: {needs}; sharded over {n} workers, a worker needs "
+        line = f"strategy auto → fsdp: {needs}; sharded over {_workers(n)}, a worker needs "
         line += _gib(peak)
         if workers_free:
             line += f", the fewest that fit: scaling.workers = {n} (name it for more)"
@@ -123,9 +123,9 @@ def decide(job: JobConfig, family, memory: Memory, free: tuple[str, ...], traces
     at_start = sharded_peak(least, traces, start)
     if found is not None:
         refusal = (
-            f"scaling.workers = {job.scaling.workers}: {needs}, and sharded over {start} workers "
-            f"a worker needs {_gib(at_start)}: set scaling.workers = {found[0]} or more (the "
-            "fewest whose shards fit), or leave scaling.workers out for raytuner to take them"
+            f"scaling.workers = {job.scaling.workers}: {needs}, and sharded over "
+            f"{_workers(start)} a worker needs {_gib(at_start)}: set {_more(job, found[0])} "
+            "(the fewest whose shards fit), or leave scaling.workers out for raytuner to take them"
         )
         return Choice(replicated, "", refusal)
     return Choice(replicated, "", _too_big(job, needs, least, traces, most))
@@ -159,13 +159,13 @@ def _pinned_refusal(least: JobConfig, pinned: Strategy, memory: Memory, traces: 
         return ""
     found, most = _fewest(least, traces, memory.usable, start + 1)
     fix = (
-        f"set scaling.workers = {found[0]} or more (the fewest whose shards fit)"
+        f"set {_more(least, found[0])} (the fewest whose shards fit)"
         if found is not None
         else f"no group of up to {most} workers fits: train on GPUs with more memory"
     )
     return (
         f'scaling.workers = {least.scaling.workers} with scaling.strategy = "fsdp": sharded '
-        f"over {start} workers a worker needs {_gib(peak)}, more than {memory.text()}; {fix}"
+        f"over {_workers(start)} a worker needs {_gib(peak)}, more than {memory.text()}; {fix}"
     )
 
 
@@ -209,6 +209,17 @@ def _fewest(job: JobConfig, traces: Traces, usable: int, start: int):
         if (peak := sharded_peak(job, traces, n)) <= usable:
             return (n, peak), most
     return None, most
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker" + ("s" if n != 1 else "")
+
+
+def _more(job: JobConfig, fewest: int) -> str:
+    """The ``scaling.workers`` setting whose fewest workers are ``fewest`` or more."""
+    if isinstance(job.scaling.workers, list):
+        return f"scaling.workers = [{fewest}, {max(fewest, job.scaling.max_workers)}] or more"
+    return f"scaling.workers = {fewest} or more"
 
 
 def _gib(n: float) -> str:

@@ -134,7 +134,7 @@ def _decided(job: JobConfig, family, gpu_memory: int, traces: Traces):
         return job, None
     memory = auto.Memory(gpu_memory, "--gpu-memory")
     choice = auto.decide(job, family, memory, auto.free_keys(job), traces)
-    return choice.job, choice.line or f"strategy auto finds nothing that fits: {choice.refusal}"
+    return choice.job, choice.line or f"strategy auto refuses the job as it is: {choice.refusal}"
 
 
 def _fits(needs: int, usable: int) -> dict:
