@@ -60,7 +60,7 @@ def _train(job: JobConfig, family) -> dict:
     from raytuner.train import trainer
 
     runtime.connect()
-    return trainer.train(adopt.on_gpus(job, family), family)
+    return trainer.train(adopt.before_workers(job, family), family)
 
 
 def preprocess(job: JobConfig) -> dict:
@@ -144,15 +144,17 @@ def _sample_options(family, seeds, steps, width, height) -> None:
         raise ConfigError(f"sample: {e}") from None
 
 
-def plan(job: JobConfig, gpu_memory: str = "80GiB") -> dict:
+def plan(job: JobConfig, gpu_memory: str = "") -> dict:
     """What one training worker holds at its peak (weights, optimizer, activations) and the
     settings that fit ``gpu_memory``: a number and its unit, ``"24GiB"``/``"512MiB"`` (binary) or
-    ``"24GB"`` (decimal, 22.4 GiB); a bare number is refused (``ConfigError``). Planning runs
+    ``"24GB"`` (decimal, 22.4 GiB); a bare number is refused (``ConfigError``); "": the job's
+    ``scaling.worker_memory``, else ``"80GiB"``. Planning runs
     nothing: the job's optional packages (8-bit AdamW's bitsandbytes, wandb), image folders and
     outputs need not be there."""
     from raytuner.tools.plan.progress import Progress
     from raytuner.tools.plan.report import parse_size
 
+    gpu_memory = gpu_memory or job.scaling.worker_memory or "80GiB"
     memory = parse_size(gpu_memory)
     with Progress() as progress:  # a line at least every 10 s (logger raytuner.plan)
         progress.now("loading torch, diffusers and the model code")

@@ -198,7 +198,11 @@ def _parser() -> argparse.ArgumentParser:
         "plan", help="the GPU memory of a training worker, encoder and validation actor"
     )
     _job_args(plan)
-    plan.add_argument("--gpu-memory", default="80GiB", help="the GPU to fit (default: 80GiB)")
+    plan.add_argument(
+        "--gpu-memory",
+        default="",
+        help="the GPU to fit (default: the job's scaling.worker_memory, else 80GiB)",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     _cache_parsers(sub)
     _bench_parsers(sub)

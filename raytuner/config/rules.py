@@ -13,6 +13,11 @@ from raytuner.config.loader import ConfigError
 from raytuner.placement.strategy import Strategy
 
 
+def _sharded(strategy: str) -> bool:
+    """Whether the job names the sharded strategy (``"auto"`` shards only what can be)."""
+    return bool((pinned := Strategy.pinned(strategy)) and pinned.sharded)
+
+
 def memory_needs(memory, train, model) -> None:
     """What block swap, activation offload and float8 weights require of the other sections
     (the family's side is checked where the family is known: ``jobcheck.model.blocks_to_swap``)."""
@@ -55,7 +60,7 @@ def gpu_needs(train, scaling, model=None, memory=None) -> None:
          'model.dtype = "float8": the weights are stored in float8 already'),
         (memory is not None and memory.blocks_to_swap > 0,
          "memory.blocks_to_swap: streamed blocks' weights are untried with the float8 casts"),
-        (Strategy.of(scaling.strategy).sharded,
+        (_sharded(scaling.strategy),
          'scaling.strategy = "fsdp": sharded weights are untried with the float8 casts'),
         (train.mode != "lora", 'train.mode = "full": only frozen base weights multiply in float8'),
     ]  # fmt: skip
@@ -76,7 +81,7 @@ def text_encoder_needs(lora, train, scaling, memory) -> None:
             f'lora.text_encoder = true with train.mode = "{train.mode}": the text encoders\' '
             'LoRA trains beside a denoiser LoRA; use train.mode = "lora" or ' + fix
         )
-    if Strategy.of(scaling.strategy).sharded:
+    if _sharded(scaling.strategy):
         raise ConfigError(
             f'lora.text_encoder = true with scaling.strategy = "{scaling.strategy}": the text '
             "encoders are replicated on every worker (their gradients averaged once a step), "

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 from raytuner.config.loader import ConfigError, one_of
 from raytuner.config.ranges import RESOURCE_STEP, SEED_MAX, ranged
+from raytuner.config.sizes import parse_size
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
 ATTENTION = ("auto", "flash", "efficient", "cudnn", "math")  # train.attention
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("auto", "ddp", "fsdp")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
 SAVE_DTYPES = ("float16", "bfloat16", "float32")  # lora.save_dtype
 # the [lora] keys of the text encoders' LoRA, read only with lora.text_encoder = true
@@ -184,8 +185,13 @@ class ScalingConfig:
 
     workers: int | list[int] = ranged(1, 1)
     # ddp: every worker holds the whole denoiser (replicated); fsdp: its weights, gradients,
-    # optimizer state and EMA are sharded over the workers (FSDP2), a block gathered as it runs
-    strategy: str = "ddp"
+    # optimizer state and EMA are sharded over the workers (FSDP2), a block gathered as it runs;
+    # auto: ddp while a replica fits a worker's memory, else fsdp over the fewest workers that
+    # fit (tools/plan/auto.py), decided before any worker loads weights
+    strategy: str = "auto"
+    # the memory a worker has ("80GiB", "24GB"), which auto and `check` size the job on; "": the
+    # GPU a worker gets, asked of the cluster as training starts (CPU workers: none, auto -> ddp)
+    worker_memory: str = ""
     use_gpu: bool = False
     cpus_per_worker: float = ranged(1.0, RESOURCE_STEP, hint=RESOURCE_HINT)
     # a worker computes on one GPU: a fraction shares one
@@ -205,12 +211,19 @@ class ScalingConfig:
                 f"scaling.workers = {self.workers}: use an int >= 1 or [min, max] with min <= max"
             )
         one_of("scaling.strategy", self.strategy, STRATEGIES)
+        if self.worker_memory:
+            parse_size(self.worker_memory, "scaling.worker_memory =")
         if self.gpus_per_worker > 0 and not self.use_gpu:
             raise ConfigError(
                 f"scaling.gpus_per_worker = {self.gpus_per_worker} with scaling.use_gpu = false: "
                 "CPU workers reserve no GPU; set use_gpu = true to train on GPUs, or "
                 "gpus_per_worker = 0"
             )
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """``worker_memory`` in bytes; None when it is left to the GPU a worker gets."""
+        return parse_size(self.worker_memory) if self.worker_memory else None
 
     @property
     def max_workers(self) -> int:

@@ -46,6 +46,8 @@ def check_job(job: JobConfig, family, *, runs: bool = True, reads_images: bool =
     # a released repo: its architecture from the package, no download
     model.blocks_to_swap(job.memory, family, parts.model_source(job.model, "cpu"))
     lora.adapter(job, family)  # builds the model on the meta device when needed
+    if runs:  # plan decides on its own --gpu-memory
+        model.worker_memory(job, family)  # traces the step on the meta device when named
     if runs:
         machine.outputs_outside_ray_working_dir(job)
     if runs and reads_images:  # the operations that run the encoder pool

@@ -80,14 +80,31 @@ def objective_kind(objective: ObjectiveConfig, family) -> None:
 
 
 def sharding(job: JobConfig) -> None:
-    """What the job's strategy cannot take (``Strategy.refusal``)."""
-    strategy = Strategy.of(job.scaling.strategy)
+    """What the job's strategy cannot take (``Strategy.refusal``); ``"auto"`` shards only a
+    job whose settings sharding takes."""
+    strategy = Strategy.pinned(job.scaling.strategy)
+    if strategy is None:
+        return
     refusal = strategy.refusal(
         blocks_to_swap=job.memory.blocks_to_swap,
         float8=job.model.dtype == parts.FLOAT8,
         optimizer=job.train.optimizer,
     )
     if refusal:
+        raise ConfigError(refusal)
+
+
+def worker_memory(job: JobConfig, family) -> None:
+    """A job that names the memory a worker has (``scaling.worker_memory``) fits it with its
+    strategy and workers: ``"auto"`` with ddp or fsdp over the workers it may take, a named
+    strategy as it is (``tools/plan/auto.py``, on plan's traces; the decision is kept for the
+    run that follows in this process)."""
+    if job.scaling.memory_bytes is None:
+        return
+    from raytuner.tools.plan import adopt
+
+    memory = adopt.Memory(job.scaling.memory_bytes, "scaling.worker_memory")
+    if refusal := adopt.decided(job, family, memory).refusal:
         raise ConfigError(refusal)
 
 

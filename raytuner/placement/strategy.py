@@ -7,6 +7,9 @@ setting or looks for sharded tensors to find it out again.
 - **sharded** (``"fsdp"``): every worker holds its rows of each weight (FSDP2, ``sharding.py``),
   a block's whole weights gathered as it runs; the model is built on the meta device and each
   worker reads only its rows; every worker writes its rows of a checkpoint.
+- ``"auto"`` (the default) is one of these two, decided before any worker loads weights
+  (``tools/plan/auto.py``, from the memory a worker has): ``Strategy.of`` refuses it
+  unresolved, so it never reaches a worker.
 """
 
 from __future__ import annotations
@@ -32,8 +35,25 @@ class Strategy:
 
     @staticmethod
     def of(name: str) -> Strategy:
-        """The strategy ``scaling.strategy = name`` picks."""
+        """The strategy ``scaling.strategy = name`` picks (``"auto"`` decided already)."""
+        if name == AUTO:
+            raise ValueError(
+                'scaling.strategy = "auto" reached code that needs it decided: resolve it first '
+                "(tools/plan/auto.py)"
+            )
         return {s.name: s for s in (REPLICATED, SHARDED)}[name]
+
+    @staticmethod
+    def pinned(name: str) -> Strategy | None:
+        """The strategy the job names, or None for ``"auto"`` (not decided yet: it takes
+        sharding only where sharding can take the job's settings)."""
+        return None if name == AUTO else Strategy.of(name)
+
+    @staticmethod
+    def one_process(name: str) -> Strategy:
+        """The strategy of a single process (the benches): ``"auto"`` is a replica (one
+        process holds all of the model whichever way it is laid out)."""
+        return REPLICATED if name == AUTO else Strategy.of(name)
 
     def wrap(self, placed, prepare):
         """The denoiser as the training step calls it: DDP-wrapped by ``prepare`` (Ray Train's
@@ -80,5 +100,6 @@ class Strategy:
         return None
 
 
+AUTO = "auto"  # the default: decided before the workers start
 REPLICATED = Strategy("ddp", sharded=False)
 SHARDED = Strategy("fsdp", sharded=True)

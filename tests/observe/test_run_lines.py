@@ -112,6 +112,8 @@ def test_a_run_says_what_it_does_every_10_s_and_nothing_else(tmp_path):
     final = [s for s in said if "preprocess: images encoded 12/12 in" in s]
     assert len(final) == 1 and "files read 12/12 (0 cached, 0 skipped)" in final[0], text
     for step in (
+        # scaling.strategy = "auto" decided before the workers, with its reason
+        r"raytuner: train: strategy auto → ddp: CPU workers \(scaling\.use_gpu = false\)",
         r"raytuner\.train\.trainer: run tiny: starting 2 training worker\(s\) \(ddp\)",
         r"2 worker\(s\) started: building the model on cpu",
         r"model built in [\d.]+ s",

@@ -20,8 +20,10 @@ SDXL = FAMILIES["sdxl"]
 
 
 def _job(*settings: str):
-    # 16 samples over 2 workers: a slice of 8 a worker
-    return load_job(REPO / "jobs" / "tiny.toml", ["train.global_batch_size=16", *settings])
+    # 16 samples over 2 workers: a slice of 8 a worker; replicated (what a run adopts for is
+    # the decided strategy: auto is decided first, test_plan_auto.py)
+    sets = ["train.global_batch_size=16", 'scaling.strategy="ddp"', *settings]
+    return load_job(REPO / "jobs" / "tiny.toml", sets)
 
 
 @pytest.fixture(scope="module")
@@ -82,4 +84,5 @@ def test_block_swap_and_offload_keep_their_checkpointing():
 
 def test_a_cpu_run_adopts_nothing():
     job = _job()
-    assert not job.scaling.use_gpu and adopt.on_gpus(job, SDXL) is job
+    ran = adopt.before_workers(job, SDXL)  # its strategy decided (auto: a replica on CPUs)
+    assert not job.scaling.use_gpu and ran.train == job.train and ran.memory == job.memory

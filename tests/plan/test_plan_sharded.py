@@ -34,6 +34,10 @@ def test_the_shipped_sharded_flux_job_fits_the_l40s_its_comment_names():
     assert "L40S (48 GB)" in text and "42.2 GiB at 5" in text
     job = load_job(REPO / "jobs" / "flux-full.toml")
     result = measure(job, FAMILIES["flux"], parse_size("48GiB"), compare=False)
+    # the job leaves the strategy to raytuner: auto shards it, and says why
+    assert "scaling.strategy" not in job.given
+    assert result["strategy"] == "fsdp" and result["workers"] == [5, 8]
+    assert result["strategy_choice"].startswith("strategy auto → fsdp: a replica needs 2")
     fewest, most = result["sharded"]["by_workers"]
     assert (fewest["workers"], most["workers"]) == (5, 8)
     assert result["peak_bytes"] == fewest["peak_bytes"] > most["peak_bytes"]
@@ -45,7 +49,7 @@ def test_the_shipped_sharded_flux_job_fits_the_l40s_its_comment_names():
 
 def test_a_flux_full_finetune_fits_80gib_sharded_over_8_and_plan_says_so():
     flux = REPO / "jobs" / "flux.toml"
-    replicated = load_job(flux, [*FULL, "scaling.workers=8"])
+    replicated = load_job(flux, [*FULL, "scaling.workers=8", 'scaling.strategy="ddp"'])
     result = measure(replicated, FAMILIES["flux"], parse_size("80GiB"), compare=False)
     assert not result["fits"] and result["peak_bytes"] > 200 * GiB
     (fsdp,) = [s for s in result["suggestions"] if "fsdp" in s["set"]]

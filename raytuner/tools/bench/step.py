@@ -38,7 +38,7 @@ def bench_step(
     micro = trace.micro_batch(job)
     checkpointing = job.train.gradient_checkpointing
     planned_step = _planned(job, family, shapes, size, micro) if planned else None
-    strategy = Strategy.of(job.scaling.strategy)
+    strategy = Strategy.one_process(job.scaling.strategy)
     strategy.alone(device)
     started = time.perf_counter()
     m, t = job.model, job.train
@@ -151,7 +151,7 @@ def _planned(job: JobConfig, family, shapes, size, micro: int) -> int:
     """What plan says the bare step holds: no DDP buckets, no CUDA context (the allocator does
     not count it); sharded, plan's worker of a group of one."""
     checkpointing = job.train.gradient_checkpointing
-    if Strategy.of(job.scaling.strategy).sharded:
+    if Strategy.one_process(job.scaling.strategy).sharded:
         parts = trace.sharded_parts(job, family, shapes, size, micro, checkpointing)
         return fsdp.worker_bytes(job, parts, 1, 0)["peak_bytes"]
     planned = trace.trace_step(job, family, shapes, size, micro, checkpointing)

@@ -22,6 +22,7 @@ from raytuner.config import JobConfig, ValidationConfig
 from raytuner.data.cache import fingerprint
 from raytuner.data.reader import for_readers, open_dataset
 from raytuner.families import parts
+from raytuner.placement.strategy import Strategy
 from raytuner.preprocess.job import update_cache
 from raytuner.tools.bench.common import (
     alternate,
@@ -39,7 +40,9 @@ from raytuner.train.step import train_step
 
 def _one_worker_job(job: JobConfig, steps: int, output: str) -> JobConfig:
     """The job trained by one worker for two windows of ``steps``; the second is measured.
-    No validation renders and no TensorBoard files: nothing beside the loop."""
+    No validation renders and no TensorBoard files: nothing beside the loop. One worker holds
+    a replica (``"auto"``: ddp)."""
+    strategy = Strategy.one_process(job.scaling.strategy)
     return dataclasses.replace(
         job,
         train=dataclasses.replace(
@@ -51,7 +54,7 @@ def _one_worker_job(job: JobConfig, steps: int, output: str) -> JobConfig:
             tensorboard=False,
         ),
         validation=ValidationConfig(),
-        scaling=dataclasses.replace(job.scaling, workers=1),
+        scaling=dataclasses.replace(job.scaling, workers=1, strategy=strategy.name),
         checkpoint=dataclasses.replace(job.checkpoint, every_steps=2 * steps, resume=True),
     )
 

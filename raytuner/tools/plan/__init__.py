@@ -4,6 +4,8 @@ traced on the meta device.
 ``measure.py`` puts the figures together (``measure``: what ``raytuner.plan`` returns);
 ``trace.py`` traces each setting once, counted by ``meta.py``'s byte counter; ``fsdp.py`` the
 sharded worker; ``suggest.py`` the settings to try; ``report.py`` what the command prints (and
-``--gpu-memory``), ``progress.py`` its lines on stderr. ``report.py`` and ``progress.py``
-import no torch: the CLI and the API load them before planning starts.
+``--gpu-memory``, whose parser is ``config/sizes.py``), ``progress.py`` its lines on stderr.
+``report.py`` and ``progress.py`` import no torch: the CLI and the API load them before
+planning starts. ``auto.py`` decides ``scaling.strategy = "auto"`` on those traces and
+``adopt.py`` applies it and the step's settings to a run before its workers start.
 """

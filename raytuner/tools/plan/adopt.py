@@ -1,4 +1,5 @@
-"""The step's speed settings a GPU run takes from `raytuner plan` without being asked.
+"""What a run takes from `raytuner plan` without being asked, before any worker loads weights:
+the strategy (``scaling.strategy = "auto"``: ``auto.py``), then the step's speed settings.
 
 A run on GPUs (``scaling.use_gpu``) sizes its step on the GPU a worker gets: gradient
 checkpointing off (the forward is not run again in the backward) and the largest micro-batch up
@@ -17,7 +18,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from raytuner.config import JobConfig
+from raytuner.config import ConfigError, JobConfig
+from raytuner.placement.strategy import Strategy
+from raytuner.tools.plan import auto
+from raytuner.tools.plan.auto import KEYS, Memory, free_keys
 from raytuner.tools.plan.suggest import changes, largest_fitting
 from raytuner.tools.plan.trace import (
     MARGIN,
@@ -30,16 +34,8 @@ from raytuner.tools.plan.trace import (
 
 log = logging.getLogger("raytuner")
 
-KEYS = ("train.gradient_checkpointing", "train.micro_batch_size")  # what a run may adopt
-
-
-def free_keys(job: JobConfig) -> tuple[str, ...]:
-    """Of ``KEYS``, those the job leaves to raytuner: not named by its file or ``--set``, and
-    checkpointing only where nothing it has needs it (block swap, activation offload)."""
-    free = [key for key in KEYS if key not in job.given]
-    if job.memory.blocks_to_swap or job.memory.activation_offload:
-        free = [key for key in free if key != "train.gradient_checkpointing"]
-    return tuple(free)
+__all__ = ["KEYS", "Memory", "adopt", "before_workers", "decided", "fastest", "free_keys"]
+__all__ += ["worker_gpu", "worker_memory"]
 
 
 def fastest(job: JobConfig, traces: Traces, usable: int, free: tuple[str, ...]):
@@ -70,10 +66,8 @@ def adopt(job: JobConfig, family, gpu: tuple[str, int]) -> tuple[JobConfig, str]
     if not free:
         return job, ""
     name, memory = gpu
-    size = largest_bucket(job, family)
-    _, shapes = trace_encoders(job, family, size)
     usable = int(memory * (1 - MARGIN))
-    found = fastest(job, Traces(family, shapes, size), usable, free)
+    found = fastest(job, traces_of(job, family), usable, free)
     if found is None:
         return job, (
             f"plan finds no {' or '.join(free)} a worker fits {name}'s {memory / GiB:.1f} GiB "
@@ -90,15 +84,25 @@ def adopt(job: JobConfig, family, gpu: tuple[str, int]) -> tuple[JobConfig, str]
     )
 
 
-def worker_gpu(scaling) -> tuple[str, int] | None:
+def worker_gpu(scaling, wait: bool = False) -> tuple[str, int] | None:
     """The GPU a training worker gets: its name and the bytes of it that are the worker's
     (a worker's share of a GPU it shares), asked of a task on one; None when the cluster has no
-    GPU up now (an autoscaler starts them for the workers: the job's settings are kept)."""
+    GPU up now (an autoscaler starts them for the workers: the job's settings are kept), or
+    with ``wait`` (a strategy to decide), once one is up (``scaling.resource_wait_s``)."""
     import ray
 
-    if not ray.cluster_resources().get("GPU"):
-        return None
+    from raytuner import runtime
+
     share = min(scaling.gpus_per_worker or 1.0, 1.0)
+    if not ray.cluster_resources().get("GPU"):
+        if not wait:
+            return None
+        log.info("train: waiting for a GPU to decide scaling.strategy = \"auto\" on")
+        lower = "scaling.gpus_per_worker, or name scaling.worker_memory (then no GPU is asked)"
+        runtime.wait_for_resources(
+            [{"GPU": share}], scaling.resource_wait_s, 'scaling.strategy = "auto" and its probe',
+            lower=lower,
+        )
 
     @ray.remote(num_cpus=0, num_gpus=share, max_calls=1)
     def probe() -> tuple[str, int]:
@@ -111,16 +115,70 @@ def worker_gpu(scaling) -> tuple[str, int] | None:
     return name, int(total * share)
 
 
-def on_gpus(job: JobConfig, family) -> JobConfig:
-    """``adopt`` for a run about to train: on GPUs, with free keys, on the GPU a worker gets;
-    says what it adopted."""
-    if not job.scaling.use_gpu or not free_keys(job):
-        return job
-    gpu = worker_gpu(job.scaling)
-    if gpu is None:
-        return job
-    log.info("train: sizing the step on the GPU a worker gets (`raytuner plan`'s traces)")
-    job, line = adopt(job, family, gpu)
-    if line:
-        log.info("train: %s", line)
+def traces_of(job: JobConfig, family) -> Traces:
+    """Plan's traces of the job's family at its largest bucket, shared by the strategy's
+    decision and the step's settings (and by ``check`` and ``train`` in one process): the last
+    job's kept."""
+    size = largest_bucket(job, family)
+    key = (family.name, repr(job.model), repr(job.preprocess), size)
+    if _TRACES.get("key") != key:
+        _TRACES.update(key=key, traces=Traces(family, trace_encoders(job, family, size)[1], size))
+    return _TRACES["traces"]
+
+
+_TRACES: dict = {}
+_DECIDED: dict = {}
+
+
+def decided(job: JobConfig, family, memory: Memory) -> auto.Choice:
+    """``auto.decide`` for workers of ``memory``, with the step settings a GPU run adopts left
+    free; decided once a job and memory (``check`` and then ``train`` ask the same)."""
+    free = free_keys(job) if job.scaling.use_gpu else ()
+    key = (repr(job), job.given, family.name, memory)
+    if key not in _DECIDED:
+        _DECIDED.clear()
+        _DECIDED[key] = auto.decide(job, family, memory, free, traces_of(job, family))
+    return _DECIDED[key]
+
+
+def worker_memory(job: JobConfig) -> Memory | None:
+    """The memory a training worker has: ``scaling.worker_memory``, else the GPU it gets
+    (``worker_gpu``; for ``"auto"`` waited for where none is up yet), else None (CPU workers,
+    or a named strategy and no GPU up yet)."""
+    if (given := job.scaling.memory_bytes) is not None:
+        return Memory(given, "scaling.worker_memory")
+    undecided = Strategy.pinned(job.scaling.strategy) is None
+    if not job.scaling.use_gpu or (gpu := worker_gpu(job.scaling, undecided)) is None:
+        return None
+    return Memory(gpu[1], gpu[0])
+
+
+def before_workers(job: JobConfig, family) -> JobConfig:
+    """The job as a run's workers start it: ``scaling.strategy = "auto"`` decided on the
+    memory a worker has (``worker_memory``; a job nothing fits refused, ``ConfigError``), then
+    on GPUs the fastest free step settings that fit (``adopt``); each said on the terminal."""
+    undecided = Strategy.pinned(job.scaling.strategy) is None
+    free = free_keys(job) if job.scaling.use_gpu else ()
+    memory = worker_memory(job) if undecided or free else None
+    if undecided:
+        choice = _strategy(job, family, memory)
+        job = choice.job
+        log.info("train: %s", choice.line)
+    if free and memory is not None:
+        log.info("train: sizing the step on the GPU a worker gets (`raytuner plan`'s traces)")
+        job, line = adopt(job, family, (memory.source, memory.bytes))
+        if line:
+            log.info("train: %s", line)
     return job
+
+
+def _strategy(job: JobConfig, family, memory: Memory | None) -> auto.Choice:
+    """``"auto"`` decided on ``memory``; with none, a replica, saying why."""
+    if memory is None:
+        why = "CPU workers (scaling.use_gpu = false), no scaling.worker_memory to size a replica "
+        return auto.cpu_choice(job, why + "against")
+    log.info("train: deciding scaling.strategy on %s (`raytuner plan`'s traces)", memory.source)
+    choice = decided(job, family, memory)
+    if choice.refusal:
+        raise ConfigError(choice.refusal)
+    return choice

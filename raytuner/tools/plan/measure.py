@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from raytuner.config import JobConfig
 from raytuner.placement.strategy import Strategy
-from raytuner.tools.plan import encoders, fsdp, suggest
+from raytuner.tools.plan import auto, encoders, fsdp, suggest
 from raytuner.tools.plan.progress import Progress
 from raytuner.tools.plan.trace import (
     MARGIN,
@@ -59,7 +59,8 @@ def _sharded(job: JobConfig, traces: Traces, micro: int, compare: bool) -> dict:
 
 def measure(job: JobConfig, family, gpu_memory: int, compare: bool = True, progress=None) -> dict:
     """Everything ``raytuner plan`` prints (sizes in bytes); ``compare``: also the worker's
-    peak with gradient checkpointing switched the other way. A ``scaling.strategy = "fsdp"``
+    peak with gradient checkpointing switched the other way. ``scaling.strategy = "auto"`` is
+    decided on ``gpu_memory`` first (``strategy_choice`` says how). A ``scaling.strategy = "fsdp"``
     job's worker is the sharded one (``sharded``); a job that does not fit is offered the
     settings that would fit (``suggest.when_too_big``), one that fits the faster settings
     that would still fit (``suggest.faster``, with ``compare``). ``progress``: where it
@@ -74,6 +75,7 @@ def _measure(job: JobConfig, family, gpu_memory: int, compare: bool, progress: P
     size = largest_bucket(job, family)
     encoder, shapes = trace_encoders(job, family, size, progress)
     traces = Traces(family, shapes, size, progress)
+    job, choice = _decided(job, family, gpu_memory, traces)
     micro = micro_batch(job)
     checkpointing = job.train.gradient_checkpointing
     worker = traces.step(job, micro, checkpointing)
@@ -97,6 +99,9 @@ def _measure(job: JobConfig, family, gpu_memory: int, compare: bool, progress: P
         "family": family.name,
         "pretrained": job.model.pretrained,
         "strategy": job.scaling.strategy,
+        # "auto": what it decided on gpu_memory and why (None for a strategy the job names)
+        "strategy_choice": choice,
+        "workers": job.scaling.workers,
         "bucket": list(size),
         "micro_batch": micro,
         "gradient_checkpointing": checkpointing,
@@ -119,6 +124,18 @@ def _measure(job: JobConfig, family, gpu_memory: int, compare: bool, progress: P
         "suggestions": suggestions,
     }
     return result | {"closing": suggest.closing(job, result)}
+
+
+def _decided(job: JobConfig, family, gpu_memory: int, traces: Traces):
+    """The job with ``scaling.strategy = "auto"`` decided on ``gpu_memory`` as a run decides it
+    (``auto.decide``, the step settings a GPU run adopts left free), and the line that says
+    how (None when the job names its strategy). Nothing fitting, the replicated job is
+    planned, with its suggestions, and the line is the refusal `check` and `train` give."""
+    if Strategy.pinned(job.scaling.strategy) is not None:
+        return job, None
+    memory = auto.Memory(gpu_memory, "--gpu-memory")
+    choice = auto.decide(job, family, memory, auto.free_keys(job), traces)
+    return choice.job, choice.line or f"strategy auto refuses the job as it is: {choice.refusal}"
 
 
 def _fits(needs: int, usable: int) -> dict:

@@ -2,40 +2,10 @@
 
 from __future__ import annotations
 
-import re
-
-from raytuner.config import ConfigError
+from raytuner.config.sizes import SIZE, SPELLING, GiB, parse_size
 from raytuner.tools.plan import encoders
 
-GiB = 2**30  # as plan counts (trace.GiB); imported without torch
-
-UNITS = {"gib": GiB, "mib": 2**20, "gb": 10**9, "mb": 10**6}  # binary, then decimal
-SPELLING = {"gib": "GiB", "mib": "MiB", "gb": "GB", "mb": "MB"}
-SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
-
-
-def parse_size(text) -> int:
-    """``--gpu-memory`` (and ``raytuner.plan``'s ``gpu_memory``) in bytes: a number and an
-    explicit unit, ``GiB``/``MiB`` (binary) or ``GB``/``MB`` (decimal), in any case, e.g.
-    ``80GiB``, ``12.5GiB``, ``24GB`` (22.4 GiB). A bare number (bytes? GiB?), ``G`` or ``M``
-    (binary or decimal?) and any other text are refused, saying what to write."""
-    match = SIZE.fullmatch(text) if isinstance(text, str) else None
-    if match and match.group(2).lower() in UNITS and float(match.group(1)) > 0:
-        return int(float(match.group(1)) * UNITS[match.group(2).lower()])
-    n = match.group(1) if match and float(match.group(1)) > 0 else "24"
-    if not isinstance(text, bool) and isinstance(text, int | float) and text > 0:
-        n = f"{text / GiB:.4g}" if text >= 2**20 else f"{text:g}"  # bytes, or a size in GiB
-    zero = ", more than 0," if match and not float(match.group(1)) else ""
-    if match and match.group(2).lower() in ("m", "mi"):  # megabytes meant: say it in M
-        raise ConfigError(
-            f"--gpu-memory {text!r}: give a size{zero} and its unit: {n}MiB (binary, as "
-            f"nvidia-smi counts) or {n}MB (decimal: {float(n) * 1e6 / 2**20:.1f} MiB)"
-        )
-    raise ConfigError(
-        f"--gpu-memory {text!r}: give a size{zero} and its unit: {n}GiB (binary, as "
-        f'nvidia-smi counts: a card sold as "{n} GB" holds about {n}GiB) or {n}GB (decimal: '
-        f"{float(n) * 1e9 / GiB:.1f} GiB); MiB and MB work the same"
-    )
+__all__ = ["GiB", "parse_size", "print_plan", "size_text"]
 
 
 def size_text(text: str) -> str:
@@ -63,6 +33,8 @@ def print_plan(result: dict) -> None:
             f"parameters on the worker, {w['text_encoder_trained_params'] / 1e6:,.2f} M of "
             "their LoRA trained; every caption encoded at every step (counted above)"
         )
+    if result.get("strategy_choice"):  # scaling.strategy = "auto": what it decided, and why
+        print(f"  {result['strategy_choice']}")
     if result.get("sharded"):
         _print_sharded(result)
     else:

@@ -22,6 +22,7 @@ from raytuner import placement
 from raytuner.config import JobConfig
 from raytuner.families import parts
 from raytuner.observe import flops
+from raytuner.placement.strategy import REPLICATED
 from raytuner.preprocess.buckets import make_buckets
 from raytuner.tools.plan import fsdp
 from raytuner.tools.plan.meta import offloaded, traced
@@ -88,13 +89,17 @@ def _planned_model(job: JobConfig, family) -> Trainable:
 
 def _setting(job: JobConfig, checkpointing: bool) -> JobConfig:
     """``job`` with gradient checkpointing as given (without it: no block swap, no activation
-    offload, which need it) and no micro-batch size (a trace is asked for at a micro-batch of
-    its own): one per meta model."""
+    offload, which need it), no micro-batch size (a trace is asked for at a micro-batch of
+    its own) and one worker (a trace is one worker's step, whatever the group and strategy:
+    ``fsdp.worker_bytes`` divides it by the workers): one per meta model."""
     train = dataclasses.replace(job.train, gradient_checkpointing=checkpointing, micro_batch_size=0)
     memory = job.memory
     if not checkpointing:
         memory = dataclasses.replace(memory, blocks_to_swap=0, activation_offload=False)
-    return dataclasses.replace(job, train=train, memory=memory)
+    scaling = dataclasses.replace(
+        job.scaling, workers=1, strategy=REPLICATED.name, worker_memory=""
+    )
+    return dataclasses.replace(job, train=train, memory=memory, scaling=scaling)
 
 
 class Traces:
