@@ -366,3 +366,15 @@ def pipeline_image_with(pipe, lora_dir: Path) -> np.ndarray:
         return pipeline_image(pipe)
     finally:
         pipe.unload_lora_weights()
+
+
+def test_check_refuses_a_text_encoder_lora_and_sides_off_its_grid(tmp_path, capsys):
+    """Qwen2.5-VL is not trained (diffusers' script offers no text-encoder LoRA); bucket sides
+    are multiples of 16 (the VAE's 8 x the 2x2 packing)."""
+    from test_jobcheck import accepted, refused
+
+    err = refused(tmp_path, capsys, "lora.text_encoder=true", family="qwen-image")
+    assert "lora.text_encoder" in err
+    err = refused(tmp_path, capsys, "preprocess.bucket_step=8", family="qwen-image")
+    assert "preprocess.bucket_step = 8" in err and "16" in err
+    accepted(tmp_path, capsys, "preprocess.bucket_step=16", family="qwen-image")

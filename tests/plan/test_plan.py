@@ -30,6 +30,7 @@ PUBLISHED = {
     "flux": (11901e6, 0.01),
     "sana": (1600e6, 0.03),
     "z-image": (6_154_908_736, 0),  # the released configs, counted exactly
+    "qwen-image": (20_430_401_088, 0),
 }
 
 
