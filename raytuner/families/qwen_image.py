@@ -58,12 +58,12 @@ def prefix_tokens(pipe) -> int:
     return len(pipe.tokenizer(prefix).input_ids)
 
 
-def _pipeline(pipe, source: parts.Source):
-    """The pipeline with the drop of its template's prefix made right for its tokenizer: the
-    pipeline's 34 counts the released Qwen2 tokenizer's tokens; a preset's byte-level tokenizer
-    writes the prefix in more."""
-    if source.preset:
-        pipe.prompt_template_encode_start_idx = prefix_tokens(pipe)
+def _pipeline(pipe):
+    """The pipeline with the drop of its template's prefix counted by its own tokenizer: the
+    pipeline's 34 is the released Qwen2 tokenizer's count (whose pre-tokenizer splits the
+    prefix's closing newline from any caption, so the count is the same alone), which a
+    byte-level tokenizer (a preset's, or a folder saved from one) writes in more tokens."""
+    pipe.prompt_template_encode_start_idx = prefix_tokens(pipe)
     return pipe
 
 
@@ -74,14 +74,14 @@ class _QwenText:
 
     ragged = ("prompt_embeds",)
 
-    def __init__(self, tokenizer, encoder, device: str, source: parts.Source):
+    def __init__(self, tokenizer, encoder, device: str):
         from diffusers import QwenImagePipeline
 
         encoder = placement.move(encoder, device).eval().requires_grad_(False)
         pipe = QwenImagePipeline(
             scheduler=None, vae=None, text_encoder=encoder, tokenizer=tokenizer, transformer=None
         )
-        self.pipe, self.tokenizer, self.device = _pipeline(pipe, source), tokenizer, device
+        self.pipe, self.tokenizer, self.device = _pipeline(pipe), tokenizer, device
         self.max_tokens = min(MAX_TOKENS, tokenizer.model_max_length)
 
     @torch.no_grad()
@@ -189,7 +189,7 @@ class QwenImage(base.DiffusersFamily):
 
     def text_encoder(self, source: parts.Source, device: str, weights: bool = True):
         encoder = self.part(source, "text_encoder", device, weights)
-        return _QwenText(_tokenizer(source), encoder, device, source)
+        return _QwenText(_tokenizer(source), encoder, device)
 
     def vae_latent(self, latent: torch.Tensor) -> torch.Tensor:
         """Its VAE decodes videos: an image is one frame."""
@@ -227,7 +227,7 @@ class QwenImage(base.DiffusersFamily):
         return objectives.Objective(draw, qwen_image_loss)
 
     def pipeline(self, source: parts.Source):
-        return _pipeline(super().pipeline(source), source)
+        return _pipeline(super().pipeline(source))
 
     def pipeline_options(self, pipe) -> dict:
         """Caption tokens as the cache kept them: the tokenizer's limit, at most 512."""
