@@ -229,19 +229,25 @@ class ValidationConfig:
     every_steps: int = ranged(0, 1, zero="no validation")
     prompts: list[str] = field(default_factory=list)
     seeds: list[int] = ranged([0], 0, SEED_MAX)
-    steps: int = ranged(20, 1, MAX_RENDER_STEPS)  # denoising steps per image
+    # denoising steps per image; 0: the model's default (20; a distilled model's few steps)
+    steps: int = ranged(0, 1, MAX_RENDER_STEPS, zero="the model's default")
     # pixels, multiples of the family's pixel grid (jobcheck); 0: the job's resolution
     width: int = ranged(0, 8, MAX_SIDE, zero="the job's resolution")
     height: int = ranged(0, 8, MAX_SIDE, zero="the job's resolution")
     prompts_file: str = ""  # one prompt per line, kohya style: "a cat --w 512 --s 20 --n ugly"
     negative_prompt: str = ""
-    # classifier-free guidance; 0: the family's default
+    # classifier-free guidance; 0: the family's default (a distilled model's: none)
     guidance_scale: float = ranged(0.0, 0, MAX_GUIDANCE, low_open=True, zero="the family's default")
+    # render as a step- and guidance-distilled model (Z-Image Turbo, Flux.2 [klein]): its few
+    # steps, no classifier-free guidance. auto: when the pipeline's config says is_distilled or
+    # model.pretrained is a distilled release the family names; yes / no: as said
+    distilled: str = "auto"
     # resources the validation actor reserves (0: none, it shares)
     cpus: float = ranged(0.0, RESOURCE_STEP, zero="none", hint=RESOURCE_HINT)
     gpus: float = ranged(0.0, RESOURCE_STEP, 1, zero="none", hint=GPU_HINT)
 
     def __post_init__(self) -> None:
+        one_of("validation.distilled", self.distilled, ("auto", "yes", "no"))
         if self.every_steps and not ((self.prompts or self.prompts_file) and self.seeds):
             raise ConfigError(
                 "validation.every_steps > 0 needs validation.prompts (or prompts_file) and seeds"

@@ -111,6 +111,14 @@ class Guidance:
     # the negative prompt rendered with where none is set and the scale is above 1, for a
     # pipeline that guides only when it has one (Qwen-Image's model card: " "); "": none
     default_negative_prompt: str = ""
+    # validation's steps when validation.steps and the prompt line set none
+    default_steps: int = 20
+    # a step-distilled release of the family (validation.distilled): its few steps (0: none is
+    # released), the guidance_scale at which its pipeline makes no unconditional pass, and the
+    # hub ids of such releases (a pipeline whose config says is_distilled is one too)
+    distilled_steps: int = 0
+    distilled_scale: float = 0.0
+    distilled_repos: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

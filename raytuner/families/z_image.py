@@ -136,9 +136,14 @@ class ZImage(base.DiffusersFamily):
     # and both refiners, as train_dreambooth_lora_z_image.py adapts them); the diffusers file,
     # which ComfyUI also loads (its z_image_to_diffusers key map); Qwen3: not trained
 
-    # ZImagePipeline's default guidance_scale; Z-Image-Turbo renders without CFG (0), which
-    # validation.guidance_scale cannot say yet (0 is the family's default there)
-    guidance = base.Guidance(default_scale=5.0)
+    # ZImagePipeline's default guidance_scale; Z-Image-Turbo renders in 8 steps without CFG
+    # (guidance_scale 0: the pipeline's CFG is on above 0), as Tongyi-MAI's inference code does
+    guidance = base.Guidance(
+        default_scale=5.0,
+        distilled_steps=8,
+        distilled_scale=0.0,
+        distilled_repos=("Tongyi-MAI/Z-Image-Turbo",),
+    )
     parts = base.Parts(
         classes={
             "transformer": "diffusers.ZImageTransformer2DModel",

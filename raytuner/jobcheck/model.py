@@ -165,6 +165,11 @@ def validation_prompts(v: ValidationConfig, family) -> None:
             f"validation.negative_prompt = {v.negative_prompt!r}: {family.name}'s pipeline takes "
             "no negative prompt (no classifier-free guidance); remove the key"
         )
+    if v.distilled == "yes" and not family.guidance.distilled_steps:
+        raise ConfigError(
+            f'validation.distilled = "yes": {family.name} has no step-distilled release; '
+            'use "auto" or "no"'
+        )
     try:
         for key in ("width", "height"):
             prompts.on_grid(f"validation.{key} =", getattr(v, key), family)

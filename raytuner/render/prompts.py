@@ -218,6 +218,16 @@ def check_line(p: PromptLine, family) -> None:
         on_grid(f"{where}: --{letter}", side, family)
 
 
+def is_distilled(family, pipe, pretrained: str, setting: str) -> bool:
+    """Whether to render as the family's step-distilled release (``validation.distilled``):
+    ``auto``: the pipeline's config says ``is_distilled`` (Flux.2 [klein]'s) or ``pretrained``
+    is a release the family names as one."""
+    if setting != "auto":
+        return setting == "yes"
+    said = bool(getattr(pipe, "config", {}).get("is_distilled", False))
+    return said or pretrained in family.guidance.distilled_repos
+
+
 def on_grid(option: str, side: int | None, family) -> None:
     """Refuse an image side (``option``: ``line 3: --w``, ``--width``, ``validation.width =``)
     that is not a multiple of the family's pixel grid; None and 0 (the default) pass."""
@@ -228,28 +238,33 @@ def on_grid(option: str, side: int | None, family) -> None:
         )
 
 
-def resolve(lines: list[PromptLine], family, defaults: Defaults) -> list[Render]:
-    """Each line with its options, or else the defaults, or else the family's."""
-    renders = []
+def resolve(
+    lines: list[PromptLine], family, defaults: Defaults, distilled: bool = False
+) -> list[Render]:
+    """Each line with its options, or else the defaults, or else the family's (``distilled``:
+    those of its step-distilled release: few steps, no classifier-free guidance)."""
+    g, renders = family.guidance, []
     for p in lines:
         check_line(p, family)
-        scale = p.guidance if family.guidance.embedding else p.scale
+        scale = p.guidance if g.embedding else p.scale
         if scale is None:
-            scale = defaults.guidance_scale or family.guidance.default_scale
+            scale = defaults.guidance_scale or (
+                g.distilled_scale if distilled else g.default_scale
+            )
         negative = p.negative_prompt if p.negative_prompt is not None else defaults.negative_prompt
         if not negative and scale > 1:  # a pipeline that guides only with a negative prompt
-            negative = family.guidance.default_negative_prompt
+            negative = g.default_negative_prompt
         renders.append(
             Render(
                 prompt=p.prompt,
                 line=p.line,
                 width=p.width or defaults.size[0],
                 height=p.height or defaults.size[1],
-                steps=p.steps or defaults.steps,
+                steps=p.steps or defaults.steps or (g.distilled_steps if distilled else None),
                 seeds=(p.seed,) if p.seed is not None else tuple(defaults.seeds),
                 guidance_scale=float(scale),
                 negative_prompt=negative if family.guidance.negative_prompt else "",
-                scale_argument=family.guidance.scale_argument,
+                scale_argument=g.scale_argument,
             )
         )
     return renders

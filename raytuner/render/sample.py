@@ -18,7 +18,7 @@ from PIL import Image
 from raytuner import placement, quiet, storage
 from raytuner.checkpoint import full_model, layout
 from raytuner.lora.find import ExportedWeights, find_weights
-from raytuner.render.prompts import Defaults, PromptLine, Render, resolve
+from raytuner.render.prompts import Defaults, PromptLine, Render, is_distilled, resolve
 
 LATEST = "latest"  # --checkpoint: the run's newest complete checkpoint
 BASE = "base"  # --checkpoint: the pretrained model alone, for comparison
@@ -148,8 +148,11 @@ def render_samples(
         model = parts.model_source(m, device)
         pipe = load_pipeline(family, model, weights, device, job.memory.blocks_to_swap)
         options = family.pipeline_options(pipe)
+        distilled = is_distilled(family, pipe, m.pretrained, job.validation.distilled)
+        renders = resolve(lines, family, defaults, distilled)
         rows = render(pipe, options, renders)
     record = {"checkpoint": BASE if checkpoint == BASE else source, "steps": defaults.steps}
+    record["distilled"] = distilled
     record |= {"size": list(defaults.size), "seeds": list(defaults.seeds)}
     return write_samples(rows, renders, Path(out), record)
 

@@ -59,6 +59,7 @@ class RenderSpec:
     prompt_lines: list[dict] = field(default_factory=list)
     negative_prompt: str = ""  # validation.negative_prompt
     guidance_scale: float = 0.0  # validation.guidance_scale; 0: the family's default
+    distilled: str = "auto"  # validation.distilled
     single_file_config: str = ""  # model.single_file_config (a single-file pretrained)
     tracking: dict | None = None  # the job's [tracking] when tracking.wandb: grids to W&B too
 
@@ -69,12 +70,13 @@ def _prompt_lines(spec: RenderSpec) -> list[prompts.PromptLine]:
     return lines + [prompts.PromptLine(**d) for d in spec.prompt_lines]
 
 
-def _defaults(spec: RenderSpec) -> prompts.Defaults:
-    """What a prompt takes where its line sets nothing: the job's [validation] keys."""
+def _defaults(spec: RenderSpec, family, distilled: bool) -> prompts.Defaults:
+    """What a prompt takes where its line sets nothing: the job's [validation] keys, else the
+    family's steps (a distilled model's: its few steps)."""
     return prompts.Defaults(
         size=tuple(spec.size),
         seeds=tuple(spec.seeds),
-        steps=spec.steps,
+        steps=spec.steps or (None if distilled else family.guidance.default_steps),
         guidance_scale=spec.guidance_scale,
         negative_prompt=spec.negative_prompt,
     )
@@ -149,7 +151,9 @@ class Validator:
             weights = find_weights(local)
             sample.apply_weights(self.pipe, family, weights, device, None, s.blocks_to_swap)
             options = family.pipeline_options(self.pipe)
-            renders = prompts.resolve(_prompt_lines(s), family, _defaults(s))
+            distilled = prompts.is_distilled(family, self.pipe, s.pretrained, s.distilled)
+            defaults = _defaults(s, family, distilled)
+            renders = prompts.resolve(_prompt_lines(s), family, defaults, distilled)
             rows = sample.render(self.pipe, options, renders)
         finally:
             shutil.rmtree(local, ignore_errors=True)
@@ -158,7 +162,8 @@ class Validator:
         seconds = time.perf_counter() - started
         record = {"step": step, "checkpoint": path, "seconds": seconds}
         record |= {"started_at": started_at, "finished_at": time.time()}
-        record |= {"prompts": [r.prompt for r in renders], "seeds": s.seeds, "steps": s.steps}
+        record |= {"prompts": [r.prompt for r in renders], "seeds": s.seeds}
+        record |= {"steps": defaults.steps, "distilled": distilled}
         record["lines"] = [r.record() for r in renders]  # each prompt's options, as rendered
         storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", sample.png_bytes(sheet))
         storage.write_json_atomic(fs, f"{folder}/step_{step:06d}.json", record)
@@ -228,6 +233,7 @@ def start(job, family, run_dir: str):
         prompt_lines=_file_lines(v.prompts_file),
         negative_prompt=v.negative_prompt,
         guidance_scale=v.guidance_scale,
+        distilled=v.distilled,
     )
     actor = ray.remote(Validator).options(num_cpus=v.cpus, num_gpus=v.gpus or None)
     validator = actor.remote(asdict(spec))

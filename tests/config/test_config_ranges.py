@@ -82,7 +82,7 @@ BAD: dict[str, list[str]] = {
     "checkpoint.controller_failure_limit": ["-1"],
     "validation.every_steps": ["-1"],
     "validation.seeds": ["[0, -1]", f"[{2**63}]"],
-    "validation.steps": ["0", "1001"],
+    "validation.steps": ["-1", "1001"],
     "validation.width": ["-64", "4", "8200"],
     "validation.height": ["-64", "4", "8200"],
     "validation.guidance_scale": ["-1", "101"],
