@@ -380,3 +380,31 @@ def test_check_refuses_a_text_encoder_lora_and_sides_off_its_grid(tmp_path, caps
     err = refused(tmp_path, capsys, "preprocess.bucket_step=8", family="qwen-image")
     assert "preprocess.bucket_step = 8" in err and "16" in err
     accepted(tmp_path, capsys, "preprocess.bucket_step=16", family="qwen-image")
+
+
+def test_a_full_fine_tunes_checkpoint_renders(pipe, tmp_path):
+    """`raytuner sample` and validation of a full fine-tune build the denoiser on meta from its
+    checkpoint a block at a time: the rotary tables diffusers keeps outside the state dict come
+    from the pipeline's own denoiser, and the render is the trained weights'."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from raytuner.checkpoint import layout
+    from raytuner.lora.find import ExportedWeights
+    from raytuner.render.sample import apply_weights
+
+    trained = QI.denoiser(TINY)
+    with torch.no_grad():
+        trained.proj_out.bias.add_(0.5)  # a fine-tune that renders otherwise
+    (tmp_path / "ckpt").mkdir()
+    state = {k: v.contiguous() for k, v in trained.state_dict().items()}
+    save_file(state, str(tmp_path / "ckpt" / layout.WEIGHTS))
+    (tmp_path / "ckpt" / layout.DENOISER).write_text(json.dumps(dict(trained.config)))
+    base, before = pipe.transformer, pipeline_image(pipe)
+    try:
+        apply_weights(pipe, QI, ExportedWeights("checkpoint", str(tmp_path / "ckpt")), "cpu")
+        after = pipeline_image(pipe)
+    finally:
+        pipe.register_modules(transformer=base)
+    assert np.isfinite(after).all() and not np.allclose(before, after)
