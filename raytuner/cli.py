@@ -156,7 +156,9 @@ def _bench_parsers(sub) -> None:
 
 
 def _gpu_args(gpu: argparse.ArgumentParser) -> None:
-    gpu.add_argument("--families", default="sd15,sdxl,flux,sana,z-image", help="comma-separated")
+    gpu.add_argument(
+        "--families", default="sd15,sdxl,flux,sana,z-image,qwen-image", help="comma-separated"
+    )
     gpu.add_argument(
         "--only",
         default="",

@@ -105,11 +105,15 @@ def write_folder(trained: Trained, out: str, meta: dict[str, str]) -> list[str]:
     return files
 
 
-def load_denoiser(cls, trained: Trained, dtype: torch.dtype, device) -> torch.nn.Module:
+def load_denoiser(
+    cls, trained: Trained, dtype: torch.dtype, device, like: torch.nn.Module | None = None
+) -> torch.nn.Module:
     """The denoiser of class ``cls`` with the trained weights in ``dtype`` on ``device``, built
-    empty and filled a block at a time (never a second copy of the model)."""
+    empty and filled a block at a time (never a second copy of the model). ``like``: a model of
+    the same architecture whose plain tensor attributes it takes (``_plain_tensors``)."""
     with torch.device("meta"):
         model = cls.from_config(trained.config)
+    _plain_tensors(model, like)
     for _, tensors in trained.blocks():
         state = {
             k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()
@@ -120,3 +124,16 @@ def load_denoiser(cls, trained: Trained, dtype: torch.dtype, device) -> torch.nn
             f"{trained.path}: no trained values for {len(missing)} tensors ({missing[0]})"
         )
     return model.eval()
+
+
+def _plain_tensors(model: torch.nn.Module, like: torch.nn.Module | None) -> None:
+    """Tensors a module keeps as plain attributes, neither parameters nor buffers (Qwen-Image's
+    rotary tables), which a model built on meta has on meta and no checkpoint holds: taken from
+    the same module of ``like``."""
+    if like is None:
+        return
+    theirs = dict(like.named_modules())
+    for name, module in model.named_modules():
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.is_meta and name in theirs:
+                setattr(module, attr, getattr(theirs[name], attr))

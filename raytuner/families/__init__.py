@@ -4,6 +4,7 @@ its file, its two presets, its job TOML, one entry here."""
 from raytuner.config import ConfigError
 from raytuner.families.base import Family
 from raytuner.families.flux import Flux
+from raytuner.families.qwen_image import QwenImage
 from raytuner.families.sana import Sana
 from raytuner.families.sd15 import SD15
 from raytuner.families.sdxl import SDXL
@@ -17,6 +18,7 @@ FAMILIES: dict[str, Family] = {
     "sana": Sana(),
     "z-image": ZImage(),
     "wan": Wan(),
+    "qwen-image": QwenImage(),
 }
 
 

@@ -105,6 +105,12 @@ class Guidance:
     embedding: bool = False  # its denoiser takes objective.flow.guidance (guidance-distilled)
     # its pipeline takes a negative prompt (classifier-free guidance: kohya's --n and --l)
     negative_prompt: bool = True
+    # the pipeline-call keyword the scale is passed as (Qwen-Image's true classifier-free
+    # guidance: true_cfg_scale; its guidance_scale is for guidance-distilled checkpoints)
+    scale_argument: str = "guidance_scale"
+    # the negative prompt rendered with where none is set and the scale is above 1, for a
+    # pipeline that guides only when it has one (Qwen-Image's model card: " "); "": none
+    default_negative_prompt: str = ""
     # validation's steps when validation.steps and the prompt line set none
     default_steps: int = 20
     # a step-distilled release of the family (validation.distilled): its few steps (0: none is
@@ -164,6 +170,8 @@ class Family(Protocol):
     # a single file's tensors of ``part`` (the keys under its prefix) in the layout diffusers'
     # ``from_single_file`` converts (most families: as they are)
     def single_file_state(self, part: str, state: dict[str, torch.Tensor]) -> dict: ...
+    # cached latents [B, C, H, W] as its VAE's decode takes them (a video VAE: a frame axis)
+    def vae_latent(self, latent: torch.Tensor) -> torch.Tensor: ...
     # ``n`` samples of the cached tensors of ``shapes`` (``cache_shapes``, or what its encoders
     # make) at the bucket ``size`` (width, height), as the training feed hands them to ``loss``:
     # random latent and text tensors in ``dtype``, the per-image conditioning, and what else its
@@ -239,6 +247,10 @@ class DiffusersFamily(ABC):
     def single_file_state(self, part: str, state: dict) -> dict:
         """Its single file's tensors are in the layout diffusers' converters read."""
         return state
+
+    def vae_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """Cached latents [B, C, H, W] as its VAE decodes them: as they are."""
+        return latent
 
     def example_batch(
         self, shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype

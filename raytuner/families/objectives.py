@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -158,11 +159,36 @@ def ddpm_scheduler(source: Source):
 # --- flow-matching families (Flux, Sana) ------------------------------------------------------
 
 
-def flow_draw(objective: FlowObjective, image_tokens: Callable[[tuple[int, ...]], int]) -> Draw:
+@dataclass(frozen=True, kw_only=True)
+class ShiftLine:
+    """The resolution shift a family's scheduler makes (``use_dynamic_shifting``): log(shift)
+    on the line through (``base_tokens``, ``base_shift``) and (``max_tokens``, ``max_shift``)
+    of the image's token count (its scheduler config's ``base_image_seq_len``, ``base_shift``,
+    ``max_image_seq_len``, ``max_shift``). The default is Flux.1's."""
+
+    base_tokens: int = 256
+    base_shift: float = 0.5
+    max_tokens: int = 4096
+    max_shift: float = 1.15
+
+    def shift(self, tokens: int) -> float:
+        slope = (self.max_shift - self.base_shift) / (self.max_tokens - self.base_tokens)
+        return math.exp(self.base_shift + (tokens - self.base_tokens) * slope)
+
+
+FLUX_SHIFT = ShiftLine()  # Flux.1's sampler: 0.5 at 256 tokens, 1.15 at 4096
+
+
+def flow_draw(
+    objective: FlowObjective,
+    image_tokens: Callable[[tuple[int, ...]], int],
+    line: ShiftLine = FLUX_SHIFT,
+) -> Draw:
     """A flow-matching step's random inputs: each sample's noise, then its noise level in
     (0, 1) from the objective's density (``diffusers.training_utils``), shifted towards noise
-    by the image's token count (``image_tokens(latent shape)``: Flux's resolution-dependent
-    shift) or by the fixed ``objective.shift``."""
+    by the image's token count (``image_tokens(latent shape)``) on the family's ``line`` (its
+    scheduler's resolution-dependent shift; Flux.1's by default) or by the fixed
+    ``objective.shift``."""
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
     def draw(shape: tuple[int, ...], generators) -> dict[str, torch.Tensor]:
@@ -180,12 +206,7 @@ def flow_draw(objective: FlowObjective, image_tokens: Callable[[tuple[int, ...]]
                 for g in generators
             ]
         ).clamp(1e-3, 1 - 1e-3)
-        if objective.resolution_shift:
-            # the line through (256 tokens, 0.5) and (4096 tokens, 1.15), as Flux's sampler uses
-            tokens = image_tokens(shape)
-            shift = math.exp(0.5 + (tokens - 256) * (1.15 - 0.5) / (4096 - 256))
-        else:
-            shift = objective.shift
+        shift = line.shift(image_tokens(shape)) if objective.resolution_shift else objective.shift
         return {"noise": noise, "sigma": shift * u / (1 + (shift - 1) * u)}
 
     return draw

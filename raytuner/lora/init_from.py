@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ from raytuner.lora import export, kohya
 from raytuner.lora.header import Header
 
 COMFY = "diffusion_model."  # ComfyUI's name of the denoiser in LoRA keys
+_PEFT_DEFAULT = re.compile(r"\.(lora_[AB])\.default\.weight$")
 ADAPTER_KEY = "lora_adapter_metadata"  # the peft config diffusers' save_lora_weights stores
 # what the export keeps of the file's own metadata (sd-scripts' dataset keys are long)
 SOURCE_PREFIXES = ("raytuner.", "ss_", "modelspec.")
@@ -96,6 +98,9 @@ def file_modules(tensors: dict, meta: dict, family, denoiser, load=None) -> dict
     """The file's LoRA per module of the denoiser: {module: (down, up, alpha)}. ``load``: a
     tensor's values when ``tensors`` are the header's (``check_file``)."""
     dims, denoiser_part = export.out_dims(denoiser), f"{family.parts.denoiser}."
+    # peft's adapter name in the keys (``lora_A.default.weight``), as ComfyUI and diffusers'
+    # Qwen-Image loader read them
+    tensors = {_PEFT_DEFAULT.sub(r".\1.weight", k): v for k, v in tensors.items()}
     if not any(k.endswith(".lora_down.weight") for k in tensors):
         # the diffusers module names under ComfyUI's name of the denoiser, as ComfyUI-side
         # trainers write them (diffusers' Z-Image loader takes them so)

@@ -13,7 +13,7 @@ scheduler renders. Pure: no torch, no pipeline.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from raytuner import storage
 from raytuner.config.ranges import SEED_MAX, Range
@@ -93,10 +93,12 @@ class Render:
     seeds: tuple[int, ...]
     guidance_scale: float
     negative_prompt: str  # "": none (always "" for families that take none)
+    # the pipeline's keyword for the scale (the family's guidance.scale_argument)
+    scale_argument: str = field(default="guidance_scale", repr=False)
 
     def call(self) -> dict:
         """The pipeline-call arguments (besides the prompt and the generator)."""
-        out = {"width": self.width, "height": self.height, "guidance_scale": self.guidance_scale}
+        out = {"width": self.width, "height": self.height, self.scale_argument: self.guidance_scale}
         if self.steps:
             out["num_inference_steps"] = self.steps
         if self.negative_prompt:  # none at all keeps the pipeline's own empty-prompt handling
@@ -104,7 +106,9 @@ class Render:
         return out
 
     def record(self) -> dict:
-        return asdict(self) | {"seeds": list(self.seeds)}
+        record = asdict(self) | {"seeds": list(self.seeds)}
+        record.pop("scale_argument")
+        return record
 
 
 def _value(letter: str, text: str, where: str):
@@ -248,6 +252,8 @@ def resolve(
                 g.distilled_scale if distilled else g.default_scale
             )
         negative = p.negative_prompt if p.negative_prompt is not None else defaults.negative_prompt
+        if not negative and scale > 1:  # a pipeline that guides only with a negative prompt
+            negative = g.default_negative_prompt
         renders.append(
             Render(
                 prompt=p.prompt,
@@ -258,6 +264,7 @@ def resolve(
                 seeds=(p.seed,) if p.seed is not None else tuple(defaults.seeds),
                 guidance_scale=float(scale),
                 negative_prompt=negative if family.guidance.negative_prompt else "",
+                scale_argument=g.scale_argument,
             )
         )
     return renders

@@ -59,7 +59,8 @@ def apply_weights(
         cls = type(getattr(pipe, part))
         dtype = dtype or getattr(pipe, part).dtype
         if weights.kind == "checkpoint":  # read a block at a time from the checkpoint
-            denoiser = full_model.load_denoiser(cls, full_model.Trained(weights.path), dtype, "cpu")
+            trained, current = full_model.Trained(weights.path), getattr(pipe, part)
+            denoiser = full_model.load_denoiser(cls, trained, dtype, "cpu", like=current)
         else:
             denoiser = cls.from_pretrained(os.path.join(weights.path, part), torch_dtype=dtype)
         pipe.register_modules(**{part: denoiser})

@@ -388,7 +388,8 @@ def test_auto_compiles_on_gpus_where_it_was_measured_faster():
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     auto = {name: compiles("auto", f, cuda) for name, f in FAMILIES.items()}
-    assert auto == {"flux": True, "sdxl": True, "sd15": False, "sana": False, "z-image": False}
+    assert auto == {"flux": True, "sdxl": True, "sd15": False, "sana": False, "z-image": False,
+                    "qwen-image": False}  # fmt: skip
     assert not compiles("auto", FAMILIES["flux"], cpu)
     assert not compiles("auto", FAMILIES["flux"], cuda, swapped=8)  # hooks dynamo cannot hold
     assert compiles(True, FAMILIES["sd15"], cpu) and not compiles(False, FAMILIES["flux"], cuda)
@@ -399,7 +400,7 @@ def test_auto_compiles_on_gpus_where_it_was_measured_faster():
     "family, overrides, shown",
     [
         ("flux", [], "scaling.use_gpu = false: CPU workers have no FP8"),
-        ("sdxl", ["scaling.use_gpu=true"], "allowed for flux, sana, z-image"),
+        ("sdxl", ["scaling.use_gpu=true"], "allowed for flux, sana, z-image, qwen-image"),
         ("flux", ["scaling.use_gpu=true", 'model.dtype="float8"'], "stored in float8 already"),
         ("flux", ["scaling.use_gpu=true", 'scaling.strategy="fsdp"'], "sharded weights"),
         ("flux", ["scaling.use_gpu=true", 'train.mode="full"'], "only frozen base weights"),

@@ -31,6 +31,7 @@ PUBLISHED = {
     "sana": (1600e6, 0.03),
     "z-image": (6_154_908_736, 0),  # the released configs, counted exactly
     "wan": (14_288_491_584, 0),  # Wan 2.1 T2V 14B
+    "qwen-image": (20_430_401_088, 0),
 }
 
 

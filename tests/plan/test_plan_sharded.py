@@ -47,6 +47,21 @@ def test_the_shipped_sharded_flux_job_fits_the_l40s_its_comment_names():
     assert state == pytest.approx(16 * result["denoiser_params"] / 8, rel=0.01)
 
 
+@pytest.mark.slow
+def test_the_shipped_qwen_image_full_finetune_fits_the_l40s_its_comment_names():
+    """20.43 B parameters at 16 bytes each (304 GiB), no card holds a replica: sharded over the
+    8 workers the elastic group shrinks to at least, 44.7 GiB a worker."""
+    text = (REPO / "jobs" / "qwen-image-full.toml").read_text()
+    assert "L40S (48 GB)" in text and "44.7 GiB with 8" in text
+    job = load_job(REPO / "jobs" / "qwen-image-full.toml")
+    result = measure(job, FAMILIES["qwen-image"], parse_size("48GiB"), compare=False)
+    fewest, most = result["sharded"]["by_workers"]
+    assert (fewest["workers"], most["workers"]) == (8, 16)
+    assert result["fits"] and result["peak_bytes"] == fewest["peak_bytes"] < 45.6 * GiB
+    state = sum(fewest[k] for k in ("weights_bytes", "gradients_bytes", "optimizer_bytes"))
+    assert state == pytest.approx(16 * 20_430_401_088 / 8, rel=0.01)
+
+
 def test_a_flux_full_finetune_fits_80gib_sharded_over_8_and_plan_says_so():
     flux = REPO / "jobs" / "flux.toml"
     replicated = load_job(flux, [*FULL, "scaling.workers=8", 'scaling.strategy="ddp"'])

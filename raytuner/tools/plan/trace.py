@@ -329,7 +329,7 @@ def trace_validation(job: JobConfig, family, shapes: dict, size, progress=None) 
     vae = parts.load(family, source, "vae", cls, device="meta", weights=False)
     latent = torch.zeros(1, *shapes["latent"], device="meta", dtype=source.dtype)
     with torch.no_grad(), traced() as decode:
-        vae.decode(latent)
+        vae.decode(family.vae_latent(latent))
     weights = _part_bytes(job, family, tuple(family.parts.classes))
     if n := job.memory.blocks_to_swap:  # the denoiser streams as in training
         per_block = _block_bytes(denoiser, family)

@@ -1,0 +1,410 @@
+"""The Qwen-Image family: its cache holds what QwenImagePipeline's own encoders make
+(Qwen2.5-VL's last hidden states of the caption's own tokens after the template's prefix, and
+its mask; latents of the 3-D VAE's one frame, normalized per channel), its loss is a step of
+diffusers' train_dreambooth_lora_qwen_image.py, its noise levels shift on Qwen-Image's own line,
+its LoRA loads through the pipeline, validation guides with true_cfg_scale, and `raytuner plan`
+builds the released 20.43 B transformer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from run_checks import pipeline_image
+
+from raytuner.config import FlowObjective, LoraConfig
+from raytuner.data.reader import _stacked
+from raytuner.data.tensors import ragged_cell_column
+from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
+from raytuner.families.qwen_image import prefix_tokens, text_mask
+from raytuner.train.model import adapt
+
+TINY = Source("tiny")
+QI = FAMILIES["qwen-image"]
+CAPTIONS = ["a red circle", "a much longer caption: a blue square on a grey ground", ""]
+WIDTH = 16  # the tiny text encoder's hidden size
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return QI.pipeline(TINY)
+
+
+@pytest.fixture(scope="module")
+def batch(pipe) -> dict[str, torch.Tensor]:
+    pixels = torch.rand(3, 3, 64, 96, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latent, std = QI.image_encoder(TINY, "cpu")(pixels)
+    assert latent.shape == std.shape == (3, 16, 8, 12)  # 16 channels at 1/8, the frame dropped
+    return {"latent": latent, "pixels": pixels, **QI.text_encoder(TINY, "cpu")(CAPTIONS)}
+
+
+def _direct_text(pipe, captions=CAPTIONS):
+    """The pipeline's own encode_prompt: embeds [B, L, D] and its mask (or None)."""
+    options = QI.pipeline_options(pipe)
+    return pipe.encode_prompt(list(captions), device=torch.device("cpu"), **options)
+
+
+def test_cached_text_is_the_pipelines_encode_prompt_and_its_mask_the_rows_kept(pipe, batch):
+    embeds, mask = _direct_text(pipe)
+    text = batch["prompt_embeds"]
+    torch.testing.assert_close(text, embeds, rtol=0, atol=0)
+    lengths = mask.sum(dim=1).tolist()
+    assert lengths[1] > lengths[0] > lengths[2] > 0  # the template's closing tokens are kept
+    # the loss's mask, rebuilt from the rows the cache kept, is the pipeline's
+    assert torch.equal(text_mask(text), mask)
+    assert text_mask(text[1:2]) is None  # one caption fills its batch: the pipeline's None
+    # the cache stores each caption's rows alone (2 bytes a value in bfloat16) and the feed
+    # pads them back to the batch's longest with zero rows
+    cells, shapes, _ = ragged_cell_column(text, "bfloat16")
+    assert shapes == [[n, WIDTH] for n in lengths]
+    assert [len(c.as_py()) for c in cells] == [n * WIDTH * 2 for n in lengths]
+    read = [
+        torch.frombuffer(bytearray(c.as_py()), dtype=torch.bfloat16).view(*s)
+        for c, s in zip(cells, shapes, strict=True)
+    ]
+    torch.testing.assert_close(_stacked(read, torch.float32), text.bfloat16().float())
+
+
+def test_the_template_prefix_dropped_is_the_tokenizers_own(pipe):
+    """The pipeline's 34 counts the released tokenizer's prefix tokens; the preset's byte-level
+    tokenizer (and a folder saved from it: the slow cache test) writes the prefix in more, and
+    the rows kept start at the caption's first token: the last hidden states of the templated
+    caption from there on."""
+    assert pipe.prompt_template_encode_start_idx == prefix_tokens(pipe) > 34
+    caption = "a red circle"
+    ids = pipe.tokenizer(pipe.prompt_template_encode.format(caption), return_tensors="pt")
+    drop = pipe.prompt_template_encode_start_idx
+    assert pipe.tokenizer.decode(ids.input_ids[0, drop:]).startswith(caption + "<|im_end|>")
+    with torch.no_grad():
+        hidden = pipe.text_encoder(input_ids=ids.input_ids, output_hidden_states=True)
+    embeds, _ = _direct_text(pipe, [caption])
+    torch.testing.assert_close(embeds[0], hidden.hidden_states[-1][0, drop:])
+
+
+def test_cached_latent_is_what_the_pipeline_decodes(pipe, batch):
+    """The pipeline decodes latent x latents_std + latents_mean of one frame: the cache holds
+    the VAE's mean of the image as a one-frame video put through the inverse, as the
+    diffusers training script normalizes it."""
+    mean = pipe.vae.encode(batch["pixels"].unsqueeze(2)).latent_dist.mean
+    config = pipe.vae.config
+    std = torch.tensor(config.latents_std).view(1, 16, 1, 1, 1)
+    shift = torch.tensor(config.latents_mean).view(1, 16, 1, 1, 1)
+    torch.testing.assert_close(batch["latent"].unsqueeze(2) * std + shift, mean)
+    assert config.latents_std[0] == 2.8184  # the released per-channel statistics
+
+
+def test_the_loss_is_a_step_of_diffusers_qwen_image_script(pipe, batch):
+    """Same noise and noise levels: x_t = (1 - s) x0 + s noise as a one-frame video, packed
+    2x2, the transformer at timestep s with the pipeline's mask and img_shapes, against
+    noise - x0."""
+    from diffusers import QwenImagePipeline
+
+    model = QI.denoiser(TINY)
+    objective = FlowObjective(resolution_shift=False, timestep_sampling="uniform")
+    loss = QI.loss(TINY, objective)
+    x0 = batch["latent"]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    drawn = loss.draw(tuple(x0.shape), gens)
+    ours = loss(model, {"latent": x0, "prompt_embeds": batch["prompt_embeds"], **drawn})
+
+    embeds, mask = _direct_text(pipe)
+    noise, sigmas = drawn["noise"].unsqueeze(2), drawn["sigma"]
+    video = x0.unsqueeze(2)  # [B, C, 1, H, W]
+    s = sigmas[:, None, None, None, None]
+    noisy = ((1.0 - s) * video + s * noise).permute(0, 2, 1, 3, 4)
+    b, c, _, h, w = video.shape
+    packed = QwenImagePipeline._pack_latents(noisy, b, c, h, w)
+    with torch.no_grad():
+        out = model(
+            hidden_states=packed,
+            encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask,
+            timestep=sigmas * 1000 / 1000,
+            img_shapes=[(1, h // 2, w // 2)] * b,
+            return_dict=False,
+        )[0]
+    pred = QwenImagePipeline._unpack_latents(out, h * 8, w * 8, 8)
+    theirs = ((pred.float() - (noise - video).float()) ** 2).reshape(b, -1).mean(1)
+    torch.testing.assert_close(ours.detach(), theirs)
+    # without the mask the padded captions' zero rows are attended: another loss
+    with torch.no_grad():
+        unmasked = model(
+            hidden_states=packed, encoder_hidden_states=embeds, timestep=sigmas,
+            img_shapes=[(1, h // 2, w // 2)] * b, return_dict=False,
+        )[0]  # fmt: skip
+    assert not torch.allclose(unmasked[0], out[0])
+
+
+def test_noise_levels_shift_on_qwen_images_line_not_fluxs():
+    """The resolution shift is the scheduler's own line (0.5 at 256 tokens, 0.9 at 8192:
+    e^mu = 2.0 at 1024 px), as QwenImagePipeline computes mu; Flux keeps 1.15 at 4096."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    def sigma_at(family, size: int) -> float:
+        loss = family.loss(TINY, FlowObjective(timestep_sampling="uniform"))
+        shape = (1, 16, size // 8, size // 8)
+        sigma = loss.draw(shape, [torch.Generator().manual_seed(3)])["sigma"]
+        gen = torch.Generator().manual_seed(3)
+        torch.randn(shape[1:], generator=gen)  # the noise first, then the level
+        u = torch.rand(1, generator=gen).clamp(1e-3, 1 - 1e-3)
+        return float(sigma), float(u)
+
+    sigma, u = sigma_at(QI, 1024)
+    shift = float(np.exp(calculate_shift(4096, 256, 8192, 0.5, 0.9)))
+    assert shift == pytest.approx(2.0, abs=0.01)
+    assert sigma == pytest.approx(shift * u / (1 + (shift - 1) * u), rel=1e-5)
+    flux, _ = sigma_at(FAMILIES["flux"], 1024)
+    assert flux > sigma  # Flux's line shifts 1024 px further (e^1.15 = 3.16)
+
+
+def test_a_trained_lora_loads_into_the_qwen_image_pipeline(pipe, batch, tmp_path):
+    model = QI.denoiser(TINY)
+    lora = LoraConfig(rank=4, alpha=4.0)
+    weights = adapt(model, mode="lora", lora=lora, targets=QI.adapters.targets, ema_decay=0)
+    # diffusers' targets: the image stream's attention projections of every block
+    names = [n for n in weights.names if "lora_B" in n]
+    assert len(names) == 4 * 3 and all(".attn.to_" in n for n in names)
+    opt = torch.optim.AdamW(weights.params, lr=1e-2)
+    loss = QI.loss(TINY, FlowObjective())
+    train = {k: v for k, v in batch.items() if k != "pixels"}
+    for _ in range(3):
+        gens = [torch.Generator().manual_seed(i) for i in range(3)]
+        loss(model, train, gens).mean().backward()
+        opt.step(), opt.zero_grad()
+    QI.save_lora(str(tmp_path / "lora"), weights.state(), model.peft_config["default"].to_dict())
+
+    before, after = pipeline_image(pipe), pipeline_image_with(pipe, tmp_path / "lora")
+    assert np.isfinite(after).all() and not np.allclose(before, after)
+
+
+def test_validation_renders_with_true_cfg_and_a_blank_negative_prompt(pipe):
+    """validation.guidance_scale (else 4, the pipeline's) is its true_cfg_scale, which guides
+    only with a negative prompt: " " where none is set, none at a scale of 1."""
+    from raytuner.render.prompts import Defaults, PromptLine, resolve
+    from raytuner.render.sample import render
+
+    defaults = Defaults(size=(64, 64), seeds=(0,), steps=2)
+    guided, plain = resolve([PromptLine(prompt="a red circle"), PromptLine(prompt="a", scale=1)],
+                            QI, defaults)  # fmt: skip
+    assert guided.call() == {"width": 64, "height": 64, "true_cfg_scale": 4.0,
+                             "num_inference_steps": 2, "negative_prompt": " "}  # fmt: skip
+    assert "negative_prompt" not in plain.call() and "scale_argument" not in guided.record()
+    (image,), = render(pipe, QI.pipeline_options(pipe), [guided])  # fmt: skip
+    assert image.size == (64, 64)
+    unguided = pipe("a red circle", num_inference_steps=2, height=64, width=64, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images[0]  # fmt: skip
+    assert not np.allclose(np.asarray(image) / 255, unguided, atol=1 / 255)
+
+
+JOB = """
+[model]
+family = "qwen-image"
+pretrained = "{folder}"
+[data]
+images = "{images}"
+cache = "{root}/cache"
+[preprocess]
+resolution = 64
+bucket_step = 32
+[train]
+output = "{root}/runs"
+"""
+
+
+@pytest.mark.slow
+def test_the_cache_holds_each_captions_own_rows_of_encode_prompt(ray_local, tmp_path):
+    """Preprocessed by Ray Data from a diffusers folder: a row read alone is its caption's
+    encode_prompt rows, of its own length; rows read together are padded with zero rows and
+    their mask is the pipeline's."""
+    from raytuner.api import preprocess
+    from raytuner.config import load_job
+    from raytuner.data import cache
+    from raytuner.data.reader import open_dataset
+    from raytuner.tools.demo_images import make_demo_images
+
+    pipe = QI.pipeline(TINY)
+    pipe.save_pretrained(tmp_path / "model")
+    images = make_demo_images(tmp_path / "images", per_aspect=2)
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(JOB.format(folder=tmp_path / "model", images=images, root=tmp_path))
+    job = load_job(job_file)
+    assert preprocess(job)["encoded"] == 6
+    data = open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
+    try:
+        # the caption as the preprocess reads it: whitespace runs made one space, ends stripped
+        files = [(images / p).with_suffix(".txt") for p in data.paths]
+        captions = [" ".join(f.read_text().split()) for f in files]
+        embeds, mask = _direct_text(pipe, captions)
+        lengths = mask.sum(dim=1).tolist()
+        assert len(set(lengths)) > 1  # captions of several lengths
+        for i, n in enumerate(lengths):
+            alone = data.batch([i])["prompt_embeds"][0]
+            assert alone.shape == (n, WIDTH)  # its tokens alone, no padding stored
+            torch.testing.assert_close(alone, embeds[i, :n].bfloat16().float(), rtol=0, atol=0)
+        together = data.batch(list(range(len(data))))["prompt_embeds"]
+        assert together.shape == embeds.shape
+        assert torch.equal(text_mask(together), mask)
+    finally:
+        data.close()
+
+
+def _lora_after_steps(rank: int, world: int, port: int, out: str) -> None:
+    """Three LoRA steps of the tiny Qwen-Image on 4 captions of several lengths, this rank's
+    share of them; ``world`` 2: sharded over two gloo workers (``scaling.strategy = "fsdp"``:
+    its model built on meta, the rotary tables made again). Rank 0 writes the LoRA."""
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from raytuner.config import MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
+    from raytuner.placement.strategy import SHARDED
+    from raytuner.train import optim
+    from raytuner.train.feed import RankSlice
+    from raytuner.train.model import trainable_model
+    from raytuner.train.step import train_step
+
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    pixels = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    text = QI.text_encoder(TINY, "cpu")(["a red circle", CAPTIONS[1], "", "a square"])
+    sizes = torch.tensor([[64, 64]] * 4)
+    rows = {"latent": QI.image_encoder(TINY, "cpu")(pixels)[0], **text, "original_size": sizes,
+            "crop_top_left": sizes * 0, "target_size": sizes}  # fmt: skip
+    n = 4 // world
+    mine = {k: v[n * rank : n * (rank + 1)] for k, v in rows.items()}
+    longest = max(1, *[int(r.any(-1).nonzero().max()) + 1 for r in mine["prompt_embeds"]])
+    mine["prompt_embeds"] = mine["prompt_embeds"][:, :longest]  # padded to this rank's longest
+    cpu, model = torch.device("cpu"), ModelConfig(family="qwen-image", pretrained="tiny")
+    train = TrainConfig(output="unused", global_batch_size=4, max_steps=4, learning_rate=1e-2)
+    kw = {"strategy": SHARDED} if world > 1 else {}
+    trained = trainable_model(model, train, LoraConfig(rank=4, alpha=4.0), QI, cpu, **kw)
+    opt, sched = optim.for_run(train, trained.weights.params)
+    loss_fn = QI.loss(trained.source, ObjectiveConfig().for_family(QI))
+    step = train_step(trained, trained.denoiser, loss_fn, opt, sched, train, MemoryConfig(), cpu,
+                      world)  # fmt: skip
+    seeds = list(range(n * rank, n * (rank + 1)))
+    for i in range(3):
+        step(RankSlice(0, i, 4, mine, seeds, []))
+    state = {}
+    for name, tensor in trained.weights.state().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        state[name] = full.detach().float().contiguous()
+    if rank == 0:
+        save_file(state, f"{out}/lora-{world}.safetensors")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_lora_trains_what_one_process_trains(tmp_path):
+    """Captions of several lengths on each rank (each batch padded to its own longest, the
+    mask rebuilt from it): two sharded gloo workers end where one process on the whole batch
+    does."""
+    import torch.multiprocessing as mp
+    from ray_head import free_ports
+    from safetensors.torch import load_file
+
+    _lora_after_steps(0, 1, 0, str(tmp_path))
+    mp.spawn(_lora_after_steps, args=(2, free_ports(1)[0], str(tmp_path)), nprocs=2)
+    one, two = (load_file(tmp_path / f"lora-{world}.safetensors") for world in (1, 2))
+    assert one.keys() == two.keys() and any("lora_B" in k for k in one)
+    for name in one:  # the reduce-scatter sums in another order: float rounding apart
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_init_from_reads_the_layouts_other_qwen_image_trainers_write(pipe, tmp_path):
+    """ai-toolkit's and ComfyUI's (the diffusers names under ``diffusion_model.`` with
+    ``.alpha`` keys), musubi-tuner's (kohya's ``lora_unet_`` over the diffusers names) and
+    peft's ``.default`` keys: each starts the run from the same LoRA, and diffusers'
+    QwenImagePipeline loads each as the same LoRA as raytuner's own file."""
+    from safetensors.torch import save_file
+
+    from raytuner.config import ModelConfig, TrainConfig
+    from raytuner.train.model import trainable_model
+
+    def weights(lora: LoraConfig):
+        model, train = ModelConfig(family="qwen-image"), TrainConfig(output="unused")
+        return trainable_model(model, train, lora, QI, torch.device("cpu")).weights
+
+    known = weights(LoraConfig(rank=2, alpha=4.0))
+    for p in known.params:  # B starts at zero: a LoRA that does something
+        p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    known.export_lora(str(tmp_path / "own"), QI, {})
+    state = known.state()  # "<module>.lora_A.weight" / "lora_B"
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    layouts: dict[str, dict] = {"comfy": {}, "kohya": {}, "peft": {}}
+    for m in modules:
+        down, up = state[f"{m}.lora_A.weight"], state[f"{m}.lora_B.weight"]
+        layouts["comfy"] |= {f"diffusion_model.{m}.lora_A.weight": down,
+                             f"diffusion_model.{m}.lora_B.weight": up,
+                             f"diffusion_model.{m}.alpha": torch.tensor(4.0)}  # fmt: skip
+        flat = "lora_unet_" + m.replace(".", "_")
+        layouts["kohya"] |= {f"{flat}.lora_down.weight": down, f"{flat}.lora_up.weight": up,
+                             f"{flat}.alpha": torch.tensor(4.0)}  # fmt: skip
+        layouts["peft"] |= {f"diffusion_model.{m}.lora_A.default.weight": down,
+                            f"diffusion_model.{m}.lora_B.default.weight": up,
+                            f"diffusion_model.{m}.alpha": torch.tensor(4.0)}  # fmt: skip
+    own = pipeline_image_with(pipe, tmp_path / "own" / "lora")
+    for name, tensors in layouts.items():
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "pytorch_lora_weights.safetensors"
+        save_file(tensors, str(path))
+        start = weights(LoraConfig(rank=2, alpha=4.0, init_from=str(path))).state()
+        assert start.keys() == state.keys()
+        for key in state:
+            torch.testing.assert_close(start[key], state[key], msg=f"{name}: {key}")
+        np.testing.assert_allclose(pipeline_image_with(pipe, tmp_path / name), own, atol=1e-5)
+
+
+def pipeline_image_with(pipe, lora_dir: Path) -> np.ndarray:
+    """The tiny pipeline's image with the LoRA of ``lora_dir`` loaded, then unloaded."""
+    pipe.load_lora_weights(str(lora_dir))
+    try:
+        return pipeline_image(pipe)
+    finally:
+        pipe.unload_lora_weights()
+
+
+def test_check_refuses_a_text_encoder_lora_and_sides_off_its_grid(tmp_path, capsys):
+    """Qwen2.5-VL is not trained (diffusers' script offers no text-encoder LoRA); bucket sides
+    are multiples of 16 (the VAE's 8 x the 2x2 packing)."""
+    from test_jobcheck import accepted, refused
+
+    err = refused(tmp_path, capsys, "lora.text_encoder=true", family="qwen-image")
+    assert "lora.text_encoder" in err
+    err = refused(tmp_path, capsys, "preprocess.bucket_step=8", family="qwen-image")
+    assert "preprocess.bucket_step = 8" in err and "16" in err
+    accepted(tmp_path, capsys, "preprocess.bucket_step=16", family="qwen-image")
+
+
+def test_a_full_fine_tunes_checkpoint_renders(pipe, tmp_path):
+    """`raytuner sample` and validation of a full fine-tune build the denoiser on meta from its
+    checkpoint a block at a time: the rotary tables diffusers keeps outside the state dict come
+    from the pipeline's own denoiser, and the render is the trained weights'."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from raytuner.checkpoint import layout
+    from raytuner.lora.find import ExportedWeights
+    from raytuner.render.sample import apply_weights
+
+    trained = QI.denoiser(TINY)
+    with torch.no_grad():
+        trained.proj_out.bias.add_(0.5)  # a fine-tune that renders otherwise
+    (tmp_path / "ckpt").mkdir()
+    state = {k: v.contiguous() for k, v in trained.state_dict().items()}
+    save_file(state, str(tmp_path / "ckpt" / layout.WEIGHTS))
+    (tmp_path / "ckpt" / layout.DENOISER).write_text(json.dumps(dict(trained.config)))
+    base, before = pipe.transformer, pipeline_image(pipe)
+    try:
+        apply_weights(pipe, QI, ExportedWeights("checkpoint", str(tmp_path / "ckpt")), "cpu")
+        after = pipeline_image(pipe)
+    finally:
+        pipe.register_modules(transformer=base)
+    assert np.isfinite(after).all() and not np.allclose(before, after)
