@@ -138,6 +138,10 @@ class ZImage(base.DiffusersFamily):
 
     # ZImagePipeline's default guidance_scale; Z-Image-Turbo renders without CFG (0), which
     # validation.guidance_scale cannot say yet (0 is the family's default there)
+    # the diffusers file alone for a LoRA (ComfyUI reads it); a LyCORIS file's keys: the
+    # diffusers names under ComfyUI's name of the denoiser (its Lumina2 branch maps them, as
+    # diffusers' Z-Image LoKr loader reads them)
+    adapters = base.Adapters(files=base.LoraFiles(lycoris="diffusion_model.{module}"))
     guidance = base.Guidance(default_scale=5.0)
     parts = base.Parts(
         classes={
