@@ -193,3 +193,79 @@ def test_init_from_raytuners_file_of_each_kind_starts_from_its_weights(kind, tmp
             lora=LoraConfig(kind=other, rank=4, alpha=3.0, init_from=path),
             targets=family.adapters.targets, ema_decay=0, family=family,
         )  # fmt: skip
+
+
+SHARDED_LORA = LoraConfig(kind="lokr", rank=2, alpha=3.0, factor=4, save_dtype="float32")
+
+
+def _two_steps(strategy, rank: int, world: int, out: str) -> dict:
+    """The tiny Flux's LoKr after 2 of the worker's own train steps on global batches 0 and 1
+    (this worker's slice of each; world 1: both workers' samples), gathered, and its export."""
+    from test_sharded_checkpoints import _slice
+
+    from raytuner.config import MemoryConfig, TrainConfig
+    from raytuner.train import optim
+    from raytuner.train.feed import RankSlice
+    from raytuner.train.model import trainable_model
+    from raytuner.train.step import train_step
+
+    flux, cpu = FAMILIES["flux"], torch.device("cpu")
+    model, train = ModelConfig(family="flux", pretrained="tiny"), TrainConfig(output="unused")
+    trained_model = trainable_model(model, train, SHARDED_LORA, flux, cpu, strategy=strategy)
+    weights = trained_model.weights
+    opt, sched = optim.for_run(train, weights.params)
+    loss_fn = flux.loss(trained_model.source, ObjectiveConfig().for_family(flux))
+    step = train_step(
+        trained_model, trained_model.denoiser, loss_fn, opt, sched, train, MemoryConfig(), cpu,
+        world,
+    )  # fmt: skip
+    for i in range(2):
+        parts = [_slice(i, r, 2) for r in ((rank,) if world == 2 else (0, 1))]
+        tensors = {k: torch.cat([p.tensors[k] for p in parts]) for k in parts[0].tensors}
+        seeds = [s for p in parts for s in p.seeds]
+        step(RankSlice(0, i, parts[0].count, tensors, seeds, []))
+    meta = export.metadata(
+        family="flux", model=model, lora=SHARDED_LORA, step=2, run="r", fingerprint="f"
+    )
+    weights.export_lora(out if rank == 0 else None, flux, meta)
+    return weights.gathered()
+
+
+def _sharded_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from raytuner.placement.strategy import SHARDED
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    state = _two_steps(SHARDED, rank, 2, out)
+    torch.save(state, f"{out}/state-{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_lokr_trains_as_a_replicated_one_and_exports_its_file(tmp_path):
+    """``scaling.strategy = "fsdp"`` with ``lora.kind = "lokr"``: two gloo workers, each its
+    rows of the frozen base and the adapter, train what one replicated worker trains on both
+    workers' samples, and the gathered export holds it in both layouts."""
+    import torch.multiprocessing as mp
+    from ray_head import free_ports
+
+    from raytuner.placement.strategy import REPLICATED
+
+    (tmp_path / "sharded").mkdir()
+    mp.spawn(_sharded_worker, args=(free_ports(1)[0], str(tmp_path / "sharded")), nprocs=2)
+    replicated = _two_steps(REPLICATED, 0, 1, str(tmp_path / "replicated"))
+    for rank in (0, 1):
+        sharded = torch.load(tmp_path / "sharded" / f"state-{rank}.pt")
+        assert sharded.keys() == replicated.keys()
+        for key, value in replicated.items():
+            torch.testing.assert_close(sharded[key], value, atol=1e-5, rtol=1e-4, msg=key)
+    for name in (layout.DIFFUSERS_FILE, layout.KOHYA_FILE):
+        a = load_file(tmp_path / "sharded" / layout.LORA_DIR / name)
+        b = load_file(tmp_path / "replicated" / layout.LORA_DIR / name)
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4, msg=key)
