@@ -50,7 +50,6 @@ def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str)
         SAVE_DTYPE: lora.save_dtype,
         "raytuner.text_encoder": str(lora.text_encoder).lower(),
         "ss_network_module": "networks.lora" if lora.kind == "lora" else LYCORIS_MODULE,
-        "ss_network_args": json.dumps(network_args(lora)),
         "ss_network_dim": str(lora.rank),
         "ss_network_alpha": str(lora.alpha),
         "ss_network_dropout": str(lora.dropout),
@@ -60,7 +59,7 @@ def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str)
         "ss_output_name": run,
         "ss_sd_model_name": model.pretrained,
         "ss_v2": "False",
-    } | (
+    } | ({"ss_network_args": json.dumps(args)} if (args := network_args(lora)) else {}) | (
         {
             "raytuner.text_encoder_rank": str(lora.text_rank),
             "raytuner.text_encoder_alpha": str(lora.text_alpha),
