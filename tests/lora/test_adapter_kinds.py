@@ -269,3 +269,67 @@ def test_a_sharded_lokr_trains_as_a_replicated_one_and_exports_its_file(tmp_path
         assert a.keys() == b.keys()
         for key in a:
             torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    """One of two gloo workers: the tiny Flux's LoHa with ``module_dropout`` in DDP, wrapped
+    as the run wraps it (``placement.distributed``; Ray Train's ``prepare_model`` builds the
+    same ``DistributedDataParallel`` of the options it is given), 4 train steps."""
+    import os
+
+    import torch.distributed as dist
+    from test_sharded_checkpoints import _slice
+    from torch.nn.parallel import DistributedDataParallel
+
+    from raytuner.config import MemoryConfig, TrainConfig
+    from raytuner.train import optim
+    from raytuner.train.model import trainable_model
+    from raytuner.train.step import train_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    flux, cpu = FAMILIES["flux"], torch.device("cpu")
+    model, train = ModelConfig(family="flux", pretrained="tiny"), TrainConfig(output="unused")
+    lora = LoraConfig(kind="loha", rank=2, module_dropout=0.5)
+    trained_model = trainable_model(model, train, lora, flux, cpu)
+
+    def prepare(module, move_to_device, parallel_strategy_kwargs):
+        return DistributedDataParallel(module, **parallel_strategy_kwargs)
+
+    ddp = trained_model.placement.distributed(prepare)
+    opt, sched = optim.for_run(train, trained_model.weights.params)
+    loss_fn = flux.loss(trained_model.source, ObjectiveConfig().for_family(flux))
+    step = train_step(trained_model, ddp, loss_fn, opt, sched, train, MemoryConfig(), cpu, 2)
+    for i in range(4):
+        step(_slice(i, rank, 2))
+    torch.save(trained_model.weights.state(), f"{out}/state-{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_module_dropout_trains_in_ddp_with_modules_skipped_on_some_workers(tmp_path):
+    """``lora.module_dropout``: a module one worker skips has no gradient there; DDP is told
+    to look for such parameters, so the step goes on and both workers keep the same weights
+    (without it DDP stops the second step: "Expected to have finished reduction")."""
+    import torch.multiprocessing as mp
+    from ray_head import free_ports
+
+    mp.spawn(_ddp_worker, args=(free_ports(1)[0], str(tmp_path)), nprocs=2)
+    a, b = (torch.load(tmp_path / f"state-{r}.pt") for r in (0, 1))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+    assert any(k.endswith("hada_w2_b") and v.abs().sum() > 0 for k, v in a.items())
+
+
+def test_module_dropout_with_sharded_training_is_refused(tmp_path):
+    with pytest.raises(
+        ConfigError, match='lora.module_dropout = 0.1 with scaling.strategy = "fsdp"'
+    ):
+        from raytuner.config import load_job
+
+        job = tmp_path / "job.toml"
+        job.write_text(
+            '[model]\nfamily = "flux"\n[data]\nimages = "i"\ncache = "c"\n[train]\noutput = "o"\n'
+        )
+        load_job(job, ['lora.kind="loha"', "lora.module_dropout=0.1", 'scaling.strategy="fsdp"'])
