@@ -20,6 +20,12 @@ ADDED_LORA_KEYS = (
     "text_encoder_rank",
     "text_encoder_alpha",
     "text_encoder_target_modules",
+    "kind",
+    "dora",
+    "factor",
+    "decompose_both",
+    "rank_dropout",
+    "module_dropout",
 )
 
 

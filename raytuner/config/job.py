@@ -65,6 +65,7 @@ class JobConfig:
             )
         rules.memory_needs(self.memory, self.train, self.model)
         rules.text_encoder_needs(self.lora, self.train, self.scaling, self.memory)
+        rules.module_dropout_needs(self.lora, self.scaling)
         rules.gpu_needs(self.train, self.scaling, self.model, self.memory)
         rules.regularization(self.data, self.train)
         rules.run_name(self.train.name)

@@ -95,6 +95,18 @@ def text_encoder_needs(lora, train, scaling, memory) -> None:
         )
 
 
+def module_dropout_needs(lora, scaling) -> None:
+    """``lora.module_dropout`` skips modules at random on each worker, so a step's gradients
+    reach other parameters on each: DDP finds them (``find_unused_parameters``), a sharded
+    reduce-scatter cannot take gradients that differ in kind between the workers."""
+    if lora.module_dropout and Strategy.of(scaling.strategy).sharded:
+        raise ConfigError(
+            f'lora.module_dropout = {lora.module_dropout} with scaling.strategy = '
+            f'"{scaling.strategy}": each worker skips other modules, whose rows then get a '
+            'gradient on some workers only; use scaling.strategy = "ddp" or lora.rank_dropout'
+        )
+
+
 def regularization(data, train) -> None:
     """``train.prior_loss_weight`` weights the regularization images' loss: set away from 1
     without a regularization source, it would change nothing."""

@@ -16,6 +16,14 @@ ATTENTION = ("auto", "flash", "efficient", "cudnn", "math")  # train.attention
 STRATEGIES = ("auto", "ddp", "fsdp")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
 SAVE_DTYPES = ("float16", "bfloat16", "float32")  # lora.save_dtype
+# lora.kind: a LoRA (peft's LoraConfig), LyCORIS' Kronecker (LoKr) or Hadamard (LoHa) adapter
+ADAPTER_KINDS = ("lora", "lokr", "loha")
+# the [lora] keys of one adapter kind, refused for the others (kind -> keys)
+KIND_KEYS = {
+    "lora": ("dora", "dropout"),
+    "lokr": ("factor", "decompose_both", "rank_dropout", "module_dropout"),
+    "loha": ("rank_dropout", "module_dropout"),
+}
 # the [lora] keys of the text encoders' LoRA, read only with lora.text_encoder = true
 TEXT_ENCODER_KEYS = (
     "text_encoder_rank",
@@ -118,12 +126,25 @@ class TrainConfig:
 class LoraConfig:
     """LoRA adapter on the denoiser (and with ``text_encoder``, on the text encoders)."""
 
+    # the adapter: "lora" (B @ A), "lokr" (LyCORIS' Kronecker product w1 (x) w2), "loha"
+    # (LyCORIS' Hadamard product of two low-rank products), each through peft
+    kind: str = "lora"
+    # DoRA (kind "lora"): each output row's magnitude trained apart from its direction
+    dora: bool = False
     rank: int = ranged(16, 1, MAX_RANK)
     alpha: float = ranged(
         16.0, 0, 4 * MAX_RANK, low_open=True,
         hint="sd-scripts reads alpha 0 as alpha = rank: write that value",
     )  # fmt: skip
     dropout: float = ranged(0.0, 0, 1, high_open=True)
+    # LoKr: the Kronecker factorization's factor (LyCORIS' --network_args factor): each side of a
+    # layer split as factor x side / factor where factor divides it; 0: near-square (LyCORIS' -1)
+    factor: int = ranged(0, 1, MAX_RANK, zero="near-square factors (LyCORIS' factor = -1)")
+    decompose_both: bool = False  # LoKr: w1 (the small factor) low-rank too, as w2 may be
+    # LoKr/LoHa: each step drops this share of the adapter's output rows (LyCORIS' rank_dropout)
+    rank_dropout: float = ranged(0.0, 0, 1, high_open=True)
+    # LoKr/LoHa: each step skips each adapted module with this probability (module_dropout)
+    module_dropout: float = ranged(0.0, 0, 1, high_open=True)
     target_modules: list[str] = field(default_factory=list)  # empty: the family's default
     init_from: str = ""  # a LoRA file (diffusers or kohya keys) training starts from
     # the dtype of the exported LoRA files (training keeps model.trainable_dtype); float16: what
@@ -141,6 +162,8 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         one_of("lora.save_dtype", self.save_dtype, SAVE_DTYPES)
+        one_of("lora.kind", self.kind, ADAPTER_KINDS)
+        self._kind_keys()
         for key in TEXT_ENCODER_KEYS:
             value = getattr(self, key)
             if value and not self.text_encoder:
@@ -149,6 +172,29 @@ class LoraConfig:
                     "and lora.text_encoder = false: set lora.text_encoder = true, or remove "
                     f"lora.{key}"
                 )
+
+    def _kind_keys(self) -> None:
+        """A key of another adapter kind than ``kind`` is refused (peft has no such option
+        for it), as is a text encoders' LoRA beside a LyCORIS adapter or DoRA."""
+        for kind, keys in KIND_KEYS.items():
+            if kind == self.kind:
+                continue
+            for key in keys:
+                value = getattr(self, key)
+                if value and key not in KIND_KEYS[self.kind]:
+                    able = [k for k, ks in KIND_KEYS.items() if key in ks]
+                    raise ConfigError(
+                        f"lora.{key} = {value!r} is an option of lora.kind = "
+                        f"{' or '.join(map(repr, able))} (peft has none for {self.kind!r}): "
+                        f"remove lora.{key}{_kind_hint(key)}"
+                    )
+        if self.text_encoder and (self.kind != "lora" or self.dora):
+            what = "lora.dora = true" if self.dora else f"lora.kind = {self.kind!r}"
+            raise ConfigError(
+                f"lora.text_encoder = true with {what}: the text encoders' adapter is a plain "
+                "LoRA (as sd-scripts trains it) and raytuner trains it only beside one; set "
+                f'lora.text_encoder = false, or lora.kind = "lora" and lora.dora = false'
+            )
 
     def without_text_encoder(self) -> LoraConfig:
         """The same adapter on the denoiser alone (every text-encoder key at its default)."""
@@ -165,6 +211,15 @@ class LoraConfig:
     def text_alpha(self) -> float:
         """The text encoders' LoRA alpha (``text_encoder_alpha``, else ``alpha``)."""
         return self.text_encoder_alpha or self.alpha
+
+
+def _kind_hint(key: str) -> str:
+    """What a user of another kind's key may mean instead."""
+    if key == "dropout":
+        return " (LoKr and LoHa drop rows or modules: lora.rank_dropout, lora.module_dropout)"
+    if key in ("rank_dropout", "module_dropout"):
+        return " (a LoRA drops its input: lora.dropout)"
+    return ""
 
 
 @dataclass(frozen=True, kw_only=True)

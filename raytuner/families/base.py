@@ -77,6 +77,11 @@ class LoraFiles:
     network_module: str = "networks.lora"  # ss_network_module: sd-scripts' LoRA module
     architecture: str = ""  # modelspec.architecture of the base model; "": no modelspec keys
     implementation: str = ""  # modelspec.implementation
+    # the key of a module in a LyCORIS file (lora.kind lokr / loha, lora.dora) where its kohya
+    # layout cannot name it alone: a template of the diffusers module name (``{module}``, or
+    # ``{flat}``: dots as underscores) under a prefix ComfyUI's LoRA loader maps for the family;
+    # "": no LyCORIS file then (docs/lora-files.md)
+    lycoris: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

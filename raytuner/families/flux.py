@@ -179,6 +179,7 @@ class Flux(base.DiffusersFamily):
             "networks.lora_flux",
             "flux-1-dev",
             "https://github.com/black-forest-labs/flux",
+            lycoris="lycoris_{flat}",  # ComfyUI: flux_to_diffusers, q/k/v as slices
         ),
         kohya_names=_kohya_names,
     )

@@ -45,7 +45,10 @@ class SD15(base.DiffusersFamily):
         channels_last=True,
     )
     adapters = base.Adapters(
-        files=base.LoraFiles("unet", "sd_v1", "networks.lora", "stable-diffusion-v1", "diffusers"),
+        files=base.LoraFiles(
+            "unet", "sd_v1", "networks.lora", "stable-diffusion-v1", "diffusers",
+            lycoris="lycoris_{flat}",  # ComfyUI: its unet_to_diffusers names
+        ),
         kohya_names=_kohya_names,
         # sd-scripts' lora_te_text_model_encoder_layers_<i>_self_attn_q_proj, ...
         text_encoders=(text.TextEncoderLora("text_encoder", "lora_te"),),

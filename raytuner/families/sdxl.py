@@ -101,6 +101,7 @@ class SDXL(base.DiffusersFamily):
             "networks.lora",
             "stable-diffusion-xl-v1-base",
             "https://github.com/Stability-AI/generative-models",
+            lycoris="lycoris_{flat}",  # ComfyUI: its unet_to_diffusers names
         ),
         kohya_names=sgm_names,
         # sd-scripts' lora_te1_text_model_encoder_layers_<i>_self_attn_q_proj (CLIP-L), lora_te2_…

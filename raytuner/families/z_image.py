@@ -136,6 +136,10 @@ class ZImage(base.DiffusersFamily):
     # and both refiners, as train_dreambooth_lora_z_image.py adapts them); the diffusers file,
     # which ComfyUI also loads (its z_image_to_diffusers key map); Qwen3: not trained
 
+    # the diffusers file alone for a LoRA (ComfyUI reads it); a LyCORIS file's keys: the
+    # diffusers names under ComfyUI's name of the denoiser (its Lumina2 branch maps them, as
+    # diffusers' Z-Image LoKr loader reads them)
+    adapters = base.Adapters(files=base.LoraFiles(lycoris="diffusion_model.{module}"))
     # ZImagePipeline's default guidance_scale; Z-Image-Turbo renders in 8 steps without CFG
     # (guidance_scale 0: the pipeline's CFG is on above 0), as Tongyi-MAI's inference code does
     guidance = base.Guidance(

@@ -1,7 +1,8 @@
-"""The job check's rules about the LoRA a job trains (``raytuner.jobcheck``): a
-``lora.init_from`` file that is missing, set for a run that trains no LoRA, or whose LoRA does
-not fit the job's adapter; target modules peft or the family's kohya layout cannot take; a
-text encoders' LoRA for a family whose text encoders raytuner does not train."""
+"""The job check's rules about the LoRA a job trains (``raytuner.jobcheck``): adapter-kind keys
+for a run that trains no adapter; a ``lora.init_from`` file that is missing, set for a run that
+trains no LoRA, or whose LoRA does not fit the job's adapter; target modules peft or the
+family's kohya layout cannot take; a text encoders' LoRA for a family whose text encoders
+raytuner does not train."""
 
 from __future__ import annotations
 
@@ -30,6 +31,22 @@ def init_from(job: JobConfig) -> None:
             f"lora.init_from = {path!r}: no such file (a relative path is from the working "
             f"directory, {os.getcwd()})"
         )
+
+
+def kind(job: JobConfig) -> None:
+    """``lora.kind`` and its options, or ``lora.dora``, for a run that trains no adapter
+    (``train.mode = "full"``): set, they would be ignored."""
+    lora, default = job.lora, type(job.lora)()
+    if job.train.mode == "lora":
+        return
+    keys = ("kind", "dora", "factor", "decompose_both", "rank_dropout", "module_dropout")
+    for key in keys:
+        value = getattr(lora, key)
+        if value != getattr(default, key):
+            raise ConfigError(
+                f"lora.{key} = {value!r}: train.mode = {job.train.mode!r} trains no adapter; "
+                f'remove lora.{key} or set train.mode = "lora"'
+            )
 
 
 def adapter(job: JobConfig, family) -> None:
@@ -93,6 +110,6 @@ def _refusing(key: str, value: list[str]):
         yield
     except ConfigError:
         raise
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: a layer LoKr / LoHa cannot adapt
         shown = value or "(the family's)"
         raise ConfigError(f"{key} = {shown}: {str(e).splitlines()[0]}") from None

@@ -15,6 +15,7 @@ them. Their tensors are in the dtype the metadata names (``raytuner.save_dtype``
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import time
 
@@ -23,11 +24,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from raytuner.checkpoint.layout import DIFFUSERS_FILE, KOHYA_FILE
-from raytuner.lora import kohya
+from raytuner.lora import kohya, lycoris
 from raytuner.version import __version__
 
 MODELSPEC_VERSION = "1.0.1"  # the SAI model spec sd-scripts writes
 SAVE_DTYPE = "raytuner.save_dtype"  # the metadata key naming the files' tensor dtype
+KIND = "raytuner.kind"  # the metadata key naming the adapter's kind (lora.kind)
+LYCORIS_MODULE = "lycoris.kohya"  # ss_network_module of LyCORIS' networks (LoKr, LoHa)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -37,6 +40,8 @@ def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str)
         "raytuner.family": family,
         "raytuner.base_model": model.pretrained,
         "raytuner.revision": model.revision,
+        KIND: lora.kind,
+        "raytuner.dora": str(lora.dora).lower(),
         "raytuner.rank": str(lora.rank),
         "raytuner.alpha": str(lora.alpha),
         "raytuner.steps": str(step),
@@ -44,7 +49,7 @@ def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str)
         "raytuner.cache_fingerprint": fingerprint,
         SAVE_DTYPE: lora.save_dtype,
         "raytuner.text_encoder": str(lora.text_encoder).lower(),
-        "ss_network_module": "networks.lora",
+        "ss_network_module": "networks.lora" if lora.kind == "lora" else LYCORIS_MODULE,
         "ss_network_dim": str(lora.rank),
         "ss_network_alpha": str(lora.alpha),
         "ss_network_dropout": str(lora.dropout),
@@ -54,7 +59,7 @@ def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str)
         "ss_output_name": run,
         "ss_sd_model_name": model.pretrained,
         "ss_v2": "False",
-    } | (
+    } | ({"ss_network_args": json.dumps(args)} if (args := network_args(lora)) else {}) | (
         {
             "raytuner.text_encoder_rank": str(lora.text_rank),
             "raytuner.text_encoder_alpha": str(lora.text_alpha),
@@ -64,11 +69,24 @@ def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str)
     )
 
 
+def network_args(lora) -> dict[str, str]:
+    """sd-scripts' ``--network_args`` as LyCORIS writes them (``ss_network_args``)."""
+    if lora.kind == "lora":
+        return {"use_dora": "true"} if lora.dora else {}
+    out = {"algo": lora.kind}
+    out |= {"rank_dropout": str(lora.rank_dropout), "module_dropout": str(lora.module_dropout)}
+    if lora.kind == "lokr":
+        out |= {"factor": str(lora.factor or -1), "decompose_both": str(lora.decompose_both)}
+    return out
+
+
 def family_metadata(family, meta: dict[str, str], now: float | None = None) -> dict[str, str]:
     """The keys the UIs read that depend on the family: ``ss_base_model_version``, sd-scripts'
-    network module and the model-spec keys (none where the family has no model-spec id)."""
+    network module (LyCORIS' for LoKr / LoHa) and the model-spec keys (none where the family
+    has no model-spec id)."""
     files, now = family.adapters.files, time.time() if now is None else now
-    out = {"ss_network_module": files.network_module, "ss_training_finished_at": str(now)}
+    module = files.network_module if meta.get(KIND, "lora") == "lora" else LYCORIS_MODULE
+    out = {"ss_network_module": module, "ss_training_finished_at": str(now)}
     if files.base_model_version:
         out["ss_base_model_version"] = files.base_model_version
     if files.architecture:
@@ -132,6 +150,23 @@ def _rooted(state: dict, root: str) -> dict:
     return {k if k.startswith(root) else root + k: v for k, v in state.items()}
 
 
+def comfy_keys(family, denoiser, modules):
+    """How the LyCORIS file names each of ``modules`` (module -> key), or None where the family
+    has no name ComfyUI maps: the family's kohya names where its kohya layout names every one
+    of them alone (sd-scripts' LyCORIS files: SD1.5, SDXL), else its ``files.lycoris`` template
+    (``lycoris_<diffusers module>``, SimpleTuner's, for a kohya layout that fuses modules: a
+    Kronecker or Hadamard product of pieces is none of the fused linear)."""
+    names = kohya_names(family, denoiser)
+    if names is not None:
+        table = {m: (names(m) or [("", ())])[0] for m in modules}
+        if all(pieces == (m,) for m, (_, pieces) in table.items()):
+            return lambda m: table[m][0]
+    template = family.adapters.files.lycoris
+    if not template:
+        return None
+    return lambda m: template.format(module=m, flat=m.replace(".", "_"))
+
+
 def write_lora(
     directory: str,
     lora_state: dict,
@@ -141,14 +176,17 @@ def write_lora(
     meta: dict,
     denoiser,
     text_encoders=(),
+    dora_scale: dict | None = None,
 ) -> None:
     """The family's layouts into ``directory``, each with ``meta`` and the family's keys, their
     tensors in the dtype ``meta`` names (``SAVE_DTYPE``; float32 when it names none);
-    ``adapter_config``: the peft LoRA config as a dict, so loaders apply the trained alpha /
+    ``adapter_config``: the peft config as a dict, so loaders apply the trained alpha /
     rank scale; ``denoiser``: the model the LoRA is on (its module sizes and config);
     ``text_encoders``: (``TextEncoderLora``, peft state, adapter config) of each trained text
     encoder (``lora.text_encoder``): ``text_encoder.*`` / ``text_encoder_2.*`` keys in the
-    diffusers file, ``lora_te_*`` / ``lora_te1_*`` / ``lora_te2_*`` in the kohya file."""
+    diffusers file, ``lora_te_*`` / ``lora_te1_*`` / ``lora_te2_*`` in the kohya file.
+    A LoKr, LoHa or DoRA (``dora_scale``: its ComfyUI scales, ``lycoris.dora_scales``) gets the
+    LyCORIS layout (``lycoris.to_lycoris``) in place of sd-scripts' LoRA layout."""
     meta = meta | family_metadata(family, meta)
     dtype = meta.setdefault(SAVE_DTYPE, "float32")
     lora_state = saved(lora_state, dtype)
@@ -156,14 +194,31 @@ def write_lora(
     layers = {spec.part: (_rooted(state, spec.root), config) for spec, state, config in text}
     family.save_lora(directory, lora_state, adapter_config, layers)
     _add_metadata(os.path.join(directory, DIFFUSERS_FILE), meta)
+    plain = all(".lora_A." in k or ".lora_B." in k for k in lora_state)
+    tensors = _kohya(lora_state, family, adapter_config, denoiser, text) if plain else None
+    if not plain:
+        keys = comfy_keys(family, denoiser, lycoris.grouped(lora_state))
+        if keys is None:
+            return
+        alpha = adapter_config.get("lora_alpha", adapter_config.get("alpha"))
+        tensors = lycoris.to_lycoris(
+            lora_state, keys, alpha=alpha, rank=adapter_config["r"], dora_scale=dora_scale
+        )
+    if tensors is None:
+        return
+    path = os.path.join(directory, KOHYA_FILE)
+    save_file(saved(tensors, dtype), path + ".tmp", metadata=meta)
+    os.replace(path + ".tmp", path)
+
+
+def _kohya(lora_state, family, adapter_config, denoiser, text) -> dict | None:
+    """sd-scripts' layout of a LoRA (and its text encoders'), None where the family has none."""
     names = kohya_names(family, denoiser)
     if names is None:
-        return
+        return None
     alpha = adapter_config["lora_alpha"]
-    tensors = saved(kohya.to_kohya(lora_state, names, alpha, out_dims(denoiser)), dtype)
+    tensors = kohya.to_kohya(lora_state, names, alpha, out_dims(denoiser))
     for spec, state, config in text:
         te_names = kohya.text_names(spec.kohya, spec.root)
-        tensors |= saved(kohya.to_kohya(state, te_names, config["lora_alpha"], {}), dtype)
-    path = os.path.join(directory, KOHYA_FILE)
-    save_file(tensors, path + ".tmp", metadata=meta)
-    os.replace(path + ".tmp", path)
+        tensors |= kohya.to_kohya(state, te_names, config["lora_alpha"], {})
+    return tensors

@@ -257,6 +257,9 @@ def _states(tensors, meta, denoiser, path, lora, family, text, load=None) -> tup
     adapted = set(kohya.modules_of(current))
     texts = {}
     try:
+        _same_kind(meta, lora)
+        if not all(".lora_A." in k or ".lora_B." in k for k in current):
+            return _kind_state(tensors, meta, current, lora, family.parts.denoiser), {}
         tensors, by_part = _text_tensors(dict(tensors), family)
         found = file_modules(tensors, meta, family, denoiser, load) if tensors else {}
         shape = Shape(lora.rank, lora.alpha)
@@ -269,6 +272,40 @@ def _states(tensors, meta, denoiser, path, lora, family, text, load=None) -> tup
     except (KeyError, ValueError) as e:
         raise ConfigError(f"lora.init_from = {path!r}: {e}") from None
     return state, texts
+
+
+def _same_kind(meta: dict[str, str], lora) -> None:
+    """ValueError for a raytuner file of another adapter kind than the job's (a file of
+    another trainer is taken for a LoRA and read as one)."""
+    kind, dora = meta.get(export.KIND, "lora"), meta.get("raytuner.dora", "false") == "true"
+    if (kind, dora) != (lora.kind, lora.dora):
+        what = "a DoRA" if dora else f"a {kind}"
+        raise ValueError(
+            f"it holds {what} adapter (its {export.KIND}), the job lora.kind = {lora.kind!r} "
+            f"and lora.dora = {str(lora.dora).lower()}: set them as the file's to start from it"
+        )
+
+
+def _kind_state(tensors: dict, meta: dict, current: dict, lora, part: str) -> dict:
+    """A LoKr, LoHa or DoRA in raytuner's diffusers file (``<part>.<peft name>`` keys and the
+    peft config stored with it) as the adapter's peft state: the same modules, tensor shapes,
+    rank, alpha and LoKr factorization as the job's."""
+    state = {k.removeprefix(f"{part}."): v for k, v in tensors.items()}
+    if set(state) != set(current):
+        odd = sorted(set(state) ^ set(current))
+        raise ValueError(
+            f"its adapter and the job's differ in {len(odd)} tensors (e.g. {', '.join(odd[:3])}): "
+            f"start from raytuner's diffusers file of a run on the same lora.target_modules"
+        )
+    stored = json.loads(meta.get(ADAPTER_KEY, "{}"))
+    config = {k.removeprefix(f"{part}."): v for k, v in stored.items()}
+    alpha = config.get("lora_alpha", config.get("alpha"))
+    if (config.get("r"), alpha) != (lora.rank, lora.alpha):
+        raise ValueError(
+            f"its adapter has rank {config.get('r')} and alpha {alpha}, the job lora.rank = "
+            f"{lora.rank} and lora.alpha = {lora.alpha:g}: set them as the file's"
+        )
+    return _checked(state, current)
 
 
 def check_file(denoiser, path: str, lora, family, text=()) -> None:

@@ -166,6 +166,8 @@ class DenoiserPlacement:
         # padded bucket), and a static graph's reducer fails on a rank whose count differs
         # (tests/train/test_train_exact.py, test_fsdp.py's skewed job)
         options = {"gradient_as_bucket_view": True}
+        if _skips_modules(self.denoiser):  # lora.module_dropout: unused adapters in a step
+            options["find_unused_parameters"] = True
         return prepare(self.denoiser, move_to_device=False, parallel_strategy_kwargs=options)
 
     def release(self) -> None:
@@ -174,6 +176,16 @@ class DenoiserPlacement:
         if self.streamer is not None:
             self.streamer.remove()
             self.streamer = None
+
+
+def _skips_modules(module) -> bool:
+    """Whether an adapter layer of ``module`` skips its update at random in training (peft's
+    LoKr / LoHa ``module_dropout``): those steps leave its parameters without a gradient."""
+    return any(
+        any(p > 0 for p in getattr(m, "module_dropout", {}).values())
+        for m in module.modules()
+        if isinstance(getattr(m, "module_dropout", None), dict)
+    )
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from PIL import Image
 
 from raytuner import placement, quiet, storage
 from raytuner.checkpoint import full_model, layout
+from raytuner.lora import apply as lora_apply
 from raytuner.lora.find import ExportedWeights, find_weights
 from raytuner.render.prompts import Defaults, PromptLine, Render, is_distilled, resolve
 
@@ -52,8 +53,12 @@ def apply_weights(
     if weights is not None and weights.kind == "lora":
         pipe.unload_lora_weights()
         path = Path(weights.path)  # a .safetensors file
-        with quiet.no_loading_bars():  # a bar per text encoder the LoRA trained
-            pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+        if lora_apply.kind_of(str(path)) in lora_apply.PEFT_KINDS:  # LoKr, LoHa: through peft
+            part = family.parts.denoiser
+            lora_apply.apply_file(getattr(pipe, part), str(path), part)
+        else:
+            with quiet.no_loading_bars():  # a bar per text encoder the LoRA trained
+                pipe.load_lora_weights(str(path.parent), weight_name=path.name)
     elif weights is not None:
         part = family.parts.denoiser
         cls = type(getattr(pipe, part))

@@ -15,13 +15,12 @@ import logging
 from typing import NamedTuple
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
 from peft.utils import get_peft_model_state_dict
 from torch import nn
 
 from raytuner.checkpoint.layout import KOHYA_FILE
 from raytuner.config import ConfigError
-from raytuner.lora import export, kohya
+from raytuner.lora import export, kinds, kohya
 from raytuner.lora.init_from import start_from
 from raytuner.placement import sharding
 from raytuner.placement.strategy import REPLICATED, Strategy
@@ -84,25 +83,19 @@ def adapt(
     text=None,
     sharded: bool = False,
 ) -> Weights:
-    """The denoiser's trained weights made: the adapter added (``mode = "lora"``: a peft LoRA
-    of ``lora``'s shape on ``targets`` unless ``lora.target_modules`` says otherwise) or every
+    """The denoiser's trained weights made: the adapter added (``mode = "lora"``: peft's adapter
+    of ``lora``'s kind and shape, ``kinds.peft_config``, on ``targets`` unless
+    ``lora.target_modules`` says otherwise) or every
     weight trained (``"full"``), the trained ones in ``dtype`` (``model.trainable_dtype``),
     ``place(denoiser)`` (``trainable_model``'s sharding) before they get values, the LoRA drawn
     from ``seed`` (``train.seed``) the same way on any device, sharded or not, and with
     ``family`` given checked against its kohya layout and started from ``lora.init_from`` (a
     resumed run then loads its checkpoint over it), the text encoders' LoRA (``text``) after
-    the denoiser's, and the EMA when ``ema_decay``."""
+    the denoiser's, and the EMA when ``ema_decay``. DoRA's magnitudes start at the placed base
+    weights' row norms."""
     denoiser.requires_grad_(mode == "full")
     if mode == "lora":
-        denoiser.add_adapter(
-            PeftLoraConfig(
-                r=lora.rank,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                init_lora_weights="gaussian",
-                target_modules=list(lora.target_modules or targets),
-            )
-        )
+        denoiser.add_adapter(kinds.peft_config(lora, targets))
     for p in denoiser.parameters():
         if p.requires_grad:
             p.data = p.data.to(dtype)
@@ -111,8 +104,9 @@ def adapt(
     named = [(n, p) for n, p in denoiser.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in named], [p for _, p in named]
     provenance = {}
-    if mode == "lora":  # peft's "gaussian" start (text_lora.draw), in the adapter's order
-        sharding.fill(denoiser, text_lora.draw(names, params, seed, lora.rank))
+    if mode == "lora":  # peft's start (kinds.draw), in the adapter's order
+        sharding.fill(denoiser, kinds.draw(names, params, seed, lora.rank))
+        sharding.fill(denoiser, kinds.dora_magnitudes(denoiser, sharding.gather))
         if family is not None:
             provenance = _lora_files(denoiser, names, family, lora, text)
     if text is not None:
@@ -147,7 +141,7 @@ def _lora_files(denoiser: nn.Module, names: list[str], family, lora, text) -> di
     state, text_state, provenance = start_from(
         denoiser, lora.init_from, lora, family, texts
     )
-    peft_names = {n.replace(".default", ""): n for n in names}
+    peft_names = {kinds.peft_name(n): n for n in names}
     sharding.fill(denoiser, {peft_names[k]: v for k, v in state.items()})
     if text is not None:
         text.load(text_state)
@@ -283,7 +277,7 @@ def _sharded(denoiser: nn.Module, *, family, source, device: torch.device, amp) 
 
     def base():
         for name, _ in denoiser.named_parameters():
-            if ".lora_" in name:
+            if kinds.is_adapter(name):
                 continue
             key = name.replace(".base_layer", "")
             if key not in files:

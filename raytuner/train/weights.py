@@ -16,7 +16,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
 from raytuner.checkpoint.layout import LORA_DIR
-from raytuner.lora import export
+from raytuner.lora import export, kinds, lycoris
 from raytuner.placement import sharding
 
 
@@ -59,7 +59,7 @@ class Weights:
 
     def _peft_names(self) -> dict[str, str]:
         """The adapter's peft state names (``get_peft_model_state_dict``'s) -> parameter names."""
-        return {n.replace(".default", ""): n for n in self.names}
+        return {kinds.peft_name(n): n for n in self.names}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint keeps, live (a sharded worker's rows): the adapter under
@@ -145,6 +145,7 @@ class Weights:
         ``directory`` writes."""
         with self.averaged():
             state = self.gathered()
+        dora = self.dora_scales(state)
         if directory is None:
             return
         export.write_lora(
@@ -155,4 +156,18 @@ class Weights:
             meta=meta | self.provenance,
             denoiser=self.denoiser,
             text_encoders=self.text.split(state) if self.text is not None else (),
+            dora_scale=dora,
         )
+
+    def dora_scales(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The DoRA modules' ComfyUI scales (``lycoris.dora_scales``) of the exported ``state``,
+        each base weight gathered whole in turn (a collective when sharded: every worker)."""
+        layers = kinds.dora_layers(self.denoiser)
+        if not layers:
+            return {}
+        config = self.denoiser.peft_config["default"]
+
+        def weight_of(module: str) -> torch.Tensor:
+            return sharding.gather(layers[module].get_base_layer().weight).detach().cpu()
+
+        return lycoris.dora_scales(state, weight_of, config.lora_alpha / config.r)

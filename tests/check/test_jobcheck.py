@@ -419,3 +419,40 @@ def test_float8_matmul_is_refused_where_it_cannot_run(tmp_path, capsys, family, 
 
 def test_float8_matmul_passes_for_a_transformer_family_on_gpus(tmp_path, capsys):
     accepted(tmp_path, capsys, "train.float8_matmul=true", "scaling.use_gpu=true", family="sana")
+
+
+# --- issue 41: adapter kinds ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "shown"),
+    [
+        (['lora.kind="lokr"', "lora.dora=true"], "lora.dora = True is an option of lora.kind"),
+        (['lora.kind="loha"', "lora.factor=4"], "lora.factor = 4 is an option of lora.kind"),
+        (["lora.rank_dropout=0.1"], "lora.rank_dropout = 0.1 is an option of lora.kind"),
+        (['lora.kind="lokr"', "lora.dropout=0.1"], "lora.dropout = 0.1 is an option"),
+        (['lora.kind="lokr"', "lora.text_encoder=true"], "lora.text_encoder = true with"),
+        (["lora.dora=true", "lora.text_encoder=true"], "lora.text_encoder = true with"),
+        (['lora.kind="lokr"', 'train.mode="full"'], "lora.kind = 'lokr': train.mode"),
+        (
+            [
+                'lora.kind="lokr"',
+                'lora.target_modules=["time_embedding"]',
+                'model.pretrained="tiny"',
+            ],
+            "lora.target_modules",
+        ),
+        (['lora.kind="lycoris"'], "lora.kind = 'lycoris': must be one of lora, lokr, loha"),
+    ],
+)
+def test_adapter_kind_settings_peft_cannot_run_are_refused(tmp_path, capsys, overrides, shown):
+    assert shown in refused(tmp_path, capsys, *overrides)
+
+
+def test_each_adapter_kind_with_its_options_passes(tmp_path, capsys):
+    for overrides in (
+        ['lora.kind="lokr"', "lora.factor=8", "lora.decompose_both=true", "lora.rank_dropout=0.1"],
+        ['lora.kind="loha"', "lora.module_dropout=0.1"],
+        ["lora.dora=true", "lora.dropout=0.1"],
+    ):
+        accepted(tmp_path, capsys, *overrides, family="flux")

@@ -59,6 +59,9 @@ BAD: dict[str, list[str]] = {
     "lora.rank": ["0", "4097", "1000000"],
     "lora.alpha": ["0", "-1", "1e6"],
     "lora.dropout": ["-0.1", "1"],
+    "lora.factor": ["-1", "4097"],  # LyCORIS' -1 is 0 here
+    "lora.rank_dropout": ["-0.1", "1"],
+    "lora.module_dropout": ["-0.1", "1"],
     "lora.text_encoder_rank": ["-1", "4097"],
     "lora.text_encoder_alpha": ["-1", "1e6"],
     "lora.text_encoder_lr": ["-1", "11"],

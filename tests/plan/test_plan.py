@@ -240,3 +240,29 @@ def test_bfloat16_frozen_weights_train_and_export_a_lora_that_loads(name, tmp_pa
     pipe.load_lora_weights(str(tmp_path / "lora"), weight_name="pytorch_lora_weights.safetensors")
     part = getattr(pipe, family.parts.denoiser)
     assert any("lora" in n for n, _ in part.named_parameters())
+
+
+def test_plan_counts_each_adapter_kinds_parameters_optimizer_state_and_work():
+    """``lora.kind`` / ``lora.dora``: peft's LoKr, LoHa and DoRA layers trace on the meta
+    device; plan counts the adapter a worker builds (its parameters, AdamW's two float32
+    moments of each) and DoRA's weight norms in the step's peak."""
+    from raytuner.tools.plan import trace as planner
+
+    family, counted = FAMILIES["flux"], {}
+    kinds = {"lora": [], "lokr": ['lora.kind="lokr"', "lora.factor=4"]}
+    kinds |= {"loha": ['lora.kind="loha"'], "dora": ["lora.dora=true"]}
+    for kind, overrides in kinds.items():
+        job = load_job(REPO / "jobs" / "tiny.toml", ['model.family="flux"', *overrides])
+        size = planner.largest_bucket(job, family)
+        shapes = planner.trace_encoders(job, family, size)[1]
+        result = planner.trace_step(job, family, shapes, size, 1, False)
+        real = adapt(
+            family.denoiser(Source("tiny")), mode="lora", lora=job.lora,
+            targets=family.adapters.targets, ema_decay=0,
+        )  # fmt: skip
+        params = sum(p.numel() for p in real.params)
+        assert result["trainable_params"] == params, kind
+        assert result["optimizer_bytes"] == 8 * params, kind
+        counted[kind] = result
+    assert len({r["trainable_params"] for r in counted.values()}) == 4
+    assert counted["dora"]["backward_peak_bytes"] > counted["lora"]["backward_peak_bytes"]

@@ -21,6 +21,7 @@ import torch
 from raytuner import placement
 from raytuner.config import JobConfig
 from raytuner.families import parts
+from raytuner.lora import kinds
 from raytuner.observe import flops
 from raytuner.placement.strategy import REPLICATED
 from raytuner.preprocess.buckets import make_buckets
@@ -268,12 +269,12 @@ def _worker(job: JobConfig, family, trained: Trainable, micro: int, counted: dic
 
 
 def _lora(module) -> int:
-    """A module's LoRA parameters."""
-    return sum(p.numel() for n, p in module.named_parameters() if ".lora_" in n)
+    """A module's adapter parameters (any ``lora.kind``)."""
+    return sum(p.numel() for n, p in module.named_parameters() if kinds.is_adapter(n))
 
 
 def _frozen(module) -> int:
-    return sum(p.numel() for n, p in module.named_parameters() if ".lora_" not in n)
+    return sum(p.numel() for n, p in module.named_parameters() if not kinds.is_adapter(n))
 
 
 def trace_encoders(job: JobConfig, family, size, progress: Progress | None = None):

@@ -1,0 +1,107 @@
+"""ComfyUI's rules for a LoRA / LyCORIS file, written from its source (Comfy-Org/ComfyUI at
+commit 2025-10-12 ``comfy/lora.py``: ``model_lora_keys_unet``, ``load_lora``,
+``calculate_weight``; ``comfy/weight_adapter/lora.py``, ``lokr.py``, ``loha.py`` and
+``base.py``'s ``weight_decompose``), to check raytuner's files against without ComfyUI:
+
+- which keys its loader maps to a weight of the model (``accepted``), per model branch of
+  ``model_lora_keys_unet``, from the diffusers module names (ComfyUI's converters
+  ``unet_to_diffusers`` / ``flux_to_diffusers`` / ``z_image_to_diffusers`` cover every weight of
+  those models: a q/k/v of Flux or Z-Image maps to its rows of the fused linear, which is the
+  same rows as the diffusers module's own weight), plus the names of its own state dict
+  (``lora_unet_<name>``), which for SDXL and Flux are sd-scripts' names: the families' kohya
+  tables, themselves checked against diffusers' kohya converters (test_lora_files.py);
+- which tensor names each adapter reads after such a key (a key it reads no tensor of is one
+  ComfyUI logs as "lora key not loaded");
+- the weight each adapter makes of the base weight (``comfy_weight``), strength 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ComfyUI's model branch of each family (a family of another branch needs its rules here)
+BRANCH = {"sd15": "unet", "sdxl": "unet", "flux": "flux", "z-image": "lumina2"}
+SUFFIXES = {
+    "lora": ("lora_up.weight", "lora_down.weight", "lora_A.weight", "lora_B.weight"),
+    "lokr": ("lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "lokr_t2"),
+    "loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"),
+    "common": ("alpha", "dora_scale"),
+}
+
+
+def accepted(family_name: str, modules, kohya_names=None) -> dict[str, str]:
+    """ComfyUI's key -> the diffusers module whose weight it patches, for a denoiser of these
+    module names (``kohya_names``: the family's sd-scripts names, ComfyUI's own for SDXL/Flux)."""
+    branch, out = BRANCH[family_name], {}
+    for m in modules:
+        flat = m.replace(".", "_")
+        if branch == "unet":  # unet_to_diffusers: lora_unet_ and SimpleTuner's lycoris_
+            out |= {f"lora_unet_{flat}": m, f"lycoris_{flat}": m}
+        elif branch == "flux":  # flux_to_diffusers: transformer., lycoris_, lora_transformer_
+            out |= {f"transformer.{m}": m, f"lycoris_{flat}": m, f"lora_transformer_{flat}": m}
+        elif branch == "lumina2":  # z_image_to_diffusers: diffusion_model. and transformer.
+            out |= {f"diffusion_model.{m}": m, f"transformer.{m}": m}
+        if kohya_names is not None:
+            for name, pieces in kohya_names(m):
+                if pieces == (m,):  # ComfyUI's own weight: one module alone
+                    out[name] = m
+    return out
+
+
+def loaded(tensors: dict, keys: dict[str, str]) -> dict[str, dict[str, torch.Tensor]]:
+    """``load_lora``: each accepted key's tensors by their own name; AssertionError naming the
+    file's keys ComfyUI would not load."""
+    every = {s for group in SUFFIXES.values() for s in group}
+    out: dict[str, dict] = {}
+    for key, value in tensors.items():
+        prefix = next((p for p in keys if key.startswith(p + ".")), None)
+        suffix = key[len(prefix) + 1 :] if prefix else None
+        assert prefix is not None and suffix in every, f"ComfyUI would not load {key}"
+        out.setdefault(keys[prefix], {})[suffix] = value.float()
+    return out
+
+
+def comfy_weight(weight: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weight ComfyUI's adapter makes of ``weight`` from a key's tensors ``t``, strength 1."""
+    alpha = t.get("alpha")
+    w = weight.float()
+    if "lokr_w1" in t or "lokr_w1_a" in t or "lokr_w2" in t:
+        dim = None
+        w1 = t.get("lokr_w1")
+        if w1 is None:
+            dim, w1 = t["lokr_w1_b"].shape[0], t["lokr_w1_a"] @ t["lokr_w1_b"]
+        w2 = t.get("lokr_w2")
+        if w2 is None:
+            dim, w2 = t["lokr_w2_b"].shape[0], t["lokr_w2_a"] @ t["lokr_w2_b"]
+        if w2.dim() == 4:
+            w1 = w1[:, :, None, None]
+        scale = float(alpha) / dim if alpha is not None and dim is not None else 1.0
+        diff = torch.kron(w1, w2).reshape(w.shape)
+    elif "hada_w1_a" in t:
+        scale = float(alpha) / t["hada_w1_b"].shape[0] if alpha is not None else 1.0
+        m1, m2 = t["hada_w1_a"] @ t["hada_w1_b"], t["hada_w2_a"] @ t["hada_w2_b"]
+        diff = (m1 * m2).reshape(w.shape)
+    else:
+        up, down = (
+            t.get("lora_up.weight", t.get("lora_B.weight")),
+            t.get("lora_down.weight", t.get("lora_A.weight")),
+        )
+        scale = float(alpha) / down.shape[0] if alpha is not None else 1.0
+        diff = (up.flatten(1) @ down.flatten(1)).reshape(w.shape)
+    if "dora_scale" not in t:
+        return w + scale * diff
+    return _weight_decompose(t["dora_scale"], w, diff * scale, weight.dtype)
+
+
+def _weight_decompose(dora_scale, weight, diff, dtype) -> torch.Tensor:
+    """``weight_decompose``: a scale whose first side is the output rows divides by the base
+    weight's row norms; any other by the merged weight's column norms; plus the dtype's eps."""
+    merged = weight + diff
+    if dora_scale.shape[0] == merged.shape[0]:
+        norm = weight.reshape(weight.shape[0], -1).norm(dim=1, keepdim=True)
+        norm = norm.reshape(weight.shape[0], *[1] * (weight.dim() - 1))
+    else:
+        cols = merged.transpose(0, 1).reshape(merged.shape[1], -1).norm(dim=1, keepdim=True)
+        norm = cols.reshape(merged.shape[1], *[1] * (merged.dim() - 1)).transpose(0, 1)
+    norm = norm + torch.finfo(dtype).eps
+    return merged * (dora_scale / norm)
