@@ -43,7 +43,7 @@ def pipeline_image(pipe) -> np.ndarray:
     accepts = set(inspect.signature(pipe.__call__).parameters)
     tiny = {"max_sequence_length": 32, "use_resolution_binning": False}
     return pipe(
-        "a red circle",
+        prompt="a red circle",  # by name: FLUX.2's pipelines take an image first
         num_inference_steps=2,
         height=64,
         width=64,

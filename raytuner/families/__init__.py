@@ -4,6 +4,7 @@ its file, its two presets, its job TOML, one entry here."""
 from raytuner.config import ConfigError
 from raytuner.families.base import Family
 from raytuner.families.flux import Flux
+from raytuner.families.flux2 import Flux2Dev, Flux2Klein
 from raytuner.families.sana import Sana
 from raytuner.families.sd15 import SD15
 from raytuner.families.sdxl import SDXL
@@ -15,6 +16,8 @@ FAMILIES: dict[str, Family] = {
     "flux": Flux(),
     "sana": Sana(),
     "z-image": ZImage(),
+    "flux2-klein": Flux2Klein(),
+    "flux2-dev": Flux2Dev(),
 }
 
 

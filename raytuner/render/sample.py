@@ -74,7 +74,7 @@ def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image]
     return [
         [
             pipe(
-                r.prompt,
+                prompt=r.prompt,  # by name: FLUX.2's pipelines take an image first
                 generator=torch.Generator(device).manual_seed(seed),
                 output_type="pil",
                 **r.call(),
