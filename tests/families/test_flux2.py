@@ -1,0 +1,194 @@
+"""The FLUX.2 families ([klein]: flux2-klein, [dev]: flux2-dev): the cache holds what the
+pipelines' own encoders make (the stacked hidden states of three LLM layers over all 512 tokens
+of the chat-templated caption; the VAE's mode patchified 2x2 and normalised by its BatchNorm
+running stats), the loss is a step of diffusers' train_dreambooth_lora_flux2(_klein).py, the
+LoRA loads through the pipeline, and `raytuner check` refuses what the families cannot do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from run_checks import lora_changes_the_pipeline
+
+from raytuner.cli import main
+from raytuner.config import FlowObjective, LoraConfig
+from raytuner.families import FAMILIES, flux2
+from raytuner.families.parts import Source, preset_names
+from raytuner.train.model import adapt
+
+TINY = Source("tiny")
+NAMES = ("flux2-klein", "flux2-dev")
+CAPTIONS = ["a red circle", "a much longer caption: a blue square on a grey ground", ""]
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def fam(request):
+    family = FAMILIES[request.param]
+    return family, family.pipeline(TINY)
+
+
+def _direct_text(family, pipe) -> torch.Tensor:
+    embeds, _ = pipe.encode_prompt(
+        list(CAPTIONS), device=torch.device("cpu"), **family.pipeline_options(pipe)
+    )
+    return embeds
+
+
+def test_cached_text_is_the_pipelines_encode_prompt_every_row(fam):
+    family, pipe = fam
+    text = family.text_encoder(TINY, "cpu")(CAPTIONS)["prompt_embeds"]
+    length = family.pipeline_options(pipe)["max_sequence_length"]
+    assert text.shape == (3, length, 3 * 16)  # every token, three layers of a 16-wide LLM
+    torch.testing.assert_close(text, _direct_text(family, pipe), rtol=0, atol=0)
+    if family.name == "flux2-klein":
+        # right padding: Qwen3's pad rows attend the caption, so they differ between captions
+        # (what the transformer, which has no text mask, reads): every row is stored
+        assert not torch.allclose(text[0, -1], text[1, -1])
+    else:  # left padding, after the pipeline's system prompt
+        ids = pipe.tokenizer(["x"], padding="max_length", max_length=length).input_ids[0]
+        assert ids[0] == pipe.tokenizer.pad_token_id
+
+
+def test_cached_latent_is_the_pipelines_encode_with_the_batchnorm_stats(fam):
+    family, pipe = fam
+    vae = pipe.vae
+    gen = torch.Generator().manual_seed(3)
+    vae.bn.running_mean.copy_(torch.randn(vae.bn.running_mean.shape, generator=gen))
+    vae.bn.running_var.copy_(torch.rand(vae.bn.running_var.shape, generator=gen) + 0.5)
+    pixels = torch.rand(2, 3, 64, 96, generator=gen) * 2 - 1
+    latent, std = flux2.image_encoder(vae, "cpu")(pixels)
+    assert latent.shape == std.shape == (2, 16, 4, 6)  # 4 channels x 2x2 at 1/16
+    torch.testing.assert_close(latent, pipe._encode_vae_image(pixels, generator=None))
+    # the family's own VAE (the preset's stats: 0 and 1) makes the unnormalised patches
+    plain, _ = family.image_encoder(TINY, "cpu")(pixels)
+    assert not torch.allclose(plain, latent)
+    vae.bn.running_mean.zero_(), vae.bn.running_var.fill_(1.0)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.5])
+def test_the_loss_is_a_step_of_diffusers_flux2_script(fam, guidance):
+    """Same noise and levels: x_t = (1 - s) x0 + s noise, packed, the transformer at
+    timestep s with the pipeline's ids (and guidance for [dev]), unpacked by ids, against
+    noise - x0; the resolution shift's tokens are the 1/16 latent's pixels."""
+    from diffusers import Flux2Pipeline
+
+    family, pipe = fam
+    model = family.denoiser(TINY)
+    objective = FlowObjective(timestep_sampling="uniform", guidance=guidance)
+    if family.name == "flux2-klein" and guidance != 1.0:
+        pytest.skip("[klein] has no guidance embedding")
+    loss = family.loss(TINY, objective)
+    x0 = torch.randn(3, 16, 4, 6, generator=torch.Generator().manual_seed(1))
+    text = _direct_text(family, pipe)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    drawn = loss.draw(tuple(x0.shape), gens)
+    ours = loss(model, {"latent": x0, "prompt_embeds": text, **drawn})
+
+    noise, sigmas = drawn["noise"], drawn["sigma"]
+    s = sigmas[:, None, None, None]
+    noisy = (1.0 - s) * x0 + s * noise
+    img_ids = Flux2Pipeline._prepare_latent_ids(noisy)
+    g = torch.full((3,), guidance) if family.guidance.embedding else None
+    with torch.no_grad():
+        out = model(
+            hidden_states=Flux2Pipeline._pack_latents(noisy),
+            timestep=sigmas * 1000 / 1000,
+            guidance=g,
+            encoder_hidden_states=text,
+            txt_ids=Flux2Pipeline._prepare_text_ids(text),
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+    pred = Flux2Pipeline._unpack_latents_with_ids(out, img_ids)  # [B, C, h, w], by the ids
+    theirs = ((pred.float() - (noise - x0).float()) ** 2).reshape(3, -1).mean(1)
+    torch.testing.assert_close(ours.detach(), theirs)
+    # the shift: Flux.1's line at 4 x 6 = 24 tokens, the same draws unshifted and shifted
+    mu = 0.5 + (24 - 256) * (1.15 - 0.5) / (4096 - 256)
+    fixed = FlowObjective(timestep_sampling="uniform", resolution_shift=False, shift=np.exp(mu))
+    again = family.loss(TINY, fixed).draw(
+        tuple(x0.shape), [torch.Generator().manual_seed(i) for i in range(3)]
+    )
+    torch.testing.assert_close(again["sigma"], sigmas)
+
+
+def test_a_trained_lora_loads_into_the_pipeline_and_changes_the_image(fam, tmp_path):
+    family, _ = fam
+    model = family.denoiser(TINY)
+    lora = LoraConfig(rank=4, alpha=4.0)
+    weights = adapt(model, mode="lora", lora=lora, targets=family.adapters.targets, ema_decay=0)
+    names = [n.split(".lora_B")[0] for n in weights.names if "lora_B" in n]
+    # diffusers' targets: the double blocks' q, k, v, out; the single blocks' fused input, out
+    assert len(names) == 2 * 4 + 2 * 2
+    assert "single_transformer_blocks.1.attn.to_out" in names
+    assert "single_transformer_blocks.0.attn.to_qkv_mlp_proj" in names
+    opt = torch.optim.AdamW(weights.params, lr=1e-2)
+    loss = family.loss(TINY, FlowObjective())
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "latent": torch.randn(2, 16, 4, 4, generator=gen),
+        "prompt_embeds": family.text_encoder(TINY, "cpu")(CAPTIONS[:2])["prompt_embeds"],
+    }
+    for _ in range(3):
+        gens = [torch.Generator().manual_seed(i) for i in range(2)]
+        loss(model, batch, gens).mean().backward()
+        opt.step(), opt.zero_grad()
+    config = model.peft_config["default"].to_dict()
+    family.save_lora(str(tmp_path / "lora"), weights.state(), config)
+    assert lora_changes_the_pipeline(str(tmp_path / "lora"), family.name)
+
+
+def test_the_tiny_pipeline_renders(fam):
+    family, pipe = fam
+    image = pipe(
+        prompt="a red circle", num_inference_steps=2, height=64, width=64, output_type="np",
+        generator=torch.Generator().manual_seed(0), **family.pipeline_options(pipe),
+    ).images  # fmt: skip
+    assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
+
+
+def test_klein_ships_its_9b_size_as_a_preset():
+    assert preset_names("flux2-klein") == ("tiny", "random", "random-9b")
+    assert preset_names("flux2-dev") == ("tiny", "random")
+    assert Source("random-9b").preset == "random-9b" and Source("random-9b").full_size
+
+
+JOB = """
+[model]
+family = "{family}"
+[data]
+images = "{root}/images"
+cache = "{root}/cache"
+[train]
+output = "{root}/runs"
+"""
+
+
+def _check(tmp_path: Path, capsys, family: str, *overrides: str) -> tuple[int, str]:
+    from PIL import Image
+
+    (tmp_path / "images").mkdir(exist_ok=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "0.png")
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.format(family=family, root=tmp_path.as_posix()))
+    args = ["check", str(path)]
+    for text in overrides:
+        args += ["--set", text]
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("family", "setting", "says"),
+    [
+        ("flux2-klein", "preprocess.bucket_step=8", "multiples of 16 pixels"),
+        ("flux2-dev", "lora.text_encoder=true", "lora.text_encoder = true"),
+        ("flux2-dev", 'model.pretrained="random-9b"', "its presets: tiny, random"),
+        ("flux2-klein", "objective.flow.guidance=3.5", "objective.flow.guidance"),
+    ],
+)
+def test_check_refuses_what_flux2_cannot_do(tmp_path, capsys, family, setting, says):
+    code, err = _check(tmp_path, capsys, family, setting)
+    assert code == 2 and says in err, err
