@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from raytuner import placement
-from raytuner.families import base, objectives, parts
+from raytuner.families import base, flux2_lora, objectives, parts
 from raytuner.families import flux2_text as text
 from raytuner.families.flux2_text import MAX_TOKENS, Flux2Text, Recipe
 
@@ -79,9 +79,21 @@ class _Flux2(base.DiffusersFamily):
         compile=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
         float8_matmul=True,
     )
-    # the diffusers file alone: ComfyUI maps its names onto BFL's (flux_to_diffusers, as for
-    # Flux.1); the LLM: not trained (no diffusers script trains it)
+    # the LLM: not trained (no diffusers script trains it)
     adapters = base.Adapters(targets=TARGETS)
+
+    @staticmethod
+    def _adapters(base_model_version: str, architecture: str) -> base.Adapters:
+        """diffusers' targets, and the kohya file in BFL's names (``flux2_lora``) with the
+        values musubi-tuner writes for FLUX.2 LoRAs."""
+        files = base.LoraFiles(
+            "flux2",
+            base_model_version,
+            "networks.lora_flux_2",
+            architecture,
+            "https://github.com/black-forest-labs/flux2",
+        )
+        return base.Adapters(targets=TARGETS, files=files, kohya_names=flux2_lora.names)
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """128 channels at 1/16 of the pixels and the released model's 512 caption rows."""
@@ -172,6 +184,8 @@ class Flux2Klein(_Flux2):
     name = "flux2-klein"
     recipe = text.KLEIN
     text_width = 3 * 2560  # the 4B model's (Qwen3-4B); the 9B's: 3 x 4096
+    # musubi-tuner writes flux_2_klein_4b / _9b: one family holds both sizes
+    adapters = _Flux2._adapters("flux_2_klein", "flux-2-klein")
     # Flux2KleinPipeline's default: classifier-free guidance against the empty prompt (the
     # distilled releases ignore it); it takes no negative prompt of the user's
     guidance = base.Guidance(default_scale=4.0, negative_prompt=False)
@@ -196,6 +210,7 @@ class Flux2Dev(_Flux2):
     name = "flux2-dev"
     recipe = text.DEV
     text_width = 3 * 5120  # Mistral Small 3.1's hidden size
+    adapters = _Flux2._adapters("flux_2_dev", "flux-2-dev")
     guidance = base.Guidance(default_scale=4.0, embedding=True, negative_prompt=False)
     parts = base.Parts(
         classes={

@@ -174,8 +174,10 @@ class Flux2Text:
             add_special_tokens=self.recipe.special_tokens,
             return_tensors="pt",
         ).to(self.device)
+        # with its cache (the default): without one, transformers looks for packed sequences
+        # in the position ids, which reads their values too
         hidden = self.pipe.text_encoder(
-            input_ids=tokens.input_ids, output_hidden_states=True, use_cache=False
+            input_ids=tokens.input_ids, output_hidden_states=True
         ).hidden_states
         out = torch.stack([hidden[k] for k in self.recipe.layers], dim=1)
         b, n, length, width = out.shape

@@ -192,3 +192,88 @@ def _check(tmp_path: Path, capsys, family: str, *overrides: str) -> tuple[int, s
 def test_check_refuses_what_flux2_cannot_do(tmp_path, capsys, family, setting, says):
     code, err = _check(tmp_path, capsys, family, setting)
     assert code == 2 and says in err, err
+
+
+def _known_lora(family, rank: int = 2):
+    """A LoRA of the tiny preset on the default targets, its B not zero (one that does
+    something), as a run starts it."""
+    from raytuner.config import ModelConfig, TrainConfig
+    from raytuner.train.model import trainable_model
+
+    model, train = ModelConfig(family=family.name), TrainConfig(output="unused")
+    lora = LoraConfig(rank=rank, alpha=float(rank))
+    weights = trainable_model(model, train, lora, family, torch.device("cpu")).weights
+    for p in weights.params:
+        p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    return weights
+
+
+def _image_with(pipe, lora_path) -> np.ndarray:
+    from run_checks import pipeline_image
+
+    pipe.load_lora_weights(str(lora_path))
+    try:
+        return pipeline_image(pipe)
+    finally:
+        pipe.unload_lora_weights()
+
+
+def test_the_kohya_file_in_bfl_names_loads_as_the_diffusers_file_and_init_from_reads_it(
+    fam, tmp_path
+):
+    """The export's lora_kohya.safetensors names BFL's linears (double blocks' fused qkv at
+    rank 3r, single blocks' linear1 / linear2, with alpha keys: what ComfyUI and musubi-tuner
+    read); diffusers' FLUX.2 loader gives the diffusers file's image with it; lora.init_from
+    starts the same LoRA from it and from ai-toolkit's layout (the same names under
+    ``diffusion_model.`` as lora_A / lora_B, no alpha)."""
+    from safetensors.torch import load_file, save_file
+
+    from raytuner.config import ModelConfig, TrainConfig
+    from raytuner.train.model import trainable_model
+
+    family, pipe = fam
+    known = _known_lora(family)
+    known.export_lora(str(tmp_path / "own"), family, {})
+    kohya = load_file(tmp_path / "own" / "lora" / "lora_kohya.safetensors")
+    qkv = "lora_unet_double_blocks_0_img_attn_qkv"
+    assert kohya[f"{qkv}.lora_down.weight"].shape[0] == 3 * 2
+    assert float(kohya[f"{qkv}.alpha"]) == 3 * 2.0
+    assert {
+        "lora_unet_single_blocks_1_linear1.alpha",
+        "lora_unet_single_blocks_1_linear2.alpha",
+    } <= set(kohya)
+    assert "lora_unet_single_blocks_1_linear2.lora_up.weight" in kohya
+    own = _image_with(pipe, tmp_path / "own" / "lora" / "pytorch_lora_weights.safetensors")
+    np.testing.assert_allclose(
+        _image_with(pipe, tmp_path / "own" / "lora" / "lora_kohya.safetensors"), own, atol=1e-5
+    )
+    aitk = {}
+    for key, value in kohya.items():
+        name, _, end = key.partition(".")
+        if end == "alpha":
+            continue
+        bfl = name.removeprefix("lora_unet_")
+        for flat, dotted in (
+            ("double_blocks_", "double_blocks."),
+            ("single_blocks_", "single_blocks."),
+        ):
+            if bfl.startswith(flat):
+                index, _, rest = bfl.removeprefix(flat).partition("_")
+                rest = rest.replace("attn_", "attn.").replace("mlp_", "mlp.")
+                bfl = f"{dotted}{index}.{rest}"
+        end = end.replace("lora_down", "lora_A").replace("lora_up", "lora_B")
+        aitk[f"diffusion_model.{bfl}.{end}"] = value
+    assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight" in aitk
+    (tmp_path / "aitk").mkdir()
+    save_file(aitk, str(tmp_path / "aitk" / "lora.safetensors"))
+    state = known.state()
+    for path in (tmp_path / "own" / "lora" / "lora_kohya.safetensors",
+                 tmp_path / "aitk" / "lora.safetensors"):  # fmt: skip
+        model, train = ModelConfig(family=family.name), TrainConfig(output="unused")
+        lora = LoraConfig(rank=2, alpha=2.0, init_from=str(path))
+        start = trainable_model(model, train, lora, family, torch.device("cpu")).weights.state()
+        assert start.keys() == state.keys()
+        for key in state:
+            torch.testing.assert_close(start[key], state[key], msg=f"{path.parent.name}: {key}")
+    np.testing.assert_allclose(_image_with(pipe, tmp_path / "aitk" / "lora.safetensors"), own,
+                               atol=1e-5)  # fmt: skip
