@@ -26,10 +26,11 @@ from raytuner.families.parts import Source
 TINY = Source("tiny")
 TRAINED: dict[str, dict] = {}  # family -> the summary of its plain 2-worker LoRA run
 
-# diffusers converts kohya keys for these; Flux's kohya file is sd-scripts' fused layout, which
-# diffusers' converter splits only at Flux.1's own widths (tests/lora/test_lora_files.py checks it
-# there, and on the tiny model for the modules it splits at any width); Sana gets none
-KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl"}
+# diffusers converts kohya keys for these (FLUX.2's BFL names at any width); Flux's kohya file is
+# sd-scripts' fused layout, which diffusers' converter splits only at Flux.1's own widths
+# (tests/lora/test_lora_files.py checks it there, and on the tiny model for the modules it splits
+# at any width); Sana gets none
+KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl", "flux2-klein", "flux2-dev"}
 
 JOB = """
 [model]

@@ -30,10 +30,16 @@ PUBLISHED = {
     "flux": (11901e6, 0.01),
     "sana": (1600e6, 0.03),
     "z-image": (6_154_908_736, 0),  # the released configs, counted exactly
+    "flux2-klein": (3_875_544_576, 0),  # [klein] 4B
+    "flux2-dev": (32_223_281_152, 0),
 }
+SLOW_PLANS = {"flux2-klein", "flux2-dev"}  # 35-50 s each here
 
 
-@pytest.mark.parametrize("family", sorted(PUBLISHED))
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_PLANS else f for f in sorted(PUBLISHED)],
+)
 def test_every_shipped_job_fits_the_gpu_its_comment_names(family):
     """The shipped jobs name hub repos; plan builds their released architecture from the
     package (no network here) and traces one training step at the largest bucket."""
