@@ -277,3 +277,117 @@ def test_the_kohya_file_in_bfl_names_loads_as_the_diffusers_file_and_init_from_r
             torch.testing.assert_close(start[key], state[key], msg=f"{path.parent.name}: {key}")
     np.testing.assert_allclose(_image_with(pipe, tmp_path / "aitk" / "lora.safetensors"), own,
                                atol=1e-5)  # fmt: skip
+
+
+RAY_JOB = """
+[model]
+family = "flux2-klein"
+pretrained = "{folder}"
+[data]
+images = "{images}"
+cache = "{root}/cache"
+[preprocess]
+resolution = 64
+bucket_step = 32
+[train]
+output = "{root}/runs"
+"""
+
+
+@pytest.mark.slow
+def test_ray_data_caches_the_pipelines_encodings_of_a_klein_folder(ray_local, tmp_path):
+    """Preprocessed by Ray Data from a diffusers folder (the tiny [klein] saved): each row's
+    text is the folder's pipeline's encode_prompt of its caption (all 512 rows, here the tiny
+    tokenizer's 96), its latent the 2x2-patchified 1/16 grid."""
+    from diffusers import Flux2KleinPipeline
+
+    from raytuner.api import preprocess
+    from raytuner.config import load_job
+    from raytuner.data import cache
+    from raytuner.data.reader import open_dataset
+    from raytuner.tools.demo_images import make_demo_images
+
+    FAMILIES["flux2-klein"].pipeline(TINY).save_pretrained(tmp_path / "model")
+    pipe = Flux2KleinPipeline.from_pretrained(tmp_path / "model")
+    images = make_demo_images(tmp_path / "images", per_aspect=2)
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(RAY_JOB.format(folder=tmp_path / "model", images=images, root=tmp_path))
+    job = load_job(job_file)
+    assert preprocess(job)["encoded"] == 6
+    data = open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
+    try:
+        files = [(images / p).with_suffix(".txt") for p in data.paths]
+        captions = [" ".join(f.read_text().split()) for f in files]
+        options = FAMILIES["flux2-klein"].pipeline_options(pipe)
+        direct, _ = pipe.encode_prompt(list(captions), device=torch.device("cpu"), **options)
+        for i, own in enumerate(direct):
+            row = data.batch([i])
+            assert row["prompt_embeds"][0].shape == own.shape == (96, 48)  # every row stored
+            torch.testing.assert_close(row["prompt_embeds"][0], own.bfloat16().float())
+            assert row["latent"].shape[1] == 16  # 4 channels x 2 x 2, at 1/16 of the bucket
+    finally:
+        data.close()
+
+
+def _lora_after_steps(rank: int, world: int, port: int, out: str) -> None:
+    """Three LoRA steps of the tiny [dev] (guidance embedding) on 4 samples, this rank's share;
+    ``world`` 2: sharded over two gloo workers (``scaling.strategy = "fsdp"``). Rank 0 writes
+    the LoRA (gathered) to ``out``."""
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from raytuner.config import MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
+    from raytuner.placement.strategy import SHARDED
+    from raytuner.train import optim
+    from raytuner.train.feed import RankSlice
+    from raytuner.train.model import trainable_model
+    from raytuner.train.step import train_step
+
+    family = FAMILIES["flux2-dev"]
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    pixels = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    text = family.text_encoder(TINY, "cpu")(["a red circle", CAPTIONS[1], "", "a square"])
+    sizes = torch.tensor([[64, 64]] * 4)
+    rows = {"latent": family.image_encoder(TINY, "cpu")(pixels)[0], **text,
+            "original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes}  # fmt: skip
+    n = 4 // world
+    mine = {k: v[n * rank : n * (rank + 1)] for k, v in rows.items()}
+    cpu, model = torch.device("cpu"), ModelConfig(family=family.name, pretrained="tiny")
+    train = TrainConfig(output="unused", global_batch_size=4, max_steps=4, learning_rate=1e-2)
+    kw = {"strategy": SHARDED} if world > 1 else {}
+    trained = trainable_model(model, train, LoraConfig(rank=4, alpha=4.0), family, cpu, **kw)
+    opt, sched = optim.for_run(train, trained.weights.params)
+    loss_fn = family.loss(trained.source, ObjectiveConfig().for_family(family))
+    step = train_step(trained, trained.denoiser, loss_fn, opt, sched, train, MemoryConfig(), cpu,
+                      world)  # fmt: skip
+    seeds = list(range(n * rank, n * (rank + 1)))
+    for i in range(3):
+        step(RankSlice(0, i, 4, mine, seeds, []))
+    state = {}
+    for name, tensor in trained.weights.state().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        state[name] = full.detach().float().contiguous()
+    if rank == 0:
+        save_file(state, f"{out}/lora-{world}.safetensors")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_lora_trains_what_one_process_trains(tmp_path):
+    """Two sharded gloo workers (FSDP2 units: the double and single blocks) end where one
+    process on the whole batch does."""
+    import torch.multiprocessing as mp
+    from ray_head import free_ports
+    from safetensors.torch import load_file
+
+    _lora_after_steps(0, 1, 0, str(tmp_path))
+    mp.spawn(_lora_after_steps, args=(2, free_ports(1)[0], str(tmp_path)), nprocs=2)
+    one, two = (load_file(tmp_path / f"lora-{world}.safetensors") for world in (1, 2))
+    assert one.keys() == two.keys() and any("lora_B" in k for k in one)
+    for name in one:  # the reduce-scatter sums in another order: float rounding apart
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
