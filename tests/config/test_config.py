@@ -84,7 +84,7 @@ def test_values_are_validated(tmp_path):
     # the family registry (not a copy of its names in the config) decides what is known
     unknown = cli("check", str(write(tmp_path, MINIMAL.replace('"sdxl"', '"sd3"'))))
     assert unknown.returncode == 2
-    known = "sd15, sdxl, flux, sana, z-image"
+    known = "sd15, sdxl, flux, sana, z-image, flux2-klein, flux2-dev"
     assert f"model.family = 'sd3' is unknown; available: {known}" in unknown.stderr
     with pytest.raises(ConfigError, match=r"scaling.workers = \[4, 2\]"):
         load_job(write(tmp_path, MINIMAL + "[scaling]\nworkers = [4, 2]\n"))
