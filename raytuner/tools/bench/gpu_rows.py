@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FAMILIES = ("sd15", "sdxl", "flux", "sana", "z-image")
+FAMILIES = ("sd15", "sdxl", "flux", "sana", "z-image", "flux2-klein", "flux2-dev")
 GROUP_LIMIT_S = 480  # a group's estimate at most: 8 minutes
 RANDOM = ("--set", 'model.pretrained="random"')
 START_S = 10.0  # a process: python, torch, diffusers, the job checked
@@ -27,8 +27,13 @@ BASE = {  # family: (micro-batch, samples/s eager, load s, compile s of its bloc
     # not measured yet: Flux's rate scaled by plan's TFLOP a sample (203.1 against 245.8), one
     # block class to compile (two variants: with and without modulation), as Sana's one
     "z-image": (1, 1.45, 10.0, 60.0),
+    # not measured yet: Flux's rate scaled by plan's TFLOP a sample ([klein] 4B 114.5, [dev]
+    # 893.2), two block classes to compile as Flux's; [dev]'s 64 GB of random weights drawn
+    "flux2-klein": (1, 2.58, 8.0, 90.0),
+    "flux2-dev": (1, 0.33, 40.0, 90.0),
 }
-SHIPPED_MICRO = {"sd15": 32, "sdxl": 16, "sana": 16, "flux": 1, "z-image": 1}  # the jobs' own
+SHIPPED_MICRO = {"sd15": 32, "sdxl": 16, "sana": 16, "flux": 1, "z-image": 1,  # the jobs' own
+                 "flux2-klein": 1, "flux2-dev": 2}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,9 +80,9 @@ def rows(families: list[str], jobs: str, workdir: str) -> list[Row]:
     out: list[Row] = []
     for f in families:  # MFU of each family at the micro-batch of 2026-11-23, eager
         out.append(_step(f, jobs, f"step {f}", "mfu", "train.compile=false"))
-    for f in families:
-        extra = BASE[f][3]
-        out.append(_step(f, jobs, f"step {f} compiled", "compile", "train.compile=true",
+    for f in families:  # FLUX.2's in a group of their own: 8 minutes a group
+        extra, group = BASE[f][3], "compile-2" if f.startswith("flux2") else "compile"
+        out.append(_step(f, jobs, f"step {f} compiled", group, "train.compile=true",
                          extra_s=extra))  # fmt: skip
     out += _kernels(families, jobs)
     out += _memory(families, jobs)
@@ -182,9 +187,9 @@ def _train(families: list[str], jobs: str, workdir: str) -> list[Row]:
                    "checkpoint.max_failures=0")  # fmt: skip
         micro, rate, load_s, _ = BASE[f]
         seconds = 40.0 + 90.0 + 2 * (START_S + load_s + 20 * micro / rate)
-        group = {"sd15": "train", "sdxl": "train", "flux": "train-2", "sana": "train-2"}.get(
-            f, "train-3"
-        )
+        groups = {"sd15": "train", "sdxl": "train", "flux": "train-2", "sana": "train-2"}
+        # [dev] replicated on one 80 GB card (67.2 GiB by plan), after its 24 B encoder's pool
+        group = (groups | {"flux2-dev": "train-4"}).get(f, "train-3")
         out.append(Row(name=f"train {f}", group=group,
                        args=("bench", "train", f"{jobs}/{f}.toml", *RANDOM,
                              *_sets(*folders, f"train.micro_batch_size={micro}",
