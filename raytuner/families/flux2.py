@@ -202,6 +202,12 @@ class Flux2Klein(_Flux2):
     def tokenizer(self, source: parts.Source):
         return text.qwen_tokenizer(self.name, source)
 
+    def pipeline_options(self, pipe) -> dict:
+        """The caption length; a step-distilled release (its pipeline's ``is_distilled``:
+        FLUX.2-klein-4B / -9B) renders in its 4 steps unless the render says otherwise."""
+        distilled = {"num_inference_steps": 4} if pipe.config.get("is_distilled") else {}
+        return super().pipeline_options(pipe) | distilled
+
 
 class Flux2Dev(_Flux2):
     """FLUX.2 [dev], 32 B, guidance-distilled: its guidance embedding is trained at

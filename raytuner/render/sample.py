@@ -69,7 +69,8 @@ def apply_weights(
 def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image]]:
     """One image per render (a prompt with its settled options, ``render/prompts.py``) and seed
     (rows: renders); the same seed gives the same noise for every prompt of a size, so rows
-    compare. ``options``: the family's ``pipeline_options``."""
+    compare. ``options``: the family's ``pipeline_options`` (a render's own settings win: a
+    line's steps over a distilled model's few-step default)."""
     device = pipe.device
     return [
         [
@@ -77,8 +78,7 @@ def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image]
                 prompt=r.prompt,  # by name: FLUX.2's pipelines take an image first
                 generator=torch.Generator(device).manual_seed(seed),
                 output_type="pil",
-                **r.call(),
-                **options,
+                **(options | r.call()),
             ).images[0]
             for seed in r.seeds
         ]

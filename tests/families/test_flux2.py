@@ -149,6 +149,24 @@ def test_the_tiny_pipeline_renders(fam):
     assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
 
 
+def test_a_distilled_klein_renders_in_its_four_steps_unless_the_line_says():
+    """A step-distilled release (the pipeline's is_distilled) renders in 4 steps by default;
+    a render's own steps win (``raytuner sample --steps``, a prompt line's ``--s``)."""
+    from raytuner.render.prompts import Render
+    from raytuner.render.sample import render
+
+    family = FAMILIES["flux2-klein"]
+    pipe = family.pipeline(TINY)
+    assert "num_inference_steps" not in family.pipeline_options(pipe)  # the base model: 50
+    pipe.register_to_config(is_distilled=True)
+    options = family.pipeline_options(pipe)
+    line = dict(prompt="a red circle", line=0, width=64, height=64, seeds=(0,))
+    line |= dict(guidance_scale=1.0, negative_prompt="")
+    for steps, ran in ((None, 4), (2, 2)):
+        (row,) = render(pipe, options, [Render(steps=steps, **line)])
+        assert len(pipe.scheduler.timesteps) == ran and row[0].size == (64, 64)
+
+
 def test_klein_ships_its_9b_size_as_a_preset():
     assert preset_names("flux2-klein") == ("tiny", "random", "random-9b")
     assert preset_names("flux2-dev") == ("tiny", "random")
