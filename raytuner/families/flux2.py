@@ -21,6 +21,8 @@ none.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 
 from raytuner import placement
@@ -64,6 +66,19 @@ def image_encoder(vae, device: str) -> base.ImageEncoder:
     return encode
 
 
+def _adapters(base_model_version: str, architecture: str) -> base.Adapters:
+    """diffusers' targets, and the kohya file in BFL's names (``flux2_lora``) with the values
+    musubi-tuner writes for FLUX.2 LoRAs."""
+    files = base.LoraFiles(
+        "flux2",
+        base_model_version,
+        "networks.lora_flux_2",
+        architecture,
+        "https://github.com/black-forest-labs/flux2",
+    )
+    return base.Adapters(targets=TARGETS, files=files, kohya_names=flux2_lora.names)
+
+
 class _Flux2(base.DiffusersFamily):
     """What [klein] and [dev] share: everything but the text encoder, the pipeline and the
     guidance embedding."""
@@ -79,21 +94,7 @@ class _Flux2(base.DiffusersFamily):
         compile=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
         float8_matmul=True,
     )
-    # the LLM: not trained (no diffusers script trains it)
-    adapters = base.Adapters(targets=TARGETS)
-
-    @staticmethod
-    def _adapters(base_model_version: str, architecture: str) -> base.Adapters:
-        """diffusers' targets, and the kohya file in BFL's names (``flux2_lora``) with the
-        values musubi-tuner writes for FLUX.2 LoRAs."""
-        files = base.LoraFiles(
-            "flux2",
-            base_model_version,
-            "networks.lora_flux_2",
-            architecture,
-            "https://github.com/black-forest-labs/flux2",
-        )
-        return base.Adapters(targets=TARGETS, files=files, kohya_names=flux2_lora.names)
+    adapters: base.Adapters  # the LLM: not trained (no diffusers script trains it)
 
     def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
         """128 channels at 1/16 of the pixels and the released model's 512 caption rows."""
@@ -107,8 +108,9 @@ class _Flux2(base.DiffusersFamily):
         encoder = self.part(source, "text_encoder", device, weights)
         return Flux2Text(self.recipe, self.tokenizer(source), encoder, device)
 
+    @abstractmethod
     def tokenizer(self, source: parts.Source):
-        raise NotImplementedError
+        """Its LLM's tokenizer (a preset's built in code)."""
 
     def loss(self, source: parts.Source, objective):
         from diffusers import Flux2Pipeline
@@ -185,7 +187,7 @@ class Flux2Klein(_Flux2):
     recipe = text.KLEIN
     text_width = 3 * 2560  # the 4B model's (Qwen3-4B); the 9B's: 3 x 4096
     # musubi-tuner writes flux_2_klein_4b / _9b: one family holds both sizes
-    adapters = _Flux2._adapters("flux_2_klein", "flux-2-klein")
+    adapters = _adapters("flux_2_klein", "flux-2-klein")
     # Flux2KleinPipeline's default: classifier-free guidance against the empty prompt (the
     # distilled releases ignore it); it takes no negative prompt of the user's
     guidance = base.Guidance(default_scale=4.0, negative_prompt=False)
@@ -216,7 +218,7 @@ class Flux2Dev(_Flux2):
     name = "flux2-dev"
     recipe = text.DEV
     text_width = 3 * 5120  # Mistral Small 3.1's hidden size
-    adapters = _Flux2._adapters("flux_2_dev", "flux-2-dev")
+    adapters = _adapters("flux_2_dev", "flux-2-dev")
     guidance = base.Guidance(default_scale=4.0, embedding=True, negative_prompt=False)
     parts = base.Parts(
         classes={
