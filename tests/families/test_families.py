@@ -185,11 +185,12 @@ def test_float8_weights_with_8bit_adamw_and_swapped_blocks_train_a_lora_that_loa
 
 
 @pytest.mark.slow
-# a UNet family, a transformer family, and one whose captions are of their own lengths
-@pytest.mark.parametrize("name", ["sdxl", "flux", "z-image"])
+# a UNet family, a transformer family, one whose captions are of their own lengths, and one
+# whose latents are patchified and normalised by its VAE's BatchNorm statistics
+@pytest.mark.parametrize("name", ["sdxl", "flux", "z-image", "flux2-klein"])
 def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request, tmp_path):
-    """SDXL trains on the session's skewed job (tiny model, committed cache), Flux and Z-Image
-    on the caches the LoRA test above prepared: no extra preprocessing."""
+    """SDXL trains on the session's skewed job (tiny model, committed cache), Flux, Z-Image and
+    FLUX.2 [klein] on the caches the LoRA test above prepared: no extra preprocessing."""
     family = FAMILIES[name]
     overrides = ['train.name="full"', 'train.mode="full"', "train.ema_decay=0.5"]
     overrides += ["train.max_steps=3", "checkpoint.every_steps=3", "train.sample_log=false"]
