@@ -409,3 +409,22 @@ def test_a_sharded_lora_trains_what_one_process_trains(tmp_path):
     assert one.keys() == two.keys() and any("lora_B" in k for k in one)
     for name in one:  # the reduce-scatter sums in another order: float rounding apart
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("name", "preset", "transformer", "text_encoder"),
+    [
+        ("flux2-klein", "random", 3_875_544_576, 4_022_468_096),
+        ("flux2-klein", "random-9b", 9_078_581_248, 8_190_735_360),
+        ("flux2-dev", "random", 32_223_281_152, 23_340_272_640),
+    ],
+)
+def test_the_full_size_presets_count_the_released_parameters(
+    name, preset, transformer, text_encoder
+):
+    """Built on the meta device from the package's configs (no download): the released
+    transformers' and text encoders' parameter counts, exactly."""
+    family, source = FAMILIES[name], Source(preset, dtype=torch.bfloat16)
+    for part, count in (("transformer", transformer), ("text_encoder", text_encoder)):
+        model = family.part(source, part, "meta", weights=False)
+        assert sum(p.numel() for p in model.parameters()) == count, part
