@@ -130,6 +130,9 @@ class Flux2Text:
         )
         self.recipe, self.device = recipe, device
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's own
+        # what renders the chat template: the tokenizer, or the processor that holds it
+        has_template = getattr(self.tokenizer, "chat_template", None) is not None
+        self.templating = self.tokenizer if has_template else tokenizer
         self.max_tokens = min(MAX_TOKENS, self.tokenizer.model_max_length)
 
     @torch.no_grad()
@@ -152,12 +155,10 @@ class Flux2Text:
             turns = format_input(list(captions), self.pipe.system_message)
         else:
             turns = [[{"role": "user", "content": c}] for c in captions]
+        thinking = {"enable_thinking": False} if self.recipe.generation_prompt else {}
         return [
-            self.tokenizer.apply_chat_template(
-                t,
-                tokenize=False,
-                add_generation_prompt=self.recipe.generation_prompt,
-                enable_thinking=False,
+            self.templating.apply_chat_template(
+                t, tokenize=False, add_generation_prompt=self.recipe.generation_prompt, **thinking
             )
             for t in turns
         ]

@@ -79,7 +79,8 @@ def _close(a: dict, b: dict, tolerance: float) -> float:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "name, mode, checkpointing",
-    [("flux", "lora", True), ("sdxl", "full", False), ("z-image", "lora", True)],
+    [("flux", "lora", True), ("sdxl", "full", False), ("z-image", "lora", True),
+     ("flux2-klein", "lora", True)],  # fmt: skip
 )
 def test_compiled_blocks_train_as_eager_and_resume_exactly(name, mode, checkpointing, tmp_path):
     family = FAMILIES[name]
