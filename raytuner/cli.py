@@ -156,9 +156,8 @@ def _bench_parsers(sub) -> None:
 
 
 def _gpu_args(gpu: argparse.ArgumentParser) -> None:
-    gpu.add_argument(
-        "--families", default="sd15,sdxl,flux,sana,z-image,qwen-image", help="comma-separated"
-    )
+    families = "sd15,sdxl,flux,sana,z-image,qwen-image,flux2-klein,flux2-dev"
+    gpu.add_argument("--families", default=families, help="comma-separated")
     gpu.add_argument(
         "--only",
         default="",

@@ -44,7 +44,7 @@ def pipeline_image(pipe) -> np.ndarray:
     # a video pipeline (Wan) renders a one-frame clip
     tiny = {"max_sequence_length": 32, "use_resolution_binning": False, "num_frames": 1}
     out = pipe(
-        "a red circle",
+        prompt="a red circle",  # by name: FLUX.2's pipelines take an image first
         num_inference_steps=2,
         height=64,
         width=64,

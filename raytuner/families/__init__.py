@@ -4,6 +4,7 @@ its file, its two presets, its job TOML, one entry here."""
 from raytuner.config import ConfigError
 from raytuner.families.base import Family
 from raytuner.families.flux import Flux
+from raytuner.families.flux2 import Flux2Dev, Flux2Klein
 from raytuner.families.qwen_image import QwenImage
 from raytuner.families.sana import Sana
 from raytuner.families.sd15 import SD15
@@ -19,6 +20,8 @@ FAMILIES: dict[str, Family] = {
     "z-image": ZImage(),
     "wan": Wan(),
     "qwen-image": QwenImage(),
+    "flux2-klein": Flux2Klein(),
+    "flux2-dev": Flux2Dev(),
 }
 
 

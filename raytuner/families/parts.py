@@ -1,10 +1,11 @@
 """Where a family's parts come from, in which precision: the one loader of every model part.
 
 ``model.pretrained`` names a diffusers folder or hub repo, a single-file checkpoint
-(``.safetensors`` in the original LDM/SGM or BFL key layout, as model sites ship them), or one
-of two presets shipped in the package (``configs/<family>.<preset>.json``): ``tiny`` (a few
-thousand parameters, for tests and demos) and ``random`` (the released architecture at full
-size: for planning, benchmarks and GPU checks without the hub). A preset is the family's part
+(``.safetensors`` in the original LDM/SGM or BFL key layout, as model sites ship them), or a
+preset shipped in the package (``configs/<family>.<preset>.json``): every family's ``tiny`` (a
+few thousand parameters, for tests and demos) and ``random`` (the released architecture at full
+size: for planning, benchmarks and GPU checks without the hub), and a family's other released
+sizes as ``random-<size>`` (FLUX.2 [klein] 9B: ``random-9b``). A preset is the family's part
 configs; both presets are built by the same code, with seeded random weights, directly in the
 requested dtype and on the requested device (the meta device for ``raytuner plan``), so no
 float32 copy of a half-precision model is ever made. A folder or repo loads with
@@ -35,7 +36,7 @@ from raytuner import placement
 
 log = logging.getLogger("raytuner.model")
 
-PRESETS = ("tiny", "random")
+PRESETS = ("tiny", "random")  # every family's; ``preset_names`` adds a family's other sizes
 SINGLE_FILE_SUFFIX = ".safetensors"  # single-file checkpoints raytuner loads (no pickle: .ckpt)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CONFIGS = Path(__file__).parent / "configs"
@@ -61,7 +62,12 @@ class Source:
 
     @property
     def preset(self) -> str | None:
-        return self.pretrained if self.pretrained in PRESETS else None
+        return self.pretrained if self.pretrained in _all_presets() else None
+
+    @property
+    def full_size(self) -> bool:
+        """A preset of a released architecture (``random``, ``random-9b``): not ``tiny``."""
+        return self.preset is not None and self.preset != "tiny"
 
     @property
     def single_file(self) -> bool:
@@ -188,11 +194,27 @@ def single_file_identity(path: str) -> dict:
 
 
 @functools.cache
+def _all_presets() -> frozenset[str]:
+    """The preset names any family ships (a name that is no folder or hub id)."""
+    return frozenset(p.name.split(".", 1)[1].removesuffix(".json") for p in CONFIGS.glob("*.json"))
+
+
+@functools.cache
+def preset_names(family: str) -> tuple[str, ...]:
+    """The presets ``family`` ships: ``tiny``, ``random``, then its other sizes."""
+    own = {p.name.split(".", 1)[1].removesuffix(".json") for p in CONFIGS.glob(f"{family}.*.json")}
+    return tuple(n for n in PRESETS if n in own) + tuple(sorted(own - set(PRESETS)))
+
+
+@functools.cache
 def preset(family: str, name: str) -> dict:
     """A preset's part configs: part name -> {"config": constructor kwargs, "seed": ...}."""
     path = CONFIGS / f"{family}.{name}.json"
     if not path.exists():
-        raise ValueError(f"model.pretrained = {name!r}: family {family!r} has no such preset")
+        raise ValueError(
+            f"model.pretrained = {name!r}: family {family!r} has no such preset; its presets: "
+            + ", ".join(preset_names(family))
+        )
     return json.loads(path.read_text())
 
 
@@ -227,9 +249,8 @@ def _construct(cls, config: dict):
 def released(family: str, pretrained: str) -> str | None:
     """The preset that holds the architecture of a released hub repo (its ``_repos``), so that
     ``raytuner plan`` needs no download for the models the shipped jobs name."""
-    for name in PRESETS:
-        path = CONFIGS / f"{family}.{name}.json"
-        if path.exists() and pretrained in preset(family, name).get("_repos", []):
+    for name in preset_names(family):
+        if pretrained in preset(family, name).get("_repos", []):
             return name
     return None
 
@@ -282,9 +303,10 @@ def load(family, source: Source, part: str, cls_path: str, *, device="cpu", weig
 
 def _draw_device(cls, architecture: dict, source: Source, place: torch.device) -> torch.device:
     """Where a preset's random weights are drawn: ``place``, except that a full-size preset
-    (``random``) meant for the host (block swap, float8 storage) is drawn on the GPU when one is
-    there with room for it, then moved: drawing 12 B weights on a CPU takes minutes."""
-    if source.preset != "random" or place.type != "cpu" or not torch.cuda.is_available():
+    (``random``, ``random-9b``) meant for the host (block swap, float8 storage) is drawn on the
+    GPU when one is there with room for it, then moved: drawing 12 B weights on a CPU takes
+    minutes."""
+    if not source.full_size or place.type != "cpu" or not torch.cuda.is_available():
         return place
     with _default_dtype(source.dtype), torch.device("meta"):
         size = sum(p.numel() * p.element_size() for p in _construct(cls, architecture).parameters())

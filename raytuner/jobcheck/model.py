@@ -141,7 +141,14 @@ def float8_matmul(job: JobConfig, family) -> None:
 
 def model_file(model: ModelConfig, family) -> None:
     """A single-file ``model.pretrained`` exists locally and its family can load one; a file of
-    another kind (a pickled ``.ckpt``) is refused, as is a config for no single file."""
+    another kind (a pickled ``.ckpt``) is refused, as is a config for no single file; a preset
+    name is one the family ships."""
+    name = parts.Source(model.pretrained).preset
+    if name and name not in parts.preset_names(family.name):
+        raise ConfigError(
+            f"model.pretrained = {name!r}: {family.name} has no such preset; its presets: "
+            f"{', '.join(parts.preset_names(family.name))} (or a diffusers folder or hub id)"
+        )
     if not parts.is_single_file(model.pretrained):
         if os.path.isfile(model.pretrained):
             raise ConfigError(

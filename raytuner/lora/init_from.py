@@ -101,16 +101,21 @@ def file_modules(tensors: dict, meta: dict, family, denoiser, load=None) -> dict
     # peft's adapter name in the keys (``lora_A.default.weight``), as ComfyUI and diffusers'
     # Qwen-Image loader read them
     tensors = {_PEFT_DEFAULT.sub(r".\1.weight", k): v for k, v in tensors.items()}
+    names = export.kohya_names(family, denoiser)
     if not any(k.endswith(".lora_down.weight") for k in tensors):
         # the diffusers module names under ComfyUI's name of the denoiser, as ComfyUI-side
-        # trainers write them (diffusers' Z-Image loader takes them so)
+        # trainers write them (diffusers' Z-Image loader takes them so); a kohya layout's
+        # names in peft's keys there (ai-toolkit's FLUX.2 and Wan files) as that layout
         tensors = {
             denoiser_part + k.removeprefix(COMFY) if k.startswith(COMFY) else k: v
             for k, v in tensors.items()
         }
+        if names is not None:
+            tensors = _native_as_kohya(tensors, denoiser_part, dims)
+    if not any(k.endswith(".lora_down.weight") for k in tensors):
         return from_diffusers(tensors, meta, family.parts.denoiser)
     # a family without a kohya layout: the diffusers names, as kohya writes them
-    names = export.kohya_names(family, denoiser) or kohya.unet_names
+    names = names or kohya.unet_names
     table = kohya.reverse(names, dims)
     # diffusers' convert_state_dict_to_kohya (raytuner's earlier exports) names the part
     part = f"lora_{family.parts.denoiser}_"
@@ -119,6 +124,23 @@ def file_modules(tensors: dict, meta: dict, family, denoiser, load=None) -> dict
         fused = {f"{name}.lora_up.weight" for name, pieces in table.items() if len(pieces) > 1}
         tensors = {k: load(v) if k in fused else v for k, v in tensors.items()}
     return kohya.from_kohya(tensors, table, dims)
+
+
+def _native_as_kohya(tensors: dict, part: str, dims: dict) -> dict:
+    """A peft-style file (``lora_A`` / ``lora_B``) whose modules are none of the denoiser's,
+    named as the family's kohya layout names them without its prefix (ai-toolkit's FLUX.2
+    LoRAs: BFL's ``double_blocks.0.img_attn.qkv`` under ``diffusion_model.``), in that
+    layout's keys; any other file as it is."""
+    ends = {".lora_A.weight": ".lora_down.weight", ".lora_B.weight": ".lora_up.weight"}
+    ends[".alpha"] = ".alpha"
+    renamed = {}
+    for key, value in tensors.items():
+        end = next((e for e in ends if key.endswith(e)), None)
+        module = key.removeprefix(part)[: -len(end)] if end else ""
+        if end is None or module in dims:
+            return tensors
+        renamed[kohya.flat(module) + ends[end]] = value
+    return renamed
 
 
 class Shape(NamedTuple):

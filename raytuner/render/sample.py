@@ -75,12 +75,15 @@ def apply_weights(
 def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image]]:
     """One image per render (a prompt with its settled options, ``render/prompts.py``) and seed
     (rows: renders); the same seed gives the same noise for every prompt of a size, so rows
-    compare. ``options``: the family's ``pipeline_options``."""
+    compare. ``options``: the family's ``pipeline_options`` (a render's own settings win: a
+    line's steps over a distilled model's few-step default)."""
     device = pipe.device
 
     def image(r: Render, seed: int) -> Image.Image:
         generator = torch.Generator(device).manual_seed(seed)
-        out = pipe(r.prompt, generator=generator, output_type="pil", **r.call(), **options)
+        # the prompt by name: FLUX.2's pipelines take an image first; the render's settings
+        # win over the family's options
+        out = pipe(prompt=r.prompt, generator=generator, output_type="pil", **(options | r.call()))
         # an image pipeline's first image; a video pipeline's (a one-frame clip) first frame
         return out.images[0] if hasattr(out, "images") else out.frames[0][0]
 

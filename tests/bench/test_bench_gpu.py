@@ -41,7 +41,7 @@ def test_every_group_fits_its_window_and_rows_name_their_commands(capsys):
 def test_only_picks_groups_and_rows_and_names_the_groups_when_wrong(capsys):
     from raytuner.cli import main
 
-    assert main(["bench", "gpu", "--dry-run", "--only", "compile,step flux"]) == 0
+    assert main(["bench", "gpu", "--dry-run", "--only", "compile,compile-2,step flux"]) == 0
     out = capsys.readouterr().out
     names = [i["name"] for i in json.loads(out[out.index("{") :])["items"]]
     items = gpu_rows.rows(list(gpu_rows.FAMILIES), "jobs", "/tmp/w")

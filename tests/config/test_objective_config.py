@@ -98,8 +98,8 @@ def test_check_refuses_the_other_kinds_settings_naming_the_key_and_what_to_use(t
     code, err = _check(tmp_path, capsys, "sdxl", extra="[objective.flow]\nshift = 3.0\n")
     assert code == 2
     assert (
-        "objective.flow.shift = 3.0 is read only by flow-matching families (flux, sana, z-image, "
-        "qwen-image); "
+        "objective.flow.shift = 3.0 is read only by flow-matching families "
+        f"({', '.join(n for n, f in FAMILIES.items() if f.objective_kind == 'flow')}); "
         "sdxl trains with DDPM: use [objective.ddpm]"
     ) in err
     code, err = _check(tmp_path, capsys, "flux", 'objective.ddpm.weighting="min_snr"')

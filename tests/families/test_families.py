@@ -26,10 +26,11 @@ from raytuner.families.parts import Source
 TINY = Source("tiny")
 TRAINED: dict[str, dict] = {}  # family -> the summary of its plain 2-worker LoRA run
 
-# diffusers converts kohya keys for these; Flux's kohya file is sd-scripts' fused layout, which
-# diffusers' converter splits only at Flux.1's own widths (tests/lora/test_lora_files.py checks it
-# there, and on the tiny model for the modules it splits at any width); Sana gets none
-KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl", "wan"}
+# diffusers converts kohya keys for these (FLUX.2's BFL names at any width); Flux's kohya file is
+# sd-scripts' fused layout, which diffusers' converter splits only at Flux.1's own widths
+# (tests/lora/test_lora_files.py checks it there, and on the tiny model for the modules it splits
+# at any width; Wan's in its own names); Sana gets none
+KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl", "flux2-klein", "flux2-dev", "wan"}
 
 JOB = """
 [model]
@@ -184,11 +185,12 @@ def test_float8_weights_with_8bit_adamw_and_swapped_blocks_train_a_lora_that_loa
 
 
 @pytest.mark.slow
-# a UNet family, a transformer family, and one whose captions are of their own lengths
-@pytest.mark.parametrize("name", ["sdxl", "flux", "z-image"])
+# a UNet family, a transformer family, one whose captions are of their own lengths, and one
+# whose latents are patchified and normalised by its VAE's BatchNorm statistics
+@pytest.mark.parametrize("name", ["sdxl", "flux", "z-image", "flux2-klein"])
 def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request, tmp_path):
-    """SDXL trains on the session's skewed job (tiny model, committed cache), Flux and Z-Image
-    on the caches the LoRA test above prepared: no extra preprocessing."""
+    """SDXL trains on the session's skewed job (tiny model, committed cache), Flux, Z-Image and
+    FLUX.2 [klein] on the caches the LoRA test above prepared: no extra preprocessing."""
     family = FAMILIES[name]
     overrides = ['train.name="full"', 'train.mode="full"', "train.ema_decay=0.5"]
     overrides += ["train.max_steps=3", "checkpoint.every_steps=3", "train.sample_log=false"]

@@ -83,7 +83,6 @@ def _close(a: dict, b: dict, tolerance: float) -> float:
         ("flux", "lora", True),
         ("sdxl", "full", False),
         ("z-image", "lora", True),
-        ("qwen-image", "lora", True),
     ],
 )
 def test_compiled_blocks_train_as_eager_and_resume_exactly(name, mode, checkpointing, tmp_path):

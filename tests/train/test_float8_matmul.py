@@ -25,7 +25,7 @@ def _trained(name: str, on: bool):
     return family, train, trainable_model(model, train, LoraConfig(rank=4), family, cpu)
 
 
-@pytest.mark.parametrize("name", ["flux", "sana", "z-image", "wan", "qwen-image"])
+@pytest.mark.parametrize("name", ["flux", "sana", "z-image", "wan", "qwen-image", "flux2-klein"])
 def test_the_blocks_frozen_linears_multiply_in_float8_and_the_lora_trains(name):
     from torchao.float8.float8_linear import Float8Linear
 

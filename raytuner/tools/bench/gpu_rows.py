@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FAMILIES = ("sd15", "sdxl", "flux", "sana", "z-image", "qwen-image")
+FAMILIES = ("sd15", "sdxl", "flux", "sana", "z-image", "qwen-image", "flux2-klein", "flux2-dev")
 GROUP_LIMIT_S = 480  # a group's estimate at most: 8 minutes
 RANDOM = ("--set", 'model.pretrained="random"')
 START_S = 10.0  # a process: python, torch, diffusers, the job checked
@@ -31,8 +31,13 @@ BASE = {  # family: (micro-batch, samples/s eager, load s, compile s of its bloc
     # not measured yet: Flux's rate scaled by plan's TFLOP a sample (258.8 against 245.8), its
     # 20.4 B weights drawn on the GPU, one block class to compile
     "qwen-image": (1, 1.14, 25.0, 60.0),
+    # not measured yet: Flux's rate scaled by plan's TFLOP a sample ([klein] 4B 114.5, [dev]
+    # 893.2), two block classes to compile as Flux's; [dev]'s 64 GB of random weights drawn
+    "flux2-klein": (1, 2.58, 8.0, 90.0),
+    "flux2-dev": (1, 0.33, 40.0, 90.0),
 }
-SHIPPED_MICRO = {"sd15": 32, "sdxl": 16, "sana": 16, "flux": 1, "z-image": 1, "qwen-image": 1}
+SHIPPED_MICRO = {"sd15": 32, "sdxl": 16, "sana": 16, "flux": 1, "z-image": 1,  # the jobs' own
+                 "qwen-image": 1, "flux2-klein": 1, "flux2-dev": 2}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,12 +84,13 @@ def rows(families: list[str], jobs: str, workdir: str) -> list[Row]:
     out: list[Row] = []
     for f in families:  # MFU of each family at the micro-batch of 2026-11-23, eager
         out.append(_step(f, jobs, f"step {f}", "mfu", "train.compile=false"))
-    group, spent = "compile", 0.0  # the compiled rows, in a second group past the limit
+    group, spent, n = "compile", 0.0, 1  # the compiled rows, a next group past the limit
     for f in families:
         row = _step(f, jobs, f"step {f} compiled", group, "train.compile=true",
                     extra_s=BASE[f][3])  # fmt: skip
-        if spent + row.estimate_s > GROUP_LIMIT_S and group == "compile":
-            group, spent = "compile-2", 0.0
+        if spent and spent + row.estimate_s > GROUP_LIMIT_S:
+            n += 1
+            group, spent = f"compile-{n}", 0.0
             row = dataclasses.replace(row, group=group)
         out.append(row)
         spent += row.estimate_s
@@ -191,9 +197,10 @@ def _train(families: list[str], jobs: str, workdir: str) -> list[Row]:
                    "checkpoint.max_failures=0")  # fmt: skip
         micro, rate, load_s, _ = BASE[f]
         seconds = 40.0 + 90.0 + 2 * (START_S + load_s + 20 * micro / rate)
-        group = {"sd15": "train", "sdxl": "train", "flux": "train-2", "sana": "train-2"}.get(
-            f, "train-3"
-        )
+        groups = {"sd15": "train", "sdxl": "train", "flux": "train-2", "sana": "train-2"}
+        # [dev] replicated on one 80 GB card (67.2 GiB by plan), after its 24 B encoder's pool
+        # (Qwen-Image's 20 B in a group of its own: 8 minutes a group)
+        group = (groups | {"flux2-dev": "train-4", "qwen-image": "train-5"}).get(f, "train-3")
         out.append(Row(name=f"train {f}", group=group,
                        args=("bench", "train", f"{jobs}/{f}.toml", *RANDOM,
                              *_sets(*folders, f"train.micro_batch_size={micro}",
