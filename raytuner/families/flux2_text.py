@@ -128,7 +128,8 @@ class Flux2Text:
         self.pipe = getattr(diffusers, recipe.pipeline)(
             tokenizer=tokenizer, text_encoder=encoder, vae=None, transformer=None, scheduler=None
         )
-        self.recipe, self.device = recipe, device
+        # encoders: what an encoder actor may split over its GPUs or offload (text.place)
+        self.recipe, self.device, self.encoders = recipe, device, [encoder]
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's own
         # what renders the chat template: the tokenizer, or the processor that holds it
         has_template = getattr(self.tokenizer, "chat_template", None) is not None

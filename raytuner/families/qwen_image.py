@@ -82,6 +82,7 @@ class _QwenText:
             scheduler=None, vae=None, text_encoder=encoder, tokenizer=tokenizer, transformer=None
         )
         self.pipe, self.tokenizer, self.device = _pipeline(pipe), tokenizer, device
+        self.encoders = [encoder]  # what an encoder actor may split or offload (text.place)
         self.max_tokens = min(MAX_TOKENS, tokenizer.model_max_length)
 
     @torch.no_grad()

@@ -47,7 +47,10 @@ def _features(encoder) -> dict[str, torch.Tensor]:
         return encoder(CAPTIONS)
 
 
-@pytest.mark.parametrize("name", ["flux", "z-image", "sdxl"])
+ENCODED = ["flux", "z-image", "sdxl", "wan", "qwen-image", "flux2-klein", "flux2-dev"]
+
+
+@pytest.mark.parametrize("name", ENCODED)
 @pytest.mark.parametrize("offload", [False, True], ids=["split", "offload"])
 def test_a_split_or_streamed_encoder_gives_the_plain_encoders_features(name, offload):
     family, source = FAMILIES[name], parts.Source("tiny")
