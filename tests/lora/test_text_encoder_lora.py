@@ -366,7 +366,8 @@ def test_a_run_from_before_the_text_encoder_keys_resumes(job_file, tmp_path):
     from raytuner.checkpoint.resume import check_resumable, run_identity
     from raytuner.train.trainer import _dataset_change
 
-    job = load_job(job_file, [f"train.output={tmp_path}"])
+    # as train() hands it over: scaling.strategy decided ("auto" -> ddp on CPU workers)
+    job = load_job(job_file, [f"train.output={tmp_path}", 'scaling.strategy="ddp"'])
     fp, dataset = "fp", {"id": "d"}
     identity = run_identity(job.model, job.lora, job.train, fp, "d", "ddp")
     for key in ("text_encoder", "text_encoder_rank", "text_encoder_alpha"):

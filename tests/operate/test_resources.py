@@ -6,6 +6,7 @@ fails saying what it asked for and what exists, instead of Ray retrying without 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -67,10 +68,20 @@ def test_a_group_the_cluster_cannot_hold_fails_in_the_stated_time(ray_local, tmp
 
 
 def test_a_gpu_for_training_on_a_cpu_only_ray_fails_at_once_naming_gpu(ray_local, tmp_path):
+    """scaling.strategy = "auto" probes the GPU a worker gets before any worker starts; a
+    strategy the job names asks for the workers' GPUs: either fails at once, naming GPU."""
     job = job_with_cache(tmp_path, ["scaling.use_gpu=true", "scaling.workers=1"])
     started = time.monotonic()
     with pytest.raises(RuntimeError) as caught:
         train(job)
+    assert time.monotonic() - started < FAILS_WITHIN_S
+    message = str(caught.value)
+    assert 'scaling.strategy = "auto" and its probe need 1 GPU at once' in message
+    assert "0 GPU in all (1 node)" in message and "scaling.worker_memory" in message
+    pinned = dataclasses.replace(job, scaling=dataclasses.replace(job.scaling, strategy="ddp"))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as caught:
+        train(pinned)
     assert time.monotonic() - started < FAILS_WITHIN_S
     message = str(caught.value)
     assert "1 training workers need 1 CPU, 1 GPU at once" in message
