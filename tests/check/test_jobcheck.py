@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from raytuner.cli import main
+from raytuner.families import FAMILIES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -397,11 +398,15 @@ def test_auto_compiles_on_gpus_where_it_was_measured_faster():
     assert not compiles(True, FAMILIES["flux"], torch.device("meta"))
 
 
+# the families whose blocks' frozen linears may multiply in float8, as the registry says
+FLOAT8_FAMILIES = [n for n, f in FAMILIES.items() if f.blocks.float8_matmul]
+
+
 @pytest.mark.parametrize(
     "family, overrides, shown",
     [
         ("flux", [], "scaling.use_gpu = false: CPU workers have no FP8"),
-        ("sdxl", ["scaling.use_gpu=true"], "allowed for flux, sana, z-image, qwen-image"),
+        ("sdxl", ["scaling.use_gpu=true"], f"allowed for {', '.join(FLOAT8_FAMILIES)}"),
         ("flux", ["scaling.use_gpu=true", 'model.dtype="float8"'], "stored in float8 already"),
         ("flux", ["scaling.use_gpu=true", 'scaling.strategy="fsdp"'], "sharded weights"),
         ("flux", ["scaling.use_gpu=true", 'train.mode="full"'], "only frozen base weights"),

@@ -93,6 +93,9 @@ def test_a_job_nothing_fits_is_refused_naming_what_to_change(peaks):
     assert "sharded over 8 workers" in choice.refusal and "`raytuner plan`" in choice.refusal
     blocked = _decide(_job("lora.text_encoder=true"), _memory(peaks[2]))
     assert "cannot take lora.text_encoder = true" in blocked.refusal
+    # each worker skips other modules: never sharded (config/rules refuses it with fsdp)
+    dropped = _decide(_job('lora.kind="loha"', "lora.module_dropout=0.1"), _memory(peaks[2]))
+    assert "cannot take lora.module_dropout = 0.1" in dropped.refusal
 
 
 def test_a_strategy_the_job_names_is_kept(peaks):

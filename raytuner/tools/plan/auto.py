@@ -69,6 +69,8 @@ def unshardable(job: JobConfig) -> str:
     """What of the job sharded weights cannot take, as the job writes it ("" when nothing)."""
     if job.lora.text_encoder:
         return "lora.text_encoder = true (the text encoders are replicated)"
+    if job.lora.module_dropout:  # config/rules.module_dropout_needs
+        return f"lora.module_dropout = {job.lora.module_dropout} (each worker skips other modules)"
     if job.train.float8_matmul:
         return "train.float8_matmul = true"
     refusal = SHARDED.refusal(
