@@ -42,3 +42,20 @@ def test_a_text_encoder_too_big_for_one_gpu_is_given_what_fits():
     assert "preprocess.gpus_per_actor = 2" in encoders.advice(p)
     split = _pool("flux", "8GiB", "preprocess.batch_size=4", "preprocess.gpus_per_actor=2")
     assert (split["layout"], split["fits"]) == ("split", True)
+
+
+@pytest.mark.slow  # two traces of the full-size Flux.1 step (about 12 s each)
+def test_plan_says_the_encoder_actor_fits_when_its_text_encoder_is_split():
+    """Full-size Flux.1 on 8 GiB cards: the encoder actor on one GPU does not fit; with its
+    text encoder split over 2 GPUs, plan's verdict for the actor is its busiest GPU's."""
+    from raytuner.tools.plan.measure import measure
+
+    job = load_job(str(REPO / "jobs" / "flux.toml"), ["preprocess.batch_size=4"])
+    one = measure(job, FAMILIES["flux"], parse_size("8GiB"), compare=False)["encoder_actor"]
+    assert not one["fits"] and not one.get("per_gpu")
+    two = load_job(str(REPO / "jobs" / "flux.toml"),
+                   ["preprocess.batch_size=4", "preprocess.gpus_per_actor=2"])  # fmt: skip
+    split = measure(two, FAMILIES["flux"], parse_size("8GiB"), compare=False)
+    actor = split["encoder_actor"]
+    assert actor["fits"] and actor["per_gpu"]
+    assert actor["peak_bytes"] == split["text_encoder"]["per_gpu_bytes"] < one["peak_bytes"]

@@ -20,6 +20,7 @@ traced, on the ``raytuner.plan`` logger.
 from __future__ import annotations
 
 from raytuner.config import JobConfig
+from raytuner.placement.encoders import WHOLE
 from raytuner.placement.strategy import Strategy
 from raytuner.tools.plan import auto, encoders, fsdp, suggest
 from raytuner.tools.plan.progress import Progress
@@ -89,6 +90,7 @@ def _measure(job: JobConfig, family, gpu_memory: int, compare: bool, progress: P
         worker[f"peak_bytes_{key}_checkpointing"] = other["peak_bytes"]
     usable = int(gpu_memory * (1 - MARGIN))
     fits = peak <= usable
+    text = encoders.pool(job, family, gpu_memory)
     if fits:  # what would be faster and still fit (traced only for the full report)
         suggestions = suggest.faster(job, traces, usable) if compare else []
     else:
@@ -117,8 +119,8 @@ def _measure(job: JobConfig, family, gpu_memory: int, compare: bool, progress: P
         "tflops_per_sample": worker["tflops_per_sample"],
         "worker": worker,
         "sharded": sharded,
-        "encoder_actor": encoder | _fits(encoder["peak_bytes"], usable),
-        "text_encoder": encoders.pool(job, family, gpu_memory),
+        "encoder_actor": _encoder_actor(encoder, text, usable),
+        "text_encoder": text,
         "validation_actor": _validation(job, family, shapes, size, progress, peak, usable),
         "cache_shapes": {k: list(v) for k, v in shapes.items()},
         "suggestions": suggestions,
@@ -140,6 +142,17 @@ def _decided(job: JobConfig, family, gpu_memory: int, traces: Traces):
 
 def _fits(needs: int, usable: int) -> dict:
     return {"needs_bytes": needs, "fits": needs <= usable}
+
+
+def _encoder_actor(encoder: dict, text: dict, usable: int) -> dict:
+    """The encoder actor on one GPU; a text encoder split over the actor's GPUs or streamed
+    from host memory (``text``: ``encoders.pool``, the VAE on its first GPU) fits where its
+    busiest GPU does."""
+    if text["layout"] == WHOLE:
+        return encoder | _fits(encoder["peak_bytes"], usable)
+    busiest = text["per_gpu_bytes"]
+    fit = {"peak_bytes": busiest, "needs_bytes": busiest, "fits": text["fits"], "per_gpu": True}
+    return encoder | fit
 
 
 def _validation(job: JobConfig, family, shapes, size, progress, worker: int, usable: int):

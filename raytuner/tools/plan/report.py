@@ -64,9 +64,10 @@ def _print_actors(result: dict) -> None:
         label, verdict = name.replace("_", " "), "fits" if a["fits"] else "does NOT fit"
         if a.get("shares_training_gpu"):
             verdict += f" beside a training worker ({_gib(a['needs_bytes'])} together)"
+        each = " on its busiest GPU" if a.get("per_gpu") else ""  # a text encoder placed
         print(
-            f"  {label}: weights {_gib(a['weights_bytes'])}, peak {_gib(a['peak_bytes'])} "
-            f"({verdict})"
+            f"  {label}: weights {_gib(a['weights_bytes'])}, peak {_gib(a['peak_bytes'])}"
+            f"{each} ({verdict})"
         )
         if name == "encoder_actor" and result.get("text_encoder"):
             print("\n".join(encoders.lines(result["text_encoder"])))
