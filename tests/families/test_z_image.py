@@ -6,12 +6,11 @@ the released 6.15 B transformer."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from run_checks import lora_changes_the_pipeline
+from sharded_lora import assert_sharded_lora_matches
 
 from raytuner.config import FlowObjective, LoraConfig
 from raytuner.data.reader import _stacked
@@ -194,68 +193,11 @@ def test_the_cache_holds_each_captions_own_rows_of_encode_prompt(ray_local, tmp_
         data.close()
 
 
-def _lora_after_steps(rank: int, world: int, port: int, out: str) -> None:
-    """Three LoRA steps of the tiny Z-Image on 4 captions of several lengths, this rank's share
-    of them; ``world`` 2: sharded over two gloo workers (``scaling.strategy = "fsdp"``). Rank 0
-    writes the LoRA (gathered) and the losses to ``out``."""
-    import json
-    import os
-
-    import torch.distributed as dist
-    from safetensors.torch import save_file
-
-    from raytuner.config import MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
-    from raytuner.placement.strategy import SHARDED
-    from raytuner.train import optim
-    from raytuner.train.feed import RankSlice
-    from raytuner.train.model import trainable_model
-    from raytuner.train.step import train_step
-
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    pixels = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    text = ZI.text_encoder(TINY, "cpu")(["a red circle", CAPTIONS[1], "", "a square"])
-    sizes = torch.tensor([[64, 64]] * 4)
-    rows = {"latent": ZI.image_encoder(TINY, "cpu")(pixels)[0], **text, "original_size": sizes,
-            "crop_top_left": sizes * 0, "target_size": sizes}  # fmt: skip
-    n = 4 // world
-    mine = {k: v[n * rank : n * (rank + 1)] for k, v in rows.items()}
-    cpu, model = torch.device("cpu"), ModelConfig(family="z-image", pretrained="tiny")
-    train = TrainConfig(output="unused", global_batch_size=4, max_steps=4, learning_rate=1e-2)
-    kw = {"strategy": SHARDED} if world > 1 else {}
-    trained = trainable_model(model, train, LoraConfig(rank=4, alpha=4.0), ZI, cpu, **kw)
-    opt, sched = optim.for_run(train, trained.weights.params)
-    loss_fn = ZI.loss(trained.source, ObjectiveConfig().for_family(ZI))
-    step = train_step(trained, trained.denoiser, loss_fn, opt, sched, train, MemoryConfig(), cpu,
-                      world)  # fmt: skip
-    seeds = list(range(n * rank, n * (rank + 1)))
-    losses = [step(RankSlice(0, i, 4, mine, seeds, [])).item() for i in range(3)]
-    state = {}
-    for name, tensor in trained.weights.state().items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        state[name] = full.detach().float().contiguous()
-    if rank == 0:
-        save_file(state, f"{out}/lora-{world}.safetensors")
-        Path(out, f"losses-{world}.json").write_text(json.dumps(losses))
-    if world > 1:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_a_sharded_lora_trains_what_one_process_trains(tmp_path):
     """Captions of several lengths on each rank (each batch padded to its own longest): two
     sharded gloo workers end where one process on the whole batch does."""
-    import torch.multiprocessing as mp
-    from ray_head import free_ports
-    from safetensors.torch import load_file
-
-    _lora_after_steps(0, 1, 0, str(tmp_path))
-    mp.spawn(_lora_after_steps, args=(2, free_ports(1)[0], str(tmp_path)), nprocs=2)
-    one, two = (load_file(tmp_path / f"lora-{world}.safetensors") for world in (1, 2))
-    assert one.keys() == two.keys() and any("lora_B" in k for k in one)
-    for name in one:  # the reduce-scatter sums in another order: float rounding apart
-        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_sharded_lora_matches("z-image", tmp_path)
 
 
 def test_init_from_reads_the_layouts_other_z_image_trainers_write(pipe, tmp_path):
