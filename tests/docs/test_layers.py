@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("training", ["train"]),
     ("operations", ["tools"]),
     ("api", ["jobcheck", "api", "__init__"]),
-    ("commands", ["cli", "demo", "__main__"]),
+    ("commands", ["cli", "cli_args", "demo", "__main__"]),
 ]
 
 
