@@ -6,15 +6,13 @@ LoRA loads through the pipeline, and `raytuner check` refuses what the families 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from run_checks import lora_changes_the_pipeline
 from sharded_lora import assert_sharded_lora_matches
+from test_jobcheck import refused
 
-from raytuner.cli import main
 from raytuner.config import FlowObjective, LoraConfig
 from raytuner.families import FAMILIES, flux2
 from raytuner.families.parts import Source, preset_names
@@ -177,31 +175,6 @@ def test_klein_ships_its_9b_size_as_a_preset():
     assert Source("random-9b").preset == "random-9b" and Source("random-9b").full_size
 
 
-JOB = """
-[model]
-family = "{family}"
-[data]
-images = "{root}/images"
-cache = "{root}/cache"
-[train]
-output = "{root}/runs"
-"""
-
-
-def _check(tmp_path: Path, capsys, family: str, *overrides: str) -> tuple[int, str]:
-    from PIL import Image
-
-    (tmp_path / "images").mkdir(exist_ok=True)
-    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "0.png")
-    path = tmp_path / "job.toml"
-    path.write_text(JOB.format(family=family, root=tmp_path.as_posix()))
-    args = ["check", str(path)]
-    for text in overrides:
-        args += ["--set", text]
-    code = main(args)
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     ("family", "setting", "says"),
     [
@@ -212,8 +185,8 @@ def _check(tmp_path: Path, capsys, family: str, *overrides: str) -> tuple[int, s
     ],
 )
 def test_check_refuses_what_flux2_cannot_do(tmp_path, capsys, family, setting, says):
-    code, err = _check(tmp_path, capsys, family, setting)
-    assert code == 2 and says in err, err
+    err = refused(tmp_path, capsys, setting, family=family)  # `raytuner check`, exit 2
+    assert says in err, err
 
 
 def _known_lora(family, rank: int = 2):
