@@ -3,6 +3,7 @@ is what a user can use (the diffusers SDXL pipeline loads it)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from pathlib import Path
@@ -81,3 +82,44 @@ def lora_checkpoint(folder: Path, name: str, jitter: float = 0.0) -> Path:
             p.add_(torch.randn_like(p) * jitter)
     weights.export_lora(str(folder / EXPORT), family, {"raytuner.family": name})
     return folder
+
+
+CACHE_JOB = """
+[model]
+family = "{family}"
+pretrained = "{folder}"
+[data]
+images = "{images}"
+cache = "{root}/cache"
+[preprocess]
+resolution = 64
+bucket_step = 32
+[train]
+output = "{root}/runs"
+"""
+
+
+@contextlib.contextmanager
+def cached_folder(name: str, root: Path):
+    """The tiny ``name`` family saved as a diffusers folder and 6 demo images preprocessed from
+    it by Ray Data (a local Ray running): yields (the open dataset, its rows' captions as the
+    preprocess reads them: whitespace runs one space, ends stripped, the folder)."""
+    from raytuner.api import preprocess
+    from raytuner.config import load_job
+    from raytuner.data import cache
+    from raytuner.data.reader import open_dataset
+    from raytuner.tools.demo_images import make_demo_images
+
+    FAMILIES[name].pipeline(TINY).save_pretrained(root / "model")
+    images = make_demo_images(root / "images", per_aspect=2)
+    job_file = root / "job.toml"
+    job_file.write_text(CACHE_JOB.format(family=name, folder=root / "model", images=images,
+                                         root=root))  # fmt: skip
+    job = load_job(job_file)
+    assert preprocess(job)["encoded"] == 6
+    data = open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
+    try:
+        files = [(images / p).with_suffix(".txt") for p in data.paths]
+        yield data, [" ".join(f.read_text().split()) for f in files], root / "model"
+    finally:
+        data.close()

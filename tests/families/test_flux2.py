@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from run_checks import lora_changes_the_pipeline
+from run_checks import cached_folder, lora_changes_the_pipeline
 from sharded_lora import assert_sharded_lora_matches
 from test_jobcheck import refused
 
@@ -274,21 +274,6 @@ def test_the_kohya_file_in_bfl_names_loads_as_the_diffusers_file_and_init_from_r
                                atol=1e-5)  # fmt: skip
 
 
-RAY_JOB = """
-[model]
-family = "flux2-klein"
-pretrained = "{folder}"
-[data]
-images = "{images}"
-cache = "{root}/cache"
-[preprocess]
-resolution = 64
-bucket_step = 32
-[train]
-output = "{root}/runs"
-"""
-
-
 @pytest.mark.slow
 def test_ray_data_caches_the_pipelines_encodings_of_a_klein_folder(ray_local, tmp_path):
     """Preprocessed by Ray Data from a diffusers folder (the tiny [klein] saved): each row's
@@ -296,23 +281,8 @@ def test_ray_data_caches_the_pipelines_encodings_of_a_klein_folder(ray_local, tm
     tokenizer's 96), its latent the 2x2-patchified 1/16 grid."""
     from diffusers import Flux2KleinPipeline
 
-    from raytuner.api import preprocess
-    from raytuner.config import load_job
-    from raytuner.data import cache
-    from raytuner.data.reader import open_dataset
-    from raytuner.tools.demo_images import make_demo_images
-
-    FAMILIES["flux2-klein"].pipeline(TINY).save_pretrained(tmp_path / "model")
-    pipe = Flux2KleinPipeline.from_pretrained(tmp_path / "model")
-    images = make_demo_images(tmp_path / "images", per_aspect=2)
-    job_file = tmp_path / "job.toml"
-    job_file.write_text(RAY_JOB.format(folder=tmp_path / "model", images=images, root=tmp_path))
-    job = load_job(job_file)
-    assert preprocess(job)["encoded"] == 6
-    data = open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
-    try:
-        files = [(images / p).with_suffix(".txt") for p in data.paths]
-        captions = [" ".join(f.read_text().split()) for f in files]
+    with cached_folder("flux2-klein", tmp_path) as (data, captions, folder):
+        pipe = Flux2KleinPipeline.from_pretrained(folder)
         options = FAMILIES["flux2-klein"].pipeline_options(pipe)
         direct, _ = pipe.encode_prompt(list(captions), device=torch.device("cpu"), **options)
         for i, own in enumerate(direct):
@@ -320,8 +290,6 @@ def test_ray_data_caches_the_pipelines_encodings_of_a_klein_folder(ray_local, tm
             assert row["prompt_embeds"][0].shape == own.shape == (96, 48)  # every row stored
             torch.testing.assert_close(row["prompt_embeds"][0], own.bfloat16().float())
             assert row["latent"].shape[1] == 16  # 4 channels x 2 x 2, at 1/16 of the bucket
-    finally:
-        data.close()
 
 
 @pytest.mark.slow

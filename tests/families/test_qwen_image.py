@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from run_checks import pipeline_image
+from run_checks import cached_folder, pipeline_image
 from sharded_lora import assert_sharded_lora_matches
 
 from raytuner.config import FlowObjective, LoraConfig
@@ -200,45 +200,13 @@ def test_validation_renders_with_true_cfg_and_a_blank_negative_prompt(pipe):
     assert not np.allclose(np.asarray(image) / 255, unguided, atol=1 / 255)
 
 
-JOB = """
-[model]
-family = "qwen-image"
-pretrained = "{folder}"
-[data]
-images = "{images}"
-cache = "{root}/cache"
-[preprocess]
-resolution = 64
-bucket_step = 32
-[train]
-output = "{root}/runs"
-"""
-
-
 @pytest.mark.slow
 def test_the_cache_holds_each_captions_own_rows_of_encode_prompt(ray_local, tmp_path):
     """Preprocessed by Ray Data from a diffusers folder: a row read alone is its caption's
     encode_prompt rows, of its own length; rows read together are padded with zero rows and
     their mask is the pipeline's."""
-    from raytuner.api import preprocess
-    from raytuner.config import load_job
-    from raytuner.data import cache
-    from raytuner.data.reader import open_dataset
-    from raytuner.tools.demo_images import make_demo_images
-
-    pipe = QI.pipeline(TINY)
-    pipe.save_pretrained(tmp_path / "model")
-    images = make_demo_images(tmp_path / "images", per_aspect=2)
-    job_file = tmp_path / "job.toml"
-    job_file.write_text(JOB.format(folder=tmp_path / "model", images=images, root=tmp_path))
-    job = load_job(job_file)
-    assert preprocess(job)["encoded"] == 6
-    data = open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
-    try:
-        # the caption as the preprocess reads it: whitespace runs made one space, ends stripped
-        files = [(images / p).with_suffix(".txt") for p in data.paths]
-        captions = [" ".join(f.read_text().split()) for f in files]
-        embeds, mask = _direct_text(pipe, captions)
+    with cached_folder("qwen-image", tmp_path) as (data, captions, _):
+        embeds, mask = _direct_text(QI.pipeline(TINY), captions)
         lengths = mask.sum(dim=1).tolist()
         assert len(set(lengths)) > 1  # captions of several lengths
         for i, n in enumerate(lengths):
@@ -248,8 +216,6 @@ def test_the_cache_holds_each_captions_own_rows_of_encode_prompt(ray_local, tmp_
         together = data.batch(list(range(len(data))))["prompt_embeds"]
         assert together.shape == embeds.shape
         assert torch.equal(text_mask(together), mask)
-    finally:
-        data.close()
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from run_checks import lora_changes_the_pipeline
+from run_checks import cached_folder, lora_changes_the_pipeline
 from sharded_lora import assert_sharded_lora_matches
 
 from raytuner.config import FlowObjective, LoraConfig
@@ -137,43 +137,12 @@ def test_the_tiny_pipeline_renders(pipe):
     assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
 
 
-JOB = """
-[model]
-family = "z-image"
-pretrained = "{folder}"
-[data]
-images = "{images}"
-cache = "{root}/cache"
-[preprocess]
-resolution = 64
-bucket_step = 32
-[train]
-output = "{root}/runs"
-"""
-
-
 @pytest.mark.slow
 def test_the_cache_holds_each_captions_own_rows_of_encode_prompt(ray_local, tmp_path):
     """Preprocessed by Ray Data from a diffusers folder: a row read alone is its caption's
     encode_prompt, of its own length; rows read together are padded with zero rows."""
-    from raytuner.api import preprocess
-    from raytuner.config import load_job
-    from raytuner.data import cache
-    from raytuner.data.reader import open_dataset
-    from raytuner.tools.demo_images import make_demo_images
-
-    pipe = ZI.pipeline(TINY)
-    pipe.save_pretrained(tmp_path / "model")
-    images = make_demo_images(tmp_path / "images", per_aspect=2)
-    job_file = tmp_path / "job.toml"
-    job_file.write_text(JOB.format(folder=tmp_path / "model", images=images, root=tmp_path))
-    job = load_job(job_file)
-    assert preprocess(job)["encoded"] == 6
-    data = open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
-    try:
-        # the caption as the preprocess reads it: whitespace runs made one space, ends stripped
-        files = [(images / p).with_suffix(".txt") for p in data.paths]
-        captions = [" ".join(f.read_text().split()) for f in files]
+    with cached_folder("z-image", tmp_path) as (data, captions, _):
+        pipe = ZI.pipeline(TINY)
         direct, _ = pipe.encode_prompt(
             list(captions), device=torch.device("cpu"), do_classifier_free_guidance=False,
             max_sequence_length=ZI.pipeline_options(pipe)["max_sequence_length"],
@@ -189,8 +158,6 @@ def test_the_cache_holds_each_captions_own_rows_of_encode_prompt(ray_local, tmp_
         for rows, own in zip(together, direct, strict=True):
             torch.testing.assert_close(rows[: len(own)], own.bfloat16().float())
             assert not rows[len(own) :].any()
-    finally:
-        data.close()
 
 
 @pytest.mark.slow
