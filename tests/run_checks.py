@@ -123,3 +123,59 @@ def cached_folder(name: str, root: Path):
         yield data, [" ".join(f.read_text().split()) for f in files], root / "model"
     finally:
         data.close()
+
+
+def pipeline_image_with(pipe, lora_dir) -> np.ndarray:
+    """The tiny pipeline's image with the LoRA of ``lora_dir`` loaded, then unloaded."""
+    pipe.load_lora_weights(str(lora_dir))
+    try:
+        return pipeline_image(pipe)
+    finally:
+        pipe.unload_lora_weights()
+
+
+def assert_other_trainers_layouts_start_the_lora(name: str, pipe, out: Path, peft: bool = False):
+    """A rank-2 LoRA of the tiny ``name`` family written as other trainers write it: the
+    diffusers names under ComfyUI's ``diffusion_model.`` with ``.alpha`` keys (ai-toolkit,
+    ComfyUI), kohya's ``lora_unet_`` over the diffusers names (musubi-tuner), and with ``peft``
+    also peft's ``.default`` keys. Each starts a run (``lora.init_from``) from raytuner's own
+    LoRA, and the family's pipeline loads each as the same LoRA as raytuner's own file."""
+    from safetensors.torch import save_file
+
+    from raytuner.config import LoraConfig, ModelConfig, TrainConfig
+    from raytuner.train.model import trainable_model
+
+    family = FAMILIES[name]
+
+    def weights(lora: LoraConfig):
+        model, train = ModelConfig(family=name), TrainConfig(output="unused")
+        return trainable_model(model, train, lora, family, torch.device("cpu")).weights
+
+    known = weights(LoraConfig(rank=2, alpha=4.0))
+    for p in known.params:  # B starts at zero: a LoRA that does something
+        p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    known.export_lora(str(out / "own"), family, {})
+    state = known.state()  # "<module>.lora_A.weight" / "lora_B"
+    layouts: dict[str, dict] = {"comfy": {}, "kohya": {}} | ({"peft": {}} if peft else {})
+    for m in sorted({k.rsplit(".lora_", 1)[0] for k in state}):
+        down, up = state[f"{m}.lora_A.weight"], state[f"{m}.lora_B.weight"]
+        comfy = f"diffusion_model.{m}"
+        layouts["comfy"] |= {f"{comfy}.lora_A.weight": down, f"{comfy}.lora_B.weight": up,
+                             f"{comfy}.alpha": torch.tensor(4.0)}  # fmt: skip
+        flat = "lora_unet_" + m.replace(".", "_")
+        layouts["kohya"] |= {f"{flat}.lora_down.weight": down, f"{flat}.lora_up.weight": up,
+                             f"{flat}.alpha": torch.tensor(4.0)}  # fmt: skip
+        if peft:
+            layouts["peft"] |= {f"{comfy}.lora_A.default.weight": down,
+                                f"{comfy}.lora_B.default.weight": up,
+                                f"{comfy}.alpha": torch.tensor(4.0)}  # fmt: skip
+    own = pipeline_image_with(pipe, out / "own" / "lora")
+    for layout, tensors in layouts.items():
+        (out / layout).mkdir()
+        path = out / layout / "pytorch_lora_weights.safetensors"
+        save_file(tensors, str(path))
+        start = weights(LoraConfig(rank=2, alpha=4.0, init_from=str(path))).state()
+        assert start.keys() == state.keys()
+        for key in state:
+            torch.testing.assert_close(start[key], state[key], msg=f"{layout}: {key}")
+        np.testing.assert_allclose(pipeline_image_with(pipe, out / layout), own, atol=1e-5)

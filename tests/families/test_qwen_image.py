@@ -7,12 +7,15 @@ builds the released 20.43 B transformer."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from run_checks import cached_folder, pipeline_image
+from run_checks import (
+    assert_other_trainers_layouts_start_the_lora,
+    cached_folder,
+    pipeline_image,
+    pipeline_image_with,
+)
 from sharded_lora import assert_sharded_lora_matches
 
 from raytuner.config import FlowObjective, LoraConfig
@@ -231,52 +234,7 @@ def test_init_from_reads_the_layouts_other_qwen_image_trainers_write(pipe, tmp_p
     ``.alpha`` keys), musubi-tuner's (kohya's ``lora_unet_`` over the diffusers names) and
     peft's ``.default`` keys: each starts the run from the same LoRA, and diffusers'
     QwenImagePipeline loads each as the same LoRA as raytuner's own file."""
-    from safetensors.torch import save_file
-
-    from raytuner.config import ModelConfig, TrainConfig
-    from raytuner.train.model import trainable_model
-
-    def weights(lora: LoraConfig):
-        model, train = ModelConfig(family="qwen-image"), TrainConfig(output="unused")
-        return trainable_model(model, train, lora, QI, torch.device("cpu")).weights
-
-    known = weights(LoraConfig(rank=2, alpha=4.0))
-    for p in known.params:  # B starts at zero: a LoRA that does something
-        p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
-    known.export_lora(str(tmp_path / "own"), QI, {})
-    state = known.state()  # "<module>.lora_A.weight" / "lora_B"
-    modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
-    layouts: dict[str, dict] = {"comfy": {}, "kohya": {}, "peft": {}}
-    for m in modules:
-        down, up = state[f"{m}.lora_A.weight"], state[f"{m}.lora_B.weight"]
-        layouts["comfy"] |= {f"diffusion_model.{m}.lora_A.weight": down,
-                             f"diffusion_model.{m}.lora_B.weight": up,
-                             f"diffusion_model.{m}.alpha": torch.tensor(4.0)}  # fmt: skip
-        flat = "lora_unet_" + m.replace(".", "_")
-        layouts["kohya"] |= {f"{flat}.lora_down.weight": down, f"{flat}.lora_up.weight": up,
-                             f"{flat}.alpha": torch.tensor(4.0)}  # fmt: skip
-        layouts["peft"] |= {f"diffusion_model.{m}.lora_A.default.weight": down,
-                            f"diffusion_model.{m}.lora_B.default.weight": up,
-                            f"diffusion_model.{m}.alpha": torch.tensor(4.0)}  # fmt: skip
-    own = pipeline_image_with(pipe, tmp_path / "own" / "lora")
-    for name, tensors in layouts.items():
-        (tmp_path / name).mkdir()
-        path = tmp_path / name / "pytorch_lora_weights.safetensors"
-        save_file(tensors, str(path))
-        start = weights(LoraConfig(rank=2, alpha=4.0, init_from=str(path))).state()
-        assert start.keys() == state.keys()
-        for key in state:
-            torch.testing.assert_close(start[key], state[key], msg=f"{name}: {key}")
-        np.testing.assert_allclose(pipeline_image_with(pipe, tmp_path / name), own, atol=1e-5)
-
-
-def pipeline_image_with(pipe, lora_dir: Path) -> np.ndarray:
-    """The tiny pipeline's image with the LoRA of ``lora_dir`` loaded, then unloaded."""
-    pipe.load_lora_weights(str(lora_dir))
-    try:
-        return pipeline_image(pipe)
-    finally:
-        pipe.unload_lora_weights()
+    assert_other_trainers_layouts_start_the_lora("qwen-image", pipe, tmp_path, peft=True)
 
 
 def test_check_refuses_a_text_encoder_lora_and_sides_off_its_grid(tmp_path, capsys):

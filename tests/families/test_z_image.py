@@ -9,7 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from run_checks import cached_folder, lora_changes_the_pipeline
+from run_checks import (
+    assert_other_trainers_layouts_start_the_lora,
+    cached_folder,
+    lora_changes_the_pipeline,
+)
 from sharded_lora import assert_sharded_lora_matches
 
 from raytuner.config import FlowObjective, LoraConfig
@@ -171,48 +175,6 @@ def test_init_from_reads_the_layouts_other_z_image_trainers_write(pipe, tmp_path
     """The diffusers names under ComfyUI's ``diffusion_model.`` with ``.alpha`` keys, and in
     kohya's ``lora_unet_`` keys: each starts the run from the same LoRA, and diffusers'
     ZImagePipeline loads each as the same LoRA as raytuner's own file."""
-    from safetensors.torch import save_file
-
-    from raytuner.config import ModelConfig, TrainConfig
-    from raytuner.train.model import trainable_model
-
-    def weights(lora: LoraConfig):
-        model, train = ModelConfig(family="z-image"), TrainConfig(output="unused")
-        return trainable_model(model, train, lora, ZI, torch.device("cpu")).weights
-
-    known = weights(LoraConfig(rank=2, alpha=4.0))
-    for p in known.params:  # B starts at zero: a LoRA that does something
-        p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
-    known.export_lora(str(tmp_path / "own"), ZI, {})
-    state = known.state()  # "<module>.lora_A.weight" / "lora_B"
-    modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
-    comfy, kohya = {}, {}
-    for m in modules:
-        down, up = state[f"{m}.lora_A.weight"], state[f"{m}.lora_B.weight"]
-        comfy |= {f"diffusion_model.{m}.lora_A.weight": down,
-                  f"diffusion_model.{m}.lora_B.weight": up,
-                  f"diffusion_model.{m}.alpha": torch.tensor(4.0)}  # fmt: skip
-        flat = "lora_unet_" + m.replace(".", "_")
-        kohya |= {f"{flat}.lora_down.weight": down, f"{flat}.lora_up.weight": up,
-                  f"{flat}.alpha": torch.tensor(4.0)}  # fmt: skip
-    own = pipeline_image_with(pipe, tmp_path / "own" / "lora")
-    for name, tensors in (("comfy", comfy), ("kohya", kohya)):
-        (tmp_path / name).mkdir()
-        path = tmp_path / name / "pytorch_lora_weights.safetensors"
-        save_file(tensors, str(path))
-        start = weights(LoraConfig(rank=2, alpha=4.0, init_from=str(path))).state()
-        assert start.keys() == state.keys()
-        for key in state:
-            torch.testing.assert_close(start[key], state[key], msg=f"{name}: {key}")
-        np.testing.assert_allclose(pipeline_image_with(pipe, tmp_path / name), own, atol=1e-5)
+    assert_other_trainers_layouts_start_the_lora("z-image", pipe, tmp_path)
 
 
-def pipeline_image_with(pipe, lora_dir) -> np.ndarray:
-    """The tiny pipeline's image with the LoRA of ``lora_dir`` loaded, then unloaded."""
-    from run_checks import pipeline_image
-
-    pipe.load_lora_weights(str(lora_dir))
-    try:
-        return pipeline_image(pipe)
-    finally:
-        pipe.unload_lora_weights()
