@@ -42,7 +42,7 @@ from raytuner.data.cache import (
     row_at,
     text_dtype_of,
 )
-from raytuner.data.tensors import DTYPES, from_cell
+from raytuner.data.tensors import DTYPES, from_cell, stacked
 
 HOLE = 8 * 1024  # ranges of one file at most this far apart are read as one request
 THREADS = 8  # parallel requests per worker (object storage answers each in tens of ms)
@@ -128,23 +128,6 @@ class RangeReader:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._files.clear()
-
-
-def _stacked(cells: list[torch.Tensor], dtype: torch.dtype | None, pin: bool = False):
-    """The cells as one [B, ...] tensor of ``dtype`` (None: the cells' own), in pinned memory
-    when ``pin``: one copy, converting as it goes, in one call (a Python loop over the rows held
-    the GIL the training step wanted). Cells of several lengths (the first axis: a family that
-    stores a caption's tokens alone) are each followed by zero rows up to the longest."""
-    dtype = dtype or cells[0].dtype
-    lengths = {c.shape[0] for c in cells} if cells and cells[0].dim() else set()
-    if len(lengths) > 1:  # a family's captions of their own lengths: zero rows after each
-        out = torch.zeros((len(cells), max(lengths), *cells[0].shape[1:]), dtype=dtype)
-        out = out.pin_memory() if pin else out
-        for row, cell in zip(out, cells, strict=True):
-            row[: cell.shape[0]] = cell
-        return out
-    out = torch.empty((len(cells), *cells[0].shape), dtype=dtype, pin_memory=pin)
-    return torch.stack(cells, out=out)
 
 
 def _matrix(column: pa.ChunkedArray) -> np.ndarray:
@@ -330,9 +313,9 @@ class CachedDataset:
         ]
         cells = self._cells(latents + masks + text)
         n, k = len(indices), len(latents)
-        out = {"latent": _stacked(cells[:n], dtype, pin)}
+        out = {"latent": stacked(cells[:n], dtype, pin)}
         if self._has_std:
-            out["latent_std"] = _stacked(cells[n : 2 * n], dtype, pin)
+            out["latent_std"] = stacked(cells[n : 2 * n], dtype, pin)
         if self.masked:
             out["mask"] = self._masks(
                 cells[k : k + len(masks)], indices, flips, dtype or torch.float32
@@ -341,7 +324,7 @@ class CachedDataset:
         row_of = {c: j for j, c in enumerate(distinct)}
         for t, name in enumerate(self.tensors):
             mine = text_cells[t * m : (t + 1) * m]
-            out[name] = _stacked([mine[row_of[c]] for c in captions], dtype, pin)
+            out[name] = stacked([mine[row_of[c]] for c in captions], dtype, pin)
         return out | self._conditioning(indices, flips)
 
     def captions(self, indices: list[int], empty_caption=None) -> list[str]:

@@ -103,3 +103,20 @@ def to_cells(batch: torch.Tensor, dtype: str) -> tuple[list[bytes], np.ndarray, 
     cells, shape, sums = cell_column(batch, dtype)
     shapes = np.tile(np.asarray(shape, dtype=np.int32), (len(cells), 1))
     return cells.to_pylist(), shapes, sums.to_pylist()
+
+
+def stacked(cells: list[torch.Tensor], dtype: torch.dtype | None, pin: bool = False):
+    """The cells as one [B, ...] tensor of ``dtype`` (None: the cells' own), in pinned memory
+    when ``pin``: one copy, converting as it goes, in one call (a Python loop over the rows held
+    the GIL the training step wanted). Cells of several lengths (the first axis: a family that
+    stores a caption's tokens alone) are each followed by zero rows up to the longest."""
+    dtype = dtype or cells[0].dtype
+    lengths = {c.shape[0] for c in cells} if cells and cells[0].dim() else set()
+    if len(lengths) > 1:  # a family's captions of their own lengths: zero rows after each
+        out = torch.zeros((len(cells), max(lengths), *cells[0].shape[1:]), dtype=dtype)
+        out = out.pin_memory() if pin else out
+        for row, cell in zip(out, cells, strict=True):
+            row[: cell.shape[0]] = cell
+        return out
+    out = torch.empty((len(cells), *cells[0].shape), dtype=dtype, pin_memory=pin)
+    return torch.stack(cells, out=out)

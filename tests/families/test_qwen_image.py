@@ -19,8 +19,7 @@ from run_checks import (
 from sharded_lora import assert_sharded_lora_matches
 
 from raytuner.config import FlowObjective, LoraConfig
-from raytuner.data.reader import _stacked
-from raytuner.data.tensors import ragged_cell_column
+from raytuner.data.tensors import ragged_cell_column, stacked
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.families.qwen_image import prefix_tokens, text_mask
@@ -69,7 +68,7 @@ def test_cached_text_is_the_pipelines_encode_prompt_and_its_mask_the_rows_kept(p
         torch.frombuffer(bytearray(c.as_py()), dtype=torch.bfloat16).view(*s)
         for c, s in zip(cells, shapes, strict=True)
     ]
-    torch.testing.assert_close(_stacked(read, torch.float32), text.bfloat16().float())
+    torch.testing.assert_close(stacked(read, torch.float32), text.bfloat16().float())
 
 
 def test_the_template_prefix_dropped_is_the_tokenizers_own(pipe):

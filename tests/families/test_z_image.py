@@ -17,8 +17,7 @@ from run_checks import (
 from sharded_lora import assert_sharded_lora_matches
 
 from raytuner.config import FlowObjective, LoraConfig
-from raytuner.data.reader import _stacked
-from raytuner.data.tensors import ragged_cell_column
+from raytuner.data.tensors import ragged_cell_column, stacked
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.train.model import adapt
@@ -69,7 +68,7 @@ def test_cached_text_is_the_pipelines_encode_prompt_and_stores_its_tokens_alone(
         torch.frombuffer(bytearray(c.as_py()), dtype=torch.bfloat16).view(*s)
         for c, s in zip(cells, shapes, strict=True)
     ]
-    torch.testing.assert_close(_stacked(read, torch.float32), text.bfloat16().float())
+    torch.testing.assert_close(stacked(read, torch.float32), text.bfloat16().float())
 
 
 def test_cached_latent_is_what_the_pipeline_decodes(pipe, batch):
