@@ -5,7 +5,13 @@ load. What a job asks of its model family and this installation is refused by
 the job check (``raytuner.jobcheck``), once, from the API.
 """
 
-from raytuner.config.inputs import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
+from raytuner.config.inputs import (
+    DataConfig,
+    MergeAdapterConfig,
+    ModelConfig,
+    PreprocessConfig,
+    SourceConfig,
+)
 from raytuner.config.job import SECTIONS, JobConfig, build_job, load_job
 from raytuner.config.loader import ConfigError, parse_override
 from raytuner.config.objective import DdpmObjective, FlowObjective, ObjectiveConfig
@@ -33,6 +39,7 @@ __all__ = [
     "JobConfig",
     "LoraConfig",
     "MemoryConfig",
+    "MergeAdapterConfig",
     "ModelConfig",
     "ObjectiveConfig",
     "PreprocessConfig",

@@ -15,6 +15,19 @@ RESOURCE_HINT = f"Ray counts resources in steps of {RESOURCE_STEP}"
 
 
 @dataclass(frozen=True, kw_only=True)
+class MergeAdapterConfig:
+    """A LoRA / LoKr / LoHa / DoRA file merged into the frozen denoiser before training
+    (``[[model.merge_adapters]]``): in the trained model and its renders, not in the export."""
+
+    path: str  # a safetensors file, local or a URI (s3://), read as lora.init_from reads one
+    weight: float = ranged(1.0, -16, 16, hint="the file's update times this; 1: as saved")
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("model.merge_adapters.path is empty: name a LoRA safetensors file")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Which model to fine-tune."""
 
@@ -29,6 +42,8 @@ class ModelConfig:
     # a single-file checkpoint (pretrained ending in .safetensors): the diffusers folder or hub
     # id whose part configs describe it; "": the family's default repo
     single_file_config: str = ""
+    # adapters merged into the frozen denoiser with a weight each, in order, before training
+    merge_adapters: list[MergeAdapterConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.pretrained:

@@ -34,19 +34,20 @@ SOURCE_SKIP = ("ss_tag_frequency", "ss_dataset_dirs", "ss_reg_dataset_dirs", "ss
 SOURCE_SKIP += ("ss_bucket_info", "modelspec.thumbnail")
 
 
-def read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
-    """A safetensors file, local or a pyarrow URI (``s3://``): tensors, metadata, sha256."""
+def read(path: str, key: str = "lora.init_from") -> tuple[dict[str, torch.Tensor], dict, str]:
+    """A safetensors file, local or a pyarrow URI (``s3://``): tensors, metadata, sha256;
+    ConfigError naming ``key`` where it cannot be read."""
     fs, where = storage.resolve(path)
     try:
         data = storage.read_bytes(fs, where)
     except (FileNotFoundError, OSError) as e:
-        raise ConfigError(f"lora.init_from = {path!r}: cannot read it ({e})") from None
+        raise ConfigError(f"{key} = {path!r}: cannot read it ({e})") from None
     try:
         (size,) = struct.unpack("<Q", data[:8])
         meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
         tensors = load_tensors(data)
     except (struct.error, ValueError) as e:
-        raise ConfigError(f"lora.init_from = {path!r}: not a safetensors file ({e})") from None
+        raise ConfigError(f"{key} = {path!r}: not a safetensors file ({e})") from None
     return tensors, meta, hashlib.sha256(data).hexdigest()
 
 

@@ -1,7 +1,9 @@
 """The one model builder of a run: what a worker trains, built and placed in order: the
 denoiser (from its files, a preset, or on the meta device for ``raytuner plan``) in the frozen
-weights' dtype, sharded over the workers (``scaling.strategy = "fsdp"``) or built where it
-will stream from (block swap, float8 storage), gradient checkpointing, the adapter and its
+weights' dtype, ``model.merge_adapters`` merged into its weights in float32 before they are
+stored in float8 or sharded (``lora/merge.py``), sharded over the workers (``scaling.strategy
+= "fsdp"``) or built where it will stream from (block swap, float8 storage), gradient
+checkpointing, the adapter and its
 initial values (``adapt``: the LoRA's draw, ``lora.init_from``, the text encoders' LoRA) and the
 EMA, then its placement, the compute kernels (attention, channels-last, float8 matrix
 products) and ``train.compile``. The loop, both benches and ``plan`` build through
@@ -20,7 +22,7 @@ from torch import nn
 
 from raytuner.checkpoint.layout import KOHYA_FILE
 from raytuner.config import ConfigError
-from raytuner.lora import export, kinds, kohya
+from raytuner.lora import export, kinds, kohya, merge
 from raytuner.lora.init_from import start_from
 from raytuner.placement import sharding
 from raytuner.placement.strategy import REPLICATED, Strategy
@@ -176,14 +178,18 @@ def trainable_model(
     attention_backends(device, train.attention)
     amp = autocast_dtype(train.mixed_precision, device, source.dtype)
     float8, place = model.dtype == parts.FLOAT8, None
-    if device.type == "meta":
+    if device.type == "meta":  # merged adapters change values, no size: not read
         denoiser = family.denoiser(source, "meta", weights=False)
         lora, swapped = dataclasses.replace(lora, init_from=""), 0
     elif strategy.sharded:
         denoiser, swapped = family.denoiser(source, "meta", weights=False), 0
-        place = functools.partial(_sharded, family=family, source=source, device=device, amp=amp)
+        merged = merge.read(model.merge_adapters, family, denoiser)
+        place = functools.partial(
+            _sharded, family=family, source=source, device=device, amp=amp, merged=merged
+        )
     else:
         denoiser = family.denoiser(source, str(placement.load_device(device, memory, float8)))
+        merge.into(denoiser, merge.read(model.merge_adapters, family, denoiser))
         swapped = memory.blocks_to_swap
     denoiser.train()
     if float8:
@@ -265,11 +271,15 @@ def compile_blocks(denoiser: nn.Module, family) -> int:
     return len(blocks)
 
 
-def _sharded(denoiser: nn.Module, *, family, source, device: torch.device, amp) -> None:
+def _sharded(
+    denoiser: nn.Module, *, family, source, device: torch.device, amp, merged=None
+) -> None:
     """Shard a meta-device denoiser (its adapter in place) over the workers, computing in
     ``amp`` (None: float32), then give each worker its rows of the frozen and base weights,
-    read one tensor at a time from the model's files (``part_tensors.tensors``); the adapter's get
-    their values from ``Weights``."""
+    read one tensor at a time from the model's files (``part_tensors.tensors``), with
+    ``merged``'s adapters merged into each in float32 (``model.merge_adapters``); the adapter's
+    get their values from ``Weights``."""
+    merged = merged or {}
     from raytuner.families import part_tensors
 
     part = family.parts.denoiser
@@ -282,7 +292,11 @@ def _sharded(denoiser: nn.Module, *, family, source, device: torch.device, amp) 
             key = name.replace(".base_layer", "")
             if key not in files:
                 raise ValueError(f"{source.pretrained}: its {part} has no tensor {key}")
-            yield name, files[key]
+            module = key.removesuffix(".weight")
+            if module in merged and key.endswith(".weight"):
+                yield name, merge.merged(files[key].float(), merged[module])
+            else:
+                yield name, files[key]
 
     sharding.shard(denoiser, family, device, amp or torch.float32)
     sharding.materialize(denoiser, device, base())
