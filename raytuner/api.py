@@ -94,11 +94,13 @@ def sample(
     width: int = 0,
     height: int = 0,
     out: str = "samples",
+    merged: bool = True,
 ) -> list:
     """Render ``prompts`` (and the lines of a kohya-style ``prompts_file``) with the job's
     trained weights: ``checkpoint`` is "latest" (the newest checkpoint of the job's runs),
     "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution.
-    Returns the files written under ``out``."""
+    ``merged=False``: without ``model.merge_adapters`` (on the base alone). Returns the files
+    written under ``out``."""
     from raytuner.render import prompts as prompt_lines
     from raytuner.render.sample import default_size, render_samples
 
@@ -122,7 +124,7 @@ def sample(
         guidance_scale=v.guidance_scale,
         negative_prompt=v.negative_prompt,
     )
-    return render_samples(job, family, checkpoint, lines, defaults, out)
+    return render_samples(job, family, checkpoint, lines, defaults, out, merged)
 
 
 def _sample_options(family, seeds, steps, width, height) -> None:

@@ -46,6 +46,11 @@ def _sample_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--width", type=int, help="pixels (default: the job's resolution)")
     cmd.add_argument("--height", type=int, help="pixels (default: the job's resolution)")
     cmd.add_argument("--out", required=True, help="folder for the PNGs, grid.png, samples.json")
+    cmd.add_argument(
+        "--no-merge",
+        action="store_true",
+        help="render without model.merge_adapters (default: merged into the base, as trained)",
+    )
 
 
 def _feed_args(cmd: argparse.ArgumentParser) -> None:

@@ -29,17 +29,21 @@ ADDED_LORA_KEYS = (
 )
 
 
-def run_identity(model, lora, train, fingerprint: str, dataset: str, strategy: str) -> dict:
+def run_identity(
+    model, lora, train, fingerprint: str, dataset: str, strategy: str, merged=()
+) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint: the cache version,
-    the dataset (its rows, in order: ``index.dataset_id``), the model, what is trained (mode,
-    adapter shape, EMA, optimizer), how (``scaling.strategy``: the checkpoint's layout) and the
-    schedule (the cursor means nothing under another)."""
+    the dataset (its rows, in order: ``index.dataset_id``), the model (with the adapters merged
+    into it: ``merged``, each file's path, weight and sha256: ``lora.merge.identity``), what is
+    trained (mode, adapter shape, EMA, optimizer), how (``scaling.strategy``: the checkpoint's
+    layout) and the schedule (the cursor means nothing under another)."""
     schedule = {k: getattr(train, k) for k in ("seed", "global_batch_size", "remainder")}
     trained = {"mode": train.mode, "ema": train.ema_decay > 0, "optimizer": train.optimizer}
     trained["strategy"] = strategy
     adapter = asdict(lora)
     del adapter["text_encoder_lr"]  # a learning rate, as train.learning_rate: may change
-    return {"fingerprint": fingerprint, "model": asdict(model), "lora": adapter} | {
+    model = asdict(model) | {"merge_adapters": list(merged)}
+    return {"fingerprint": fingerprint, "model": model, "lora": adapter} | {
         "dataset": {"id": dataset},
         "schedule": schedule,
         "weights": trained,
@@ -59,12 +63,14 @@ def identity_changes(saved: dict, current: dict) -> list[str]:
 
 
 def check_resumable(
-    job: JobConfig, run_dir: str, fp: str, dataset: dict, dataset_change: Callable
+    job: JobConfig, run_dir: str, fp: str, dataset: dict, dataset_change: Callable, merged=()
 ) -> None:
     """Refuse to resume a run whose newest checkpoint was trained on another cache, dataset,
-    model, adapter shape, schedule or strategy (ConfigError naming what changed and what to
-    do); ``dataset_change(fs, checkpoint folder, dataset)`` says how its dataset differs."""
-    current = run_identity(job.model, job.lora, job.train, fp, dataset["id"], job.scaling.strategy)
+    model (merged adapters included: ``merged``, as ``run_identity``), adapter shape, schedule
+    or strategy (ConfigError naming what changed and what to do); ``dataset_change(fs,
+    checkpoint folder, dataset)`` says how its dataset differs."""
+    strategy = job.scaling.strategy
+    current = run_identity(job.model, job.lora, job.train, fp, dataset["id"], strategy, merged)
     fs, folders = checkpoint_folders(run_dir)
     for folder in folders:
         try:
@@ -72,6 +78,7 @@ def check_resumable(
         except (OSError, ValueError):
             continue  # unreadable: the workers skip it too
         saved.get("weights", {}).setdefault("strategy", "ddp")  # before scaling.strategy
+        saved.get("model", {}).setdefault("merge_adapters", [])  # before model.merge_adapters
         for key in ADDED_LORA_KEYS:  # a run from before lora.text_encoder trained none
             saved.get("lora", {}).setdefault(key, getattr(LoraConfig(), key))
         changes = identity_changes(saved, current)
@@ -81,6 +88,14 @@ def check_resumable(
                 f"({dataset_change(fs, folder, dataset)}): its saved place in the schedule "
                 "would pick other rows. Start a new run with --set checkpoint.resume=false or "
                 "another train.name, or restore the images it trained on"
+            )
+        if "model.merge_adapters" in changes:
+            raise ConfigError(
+                f"run {run_dir} was trained with model.merge_adapters = "
+                f"{_merged(saved['model']['merge_adapters'])}, the job has "
+                f"{_merged(current['model']['merge_adapters'])}: its weights were trained on "
+                "that merged model. Keep its adapters, weights and files to resume it, or start "
+                "a new run with --set checkpoint.resume=false or another train.name"
             )
         if "weights.strategy" in changes:
             before = saved["weights"]["strategy"]
@@ -98,6 +113,12 @@ def check_resumable(
                 "would mix them. Use --set checkpoint.resume=false or another train.name"
             )
         return
+
+
+def _merged(adapters: list[dict]) -> str:
+    """Merged adapters as a resume's refusal names them: path, weight and the file's sha256."""
+    shown = [f"{a['path']} x {a['weight']:g} (sha256 {a['sha256'][:12]})" for a in adapters]
+    return "[" + ", ".join(shown) + "]" if shown else "none"
 
 
 def finished_checkpoint(run_dir: str, max_steps: int) -> ray.train.Checkpoint | None:

@@ -47,6 +47,7 @@ def check_job(job: JobConfig, family, *, runs: bool = True, reads_images: bool =
     # a released repo: its architecture from the package, no download
     model.blocks_to_swap(job.memory, family, parts.model_source(job.model, "cpu"))
     lora.adapter(job, family)  # builds the model on the meta device when needed
+    lora.merge_adapters(job, family)  # builds the denoiser on the meta device when set
     if runs:  # plan decides on its own --gpu-memory
         model.worker_memory(job, family)  # traces the step on the meta device when named
     if runs:

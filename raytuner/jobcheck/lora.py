@@ -1,8 +1,9 @@
 """The job check's rules about the LoRA a job trains (``raytuner.jobcheck``): adapter-kind keys
-for a run that trains no adapter; a ``lora.init_from`` file that is missing, set for a run that
-trains no LoRA, or whose LoRA does not fit the job's adapter; target modules peft or the
-family's kohya layout cannot take; a text encoders' LoRA for a family whose text encoders
-raytuner does not train."""
+for a run that trains no adapter; ``model.merge_adapters`` files that are missing, of a full
+fine-tune, of an unknown layout or of another model; a ``lora.init_from`` file that is
+missing, set for a run that trains no LoRA, or whose LoRA does not fit the job's adapter;
+target modules peft or the family's kohya layout cannot take; a text encoders' LoRA for a
+family whose text encoders raytuner does not train."""
 
 from __future__ import annotations
 
@@ -31,6 +32,33 @@ def init_from(job: JobConfig) -> None:
             f"lora.init_from = {path!r}: no such file (a relative path is from the working "
             f"directory, {os.getcwd()})"
         )
+
+
+def merge_adapters(job: JobConfig, family) -> None:
+    """``[[model.merge_adapters]]``: for a LoRA run (a full fine-tune's export would hold
+    them: refused rather than subtracted, which a DoRA's merge cannot be), each file there (a
+    local path) and, from its header (the denoiser built on the meta device, no weight read),
+    of a layout ``lora/merge.py`` reads, on modules of the denoiser, of their shapes."""
+    adapters = job.model.merge_adapters
+    if not adapters:
+        return
+    if job.train.mode != "lora":
+        raise ConfigError(
+            f"model.merge_adapters: train.mode = {job.train.mode!r} exports the whole "
+            "denoiser, which would hold the merged adapters; merge them into the model "
+            'yourself and set model.pretrained to it, or set train.mode = "lora"'
+        )
+    for i, adapter in enumerate(adapters):
+        path = adapter.path
+        if "://" not in path and not os.path.isfile(os.path.expanduser(path)):
+            raise ConfigError(
+                f"model.merge_adapters[{i}].path = {path!r}: no such file (a relative path is "
+                f"from the working directory, {os.getcwd()})"
+            )
+    from raytuner.lora import merge
+
+    denoiser = family.denoiser(parts.model_source(job.model, "cpu"), "meta", weights=False)
+    merge.check(adapters, family, denoiser)
 
 
 def kind(job: JobConfig) -> None:

@@ -34,9 +34,16 @@ LYCORIS_MODULE = "lycoris.kohya"  # ss_network_module of LyCORIS' networks (LoKr
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str) -> dict[str, str]:
-    """What a LoRA file says about itself: raytuner's keys plus kohya's ``ss_*`` ones."""
-    return {
+MERGED = "raytuner.merged_adapters"  # the adapters merged into the base while training
+
+
+def metadata(
+    *, family: str, model, lora, step: int, run: str, fingerprint: str, merged=()
+) -> dict[str, str]:
+    """What a LoRA file says about itself: raytuner's keys plus kohya's ``ss_*`` ones; with
+    ``merged`` (``model.merge_adapters``: path, weight and sha256 of each) the adapters that
+    were merged into the base while it trained, which the file does not hold."""
+    return ({MERGED: json.dumps(list(merged))} if merged else {}) | {
         "raytuner.family": family,
         "raytuner.base_model": model.pretrained,
         "raytuner.revision": model.revision,

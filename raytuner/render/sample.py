@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -18,6 +19,7 @@ from PIL import Image
 from raytuner import placement, quiet, storage
 from raytuner.checkpoint import full_model, layout
 from raytuner.lora import apply as lora_apply
+from raytuner.lora import merge
 from raytuner.lora.find import ExportedWeights, find_weights
 from raytuner.render.prompts import Defaults, PromptLine, Render, is_distilled, resolve
 
@@ -34,12 +36,19 @@ def latest_checkpoint(output: str, name: str) -> tuple[pafs.FileSystem, str]:
     return found
 
 
-def load_pipeline(family, source, weights: ExportedWeights | None, device: str, blocks_to_swap=0):
+def load_pipeline(
+    family, source, weights: ExportedWeights | None, device: str, blocks_to_swap=0, merged=()
+):
     """The family's pipeline on ``device``, its weights in ``source.dtype`` (``model.dtype``:
-    bfloat16 on CUDA, float32 on a CPU by default), with ``weights`` applied, the denoiser's
-    last ``blocks_to_swap`` blocks streamed as in training (``memory.blocks_to_swap``)."""
+    bfloat16 on CUDA, float32 on a CPU by default), the adapters of ``merged``
+    (``model.merge_adapters``) merged into its denoiser as training merged them, with
+    ``weights`` applied, the denoiser's last ``blocks_to_swap`` blocks streamed as in training
+    (``memory.blocks_to_swap``)."""
     pipe = family.pipeline(source)
     pipe.set_progress_bar_config(disable=True)
+    if merged:
+        denoiser = getattr(pipe, family.parts.denoiser)
+        merge.into(denoiser, merge.read(merged, family, denoiser))
     apply_weights(pipe, family, weights, device, source.dtype, blocks_to_swap)
     return pipe
 
@@ -134,10 +143,13 @@ def write_samples(rows, renders: list[Render], out: Path, record: dict) -> list:
 
 
 def render_samples(
-    job, family, checkpoint: str, lines: list[PromptLine], defaults: Defaults, out: str
-):
+    job, family, checkpoint: str, lines: list[PromptLine], defaults: Defaults, out: str,
+    merged: bool = True,
+):  # fmt: skip
     """`raytuner sample`: render each prompt line with its options (else ``defaults``: every
-    seed, the size, the steps) with the job's trained weights; returns the PNGs written."""
+    seed, the size, the steps) with the job's trained weights, on the base with
+    ``model.merge_adapters`` merged as training had it (``merged=False``: the base alone, as
+    the exported LoRA is used elsewhere); returns the PNGs written."""
     from raytuner.families import parts
 
     renders = resolve(lines, family, defaults)  # refuses what the family cannot render
@@ -150,13 +162,15 @@ def render_samples(
         weights = None if checkpoint == BASE else find_weights(_local(fs, source, scratch))
         m = job.model
         model = parts.model_source(m, device)
-        pipe = load_pipeline(family, model, weights, device, job.memory.blocks_to_swap)
+        adapters = job.model.merge_adapters if merged else ()
+        pipe = load_pipeline(family, model, weights, device, job.memory.blocks_to_swap, adapters)
         options = family.pipeline_options(pipe)
         distilled = is_distilled(family, pipe, m.pretrained, job.validation.distilled)
         renders = resolve(lines, family, defaults, distilled)
         rows = render(pipe, options, renders)
     record = {"checkpoint": BASE if checkpoint == BASE else source, "steps": defaults.steps}
     record["distilled"] = distilled
+    record["merged_adapters"] = [asdict(a) for a in job.model.merge_adapters] if merged else []
     record |= {"size": list(defaults.size), "seeds": list(defaults.seeds)}
     return write_samples(rows, renders, Path(out), record)
 

@@ -27,7 +27,7 @@ from ray.train import UserCallback
 from raytuner import storage
 from raytuner.checkpoint import layout
 from raytuner.checkpoint.layout import VALIDATION
-from raytuner.config import ConfigError, TrackingConfig
+from raytuner.config import ConfigError, MergeAdapterConfig, TrackingConfig
 from raytuner.lora.find import find_weights
 from raytuner.observe import metrics
 from raytuner.observe.observer import ValidationReport
@@ -62,6 +62,7 @@ class RenderSpec:
     distilled: str = "auto"  # validation.distilled
     single_file_config: str = ""  # model.single_file_config (a single-file pretrained)
     tracking: dict | None = None  # the job's [tracking] when tracking.wandb: grids to W&B too
+    merge_adapters: list[dict] = field(default_factory=list)  # model.merge_adapters, merged
 
 
 def _prompt_lines(spec: RenderSpec) -> list[prompts.PromptLine]:
@@ -142,7 +143,8 @@ class Validator:
             log.info("validation: loading the %s pipeline for the renders", s.family)
             source = parts.model_source(s, device)  # the spec carries [model]'s fields
             swap = s.blocks_to_swap
-            self.pipe = sample.load_pipeline(family, source, None, device, swap)
+            merged = [MergeAdapterConfig(**a) for a in s.merge_adapters]
+            self.pipe = sample.load_pipeline(family, source, None, device, swap, merged)
         with self.writer_lock:
             if self.writer is None and not self.closed:
                 tracked = TrackingConfig(**s.tracking) if s.tracking else None
@@ -234,6 +236,7 @@ def start(job, family, run_dir: str):
         negative_prompt=v.negative_prompt,
         guidance_scale=v.guidance_scale,
         distilled=v.distilled,
+        merge_adapters=[asdict(a) for a in job.model.merge_adapters],
     )
     actor = ray.remote(Validator).options(num_cpus=v.cpus, num_gpus=v.gpus or None)
     validator = actor.remote(asdict(spec))

@@ -59,6 +59,8 @@ class LoopConfig:
     peak_tflops: float = 0.0  # scaling.peak_tflops: the GPU's peak for MFU (0: from its name)
     validation_every: int = 0  # validation renders need a checkpoint every N steps
     tracking: TrackingConfig = TrackingConfig()  # rank 0's W&B run (the job as its config)
+    # model.merge_adapters as recorded (path, weight, sha256 each: lora.merge.identity)
+    merged: tuple = ()
 
 
 class Meter:
@@ -225,8 +227,9 @@ class Worker:
         match), the resolved job, the dataset and, for a full fine-tune, its export's metadata."""
         cfg = self.cfg
         identity = resume.run_identity(
-            cfg.model, cfg.lora, cfg.train, cfg.fingerprint, cfg.dataset["id"], cfg.strategy
-        )
+            cfg.model, cfg.lora, cfg.train, cfg.fingerprint, cfg.dataset["id"], cfg.strategy,
+            cfg.merged,
+        )  # fmt: skip
         records = {layout.RUN: identity, layout.JOB: cfg.job, layout.DATASET: cfg.dataset}
         if self.weights.mode == "full":  # the final export's raytuner.json (written from it)
             records[layout.EXPORT_META] = self._metadata()
@@ -236,7 +239,7 @@ class Worker:
         cfg = self.cfg
         return export.metadata(
             family=cfg.family.name, model=cfg.model, lora=cfg.lora, step=self.state.step,
-            run=storage.basename(cfg.run_dir), fingerprint=cfg.fingerprint,
+            run=storage.basename(cfg.run_dir), fingerprint=cfg.fingerprint, merged=cfg.merged,
         )  # fmt: skip
 
     def _export(self, folder: str | None) -> None:

@@ -25,6 +25,7 @@ from raytuner.data import datasets
 from raytuner.data.cache import Version, fingerprint, read_manifest, version_dir
 from raytuner.data.reader import for_readers
 from raytuner.errors import Interrupted, TrainingStopped, WorkerDied, dead_worker
+from raytuner.lora import merge
 from raytuner.render import validation
 from raytuner.train import starting, stopping
 from raytuner.train.loop import LoopConfig, train_loop
@@ -138,7 +139,8 @@ def train(job: JobConfig, family) -> dict:
     part = family.parts.denoiser
     run_dir = layout.run_dir(job.train.output, name)
     dataset = dataset_record(job.data.cache, fp, readers)
-    check_resumable(job, run_dir, fp, dataset, _dataset_change)
+    merged = tuple(merge.identity(job.model.merge_adapters))  # each file's sha256, once
+    check_resumable(job, run_dir, fp, dataset, _dataset_change, merged)
     # checkpoints of reports Ray never registered (an interrupted driver's) beyond the newest
     # checkpoint.keep, and half-written folders: the workers resume from the newest complete one
     layout.prune_checkpoints(run_dir, job.checkpoint.keep)
@@ -170,6 +172,7 @@ def train(job: JobConfig, family) -> dict:
         peak_tflops=job.scaling.peak_tflops,
         validation_every=job.validation.every_steps,
         tracking=job.tracking,
+        merged=merged,
     )
     _wait_for_workers(job)
     with Version(job.data.cache, fp).lease(f"train-{name}"):  # gc leaves the version alone
