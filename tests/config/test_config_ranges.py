@@ -94,6 +94,7 @@ BAD: dict[str, list[str]] = {
     "validation.gpus": ["-1", "2"],
     "memory.blocks_to_swap": ["-1"],
     "memory.swap_ring": ["0"],
+    "model.merge_adapters.weight": ["-17", "17"],
 }
 
 
@@ -122,8 +123,9 @@ CASES += [(k, v) for k in FLOATS for v in ("nan", "inf", "-inf")]
 
 def _override(key: str, value: str) -> str:
     """``--set`` text putting ``value`` at ``key`` (a source's key: a second source)."""
-    if key.startswith("data.sources."):
-        return f"data.sources=[{{path = 'more', {key.rsplit('.', 1)[1]} = {value}}}]"
+    for table in ("data.sources", "model.merge_adapters"):
+        if key.startswith(f"{table}."):
+            return f"{table}=[{{path = 'more', {key.rsplit('.', 1)[1]} = {value}}}]"
     return f"{key}={value}"
 
 
@@ -136,6 +138,7 @@ def test_a_number_outside_its_keys_range_is_refused_naming_key_value_and_range(
     assert len(err.strip().splitlines()) == 1, err
     # the key (a list's element, a source's key: with its index), the value, what is allowed
     shown = re.escape(key).replace(r"data\.sources\.", r"data\.sources\[0\]\.")
+    shown = shown.replace(r"merge_adapters\.", r"merge_adapters\[0\]\.")
     assert re.search(rf"{shown}(\[\d+\])? = [^:]+: must be ", err), err
     if not value.startswith("["):
         number = float(value)
@@ -157,7 +160,8 @@ def test_every_numeric_key_declares_its_range_and_is_tried():
 def _table(text: str, key: str) -> list[str]:
     """The rows of ``key``'s table in docs/job-toml.md (``### `[train]```, ``[[data.sources]]``)."""
     section = key.rsplit(".", 1)[0]
-    title = f"### `[[{section}]]`" if section == "data.sources" else f"### `[{section}]`"
+    arrays = ("data.sources", "model.merge_adapters")  # arrays of tables
+    title = f"### `[[{section}]]`" if section in arrays else f"### `[{section}]`"
     lines = text.split(title + "\n", 1)[1].split("\n### ", 1)[0].splitlines()
     return [line for line in lines if line.startswith("| `")]
 
