@@ -38,6 +38,7 @@ from raytuner.lora import export
 from raytuner.train.model import adapt, trainable_model
 
 TINY = Source("tiny")
+REPO = Path(__file__).resolve().parents[2]
 ALL_KINDS = {"lora": LoraConfig(rank=4, alpha=3.0, save_dtype="float32")} | KINDS
 
 
@@ -197,3 +198,18 @@ def test_a_merged_adapter_trains_the_model_but_stays_out_of_the_export(job_file,
         record = json.loads((out / "samples.json").read_text())
         assert len(record["merged_adapters"]) == (0 if flags else 1)
     assert np.abs(pixels["with"] - pixels["without"]).max() > 2
+
+
+def test_plan_counts_nothing_more_for_merged_adapters(tmp_path):
+    """The step ``plan`` traces (the worker's own model on the meta device) is the same with
+    merged adapters as without, and reads none of their files (one that is not there)."""
+    from raytuner.tools.plan import trace as planner
+
+    family, results = FAMILIES["sdxl"], []
+    missing = tmp_path / "not-there.safetensors"
+    for extra in ([], [f'model.merge_adapters=[{{path="{missing}", weight=0.7}}]']):
+        job = load_job(REPO / "jobs" / "tiny.toml", ['model.family="sdxl"', *extra])
+        size = planner.largest_bucket(job, family)
+        shapes = planner.trace_encoders(job, family, size)[1]
+        results.append(planner.trace_step(job, family, shapes, size, 1, False))
+    assert results[0] == results[1]
