@@ -35,6 +35,7 @@ from raytuner.config import (
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.lora import export
+from raytuner.placement.strategy import REPLICATED, SHARDED
 from raytuner.train.model import adapt, trainable_model
 
 TINY = Source("tiny")
@@ -51,13 +52,12 @@ def _exported(name: str, lora: LoraConfig, folder: Path):
     return weights, batch, folder / "lora"
 
 
-def merged_model(name: str, *adapters: tuple[Path, float]):
+def merged_model(name: str, *adapters: tuple[Path, float], strategy=REPLICATED):
     """The tiny denoiser a worker trains with ``adapters`` merged (a fresh LoRA: no change)."""
     merge = [MergeAdapterConfig(path=str(p), weight=w) for p, w in adapters]
-    model = ModelConfig(family=name, merge_adapters=merge)
-    trainable = trainable_model(
-        model, TrainConfig(output="unused"), LoraConfig(rank=2), FAMILIES[name], torch.device("cpu")
-    )
+    model, cpu = ModelConfig(family=name, merge_adapters=merge), torch.device("cpu")
+    train, lora = TrainConfig(output="unused"), LoraConfig(rank=2)
+    trainable = trainable_model(model, train, lora, FAMILIES[name], cpu, strategy=strategy)
     return trainable.denoiser.eval()
 
 
@@ -99,6 +99,20 @@ def test_the_weight_scales_a_linear_update(tmp_path):
     zero = _loss(family, merged_model("sdxl", (path, 0.0)), batch)
     torch.testing.assert_close(zero, _loss(family, merged_model("sdxl"), batch))
     assert (once - zero).abs().max() > 1e-3
+
+
+def test_a_sharded_worker_merges_each_tensor_as_it_reads_it(tmp_path):
+    """``scaling.strategy = "fsdp"`` (a process group of one): the frozen weights, merged as
+    each is read from the model's tensors, give the replicated merged model's loss."""
+    from raytuner.placement import sharding
+
+    sharding.single_process_group(torch.device("cpu"))
+    path, family = _lora_file(tmp_path), FAMILIES["sdxl"]
+    batch = _batch(family)
+    want = _loss(family, merged_model("sdxl", (path, 0.8)), batch)
+    got = _loss(family, merged_model("sdxl", (path, 0.8), strategy=SHARDED), batch)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (want - _loss(family, merged_model("sdxl"), batch)).abs().max() > 1e-3
 
 
 def test_check_refuses_a_file_it_cannot_merge_naming_the_key(tmp_path, capsys):
