@@ -184,7 +184,7 @@ def test_a_merged_adapter_trains_the_model_but_stays_out_of_the_export(job_file,
     assert not {k for k in a if any(m in k for m in merged_keys)}
     assert any(not torch.equal(a[k], b[k]) for k in a)
     run = Path(merged["lora"]).parents[1]
-    checkpoint = max(run.glob("checkpoint_*"))
+    checkpoint = max(p for p in run.glob("checkpoint_*") if p.is_dir())
     trained = load_file(str(checkpoint / WEIGHTS))
     assert len(trained) == len(a)
     for key, value in trained.items():  # the export holds what training produced, and only it
