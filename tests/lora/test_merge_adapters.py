@@ -227,3 +227,37 @@ def test_plan_counts_nothing_more_for_merged_adapters(tmp_path):
         shapes = planner.trace_encoders(job, family, size)[1]
         results.append(planner.trace_step(job, family, shapes, size, 1, False))
     assert results[0] == results[1]
+
+
+def test_a_resume_needs_the_same_merged_files_and_a_run_from_before_the_key_resumes(tmp_path):
+    """A checkpoint's run identity without ``model.merge_adapters`` (written before the key)
+    resumes with none merged; merging a file into it, or resuming a merged run with another
+    weight or another file's contents, is refused naming both lists."""
+    from raytuner.checkpoint.resume import check_resumable, run_identity
+    from raytuner.lora import merge
+
+    job = load_job(REPO / "jobs" / "tiny.toml", [f"train.output={tmp_path}"])
+    run_dir = tmp_path / job.train.name
+    folder = run_dir / "checkpoint_2026-01-01_00-00-00.000000_step-000004"
+    folder.mkdir(parents=True)
+    identity = run_identity(job.model, job.lora, job.train, "fp", "d", job.scaling.strategy)
+    del identity["model"]["merge_adapters"]
+    (folder / "run.json").write_text(json.dumps(identity))
+
+    def resume(merged=()):
+        check_resumable(job, str(run_dir), "fp", {"id": "d"}, lambda *a: "", merged)
+
+    resume()
+    path = _lora_file(tmp_path / "merge")
+    merged = merge.identity([MergeAdapterConfig(path=str(path), weight=0.5)])
+    with pytest.raises(ConfigError, match=r"model\.merge_adapters = none, the job has \[.*x 0\.5"):
+        resume(merged)
+    identity["model"]["merge_adapters"] = merged
+    (folder / "run.json").write_text(json.dumps(identity))
+    resume(merged)
+    other = merge.identity([MergeAdapterConfig(path=str(path), weight=0.6)])
+    with pytest.raises(ConfigError, match=r"x 0\.5 .*, the job has \[.* x 0\.6 "):
+        resume(other)
+    save_file({k: v * 2 for k, v in load_file(str(path)).items()}, str(path))  # new contents
+    with pytest.raises(ConfigError, match="sha256"):
+        resume(merge.identity([MergeAdapterConfig(path=str(path), weight=0.5)]))
