@@ -116,6 +116,27 @@ def test_a_sharded_worker_merges_each_tensor_as_it_reads_it(tmp_path):
     assert (want - _loss(family, merged_model("sdxl"), batch)).abs().max() > 1e-3
 
 
+def test_float8_storage_holds_the_merged_weights(tmp_path):
+    """``model.dtype = "float8"``: each merged linear is stored in float8 from the merged
+    weight (merged before the weights are quantized), not from the base's."""
+    from raytuner.families import parts
+    from raytuner.lora import merge
+
+    path, family = _lora_file(tmp_path), FAMILIES["sdxl"]
+    adapters = [MergeAdapterConfig(path=str(path), weight=1.0)]
+    model = ModelConfig(family="sdxl", dtype="float8", merge_adapters=adapters)
+    train, cpu = TrainConfig(output="unused"), torch.device("cpu")
+    trained = trainable_model(model, train, LoraConfig(rank=2), family, cpu).denoiser
+    base = family.denoiser(parts.model_source(model, "cpu"), "cpu")  # bfloat16
+    updates = merge.read(adapters, family, base)
+    store = parts._ScaledFloat8(torch.bfloat16)
+    for module, changes in updates.items():
+        weight = base.get_submodule(module).weight
+        want = store(*store.right_inverse(merge.merged(weight, changes)))
+        assert torch.equal(trained.get_submodule(module).weight, want), module
+        assert not torch.equal(want, store(*store.right_inverse(weight))), module
+
+
 def test_check_refuses_a_file_it_cannot_merge_naming_the_key(tmp_path, capsys):
     good = _lora_file(tmp_path / "good")
     key = "model.merge_adapters[0].path"
