@@ -71,7 +71,7 @@ def test_each_kind_merged_from_either_file_is_the_model_the_adapter_gives(name, 
         weights, batch, folder = _exported(name, lora, tmp_path / kind)
         want = _loss(family, weights.denoiser, batch)
         base = _loss(family, merged_model(name), batch) if base is None else base
-        assert (base - want).abs().max() > 1e-3, kind
+        assert (base - want).abs().max() > 1e-4, kind  # the adapter changes the loss
         for file in (DIFFUSERS_FILE, KOHYA_FILE):
             got = _loss(family, merged_model(name, (folder / file, 1.0)), batch)
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"{kind} {file}")
