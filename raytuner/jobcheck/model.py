@@ -12,6 +12,7 @@ import os
 from raytuner import placement
 from raytuner.config import (
     ConfigError,
+    DataConfig,
     JobConfig,
     ModelConfig,
     ObjectiveConfig,
@@ -48,6 +49,24 @@ def bucket_sizes(pre: PreprocessConfig, family) -> None:
             f"resolution {side}: set preprocess.resolution to a multiple "
             f"of {bucket_step}, or a bucket step that divides {side}"
         )
+
+
+def frame_counts(data: DataConfig, family) -> None:
+    """A video family's frame buckets take the frame counts its VAE encodes (Wan: 4n + 1); an
+    image family's are never used (its clips are reported, not trained)."""
+    step = family.geometry.frame_multiple
+    if not step:
+        return
+    for where, frames in [("data.frames", data.frames)] + [
+        (f"data.sources[{i}].frames", s.frames) for i, s in enumerate(data.sources)
+    ]:
+        for n in frames:
+            if (n - 1) % step:
+                near = 1 + step * max(0, round((n - 1) / step))
+                raise ConfigError(
+                    f"{where} holds {n}: {family.name} encodes clips of {step}n + 1 frames "
+                    f"(1, {1 + step}, {1 + 2 * step}, ...); use e.g. {near}"
+                )
 
 
 def objective_kind(objective: ObjectiveConfig, family) -> None:
