@@ -5,6 +5,7 @@ still an image; `raytuner check` refuses a clip length the family cannot render.
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -135,6 +136,29 @@ def test_validation_writes_each_clip_and_a_grid_of_posters_to_the_run_and_tensor
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0}).Reload()
     (logged,) = events.Images("validation")
     assert (logged.step, logged.width, logged.height) == (2, 2 * strip, H)
+
+
+@pytest.mark.parametrize("encoders", [("libx264", "mpeg4"), ("no-such-encoder", "mpeg4")])
+def test_an_odd_sized_clip_is_padded_to_even_sides_with_either_encoder(monkeypatch, encoders):
+    """yuv420p needs even sides: 47x33 frames play as 48x34, their pixels kept; a PyAV whose
+    FFmpeg lacks libx264 writes with FFmpeg's own mpeg4 encoder."""
+    monkeypatch.setattr(clips, "CODECS", encoders)
+    clips.codec.cache_clear()
+    try:
+        y, x = np.mgrid[0:33, 0:47]
+        frames = np.stack([np.stack([x * 4 + t, y * 7, x + y], -1) for t in range(0, 50, 10)])
+        data = clips.mp4_bytes(frames.astype(np.uint8), 12.0)
+        used = clips.codec()
+    finally:
+        clips.codec.cache_clear()
+    assert used == next(e for e in encoders if e != "no-such-encoder")
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        assert stream.codec_context.name == {"libx264": "h264"}.get(used, used)
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+    assert len(decoded) == 5 and {f.shape for f in decoded} == {(34, 48, 3)}
+    for got, made in zip(decoded, frames, strict=True):
+        assert np.abs(got[:33, :47].astype(int) - made).mean() < LOSSY
 
 
 @pytest.mark.parametrize(
