@@ -158,6 +158,22 @@ def test_diffusers_loads_a_z_image_lokr_as_trained(tmp_path):
     assert all(k.startswith("diffusion_model.") for k in keys)
 
 
+@pytest.mark.parametrize("kind", ["lokr", "lokr-whole"])
+def test_diffusers_loads_a_flux2_lokr_comfyui_file_as_trained(kind, tmp_path):
+    """The LyCORIS file of a FLUX.2 LoKr (SimpleTuner's ``lycoris_`` names) is one diffusers'
+    FLUX.2 loader reads too (``_convert_lycoris_flux2_lokr_to_diffusers``, LyCORIS' alpha
+    rule), to the trained model's loss."""
+    family = FAMILIES["flux2-klein"]
+    w, batch, lora_dir = exported("flux2-klein", kind, tmp_path)
+    assert all(k.startswith("lycoris_") for k in load_file(lora_dir / layout.KOHYA_FILE))
+    pipe = family.pipeline(TINY)
+    pipe.load_lora_weights(str(lora_dir), weight_name=layout.KOHYA_FILE)
+    torch.testing.assert_close(
+        _loss(family, pipe.transformer.eval(), batch), _loss(family, w.denoiser, batch),
+        atol=1e-5, rtol=1e-4,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("kind", ["dora", *(pytest.param(k, marks=SLOW) for k in ("lokr", "loha"))])
 def test_a_resumed_run_of_each_kind_trains_what_an_uninterrupted_one_does(kind):
     """The checkpoint's state (``Weights.state``: every kind's peft names, DoRA's magnitude
