@@ -23,7 +23,7 @@ from safetensors.torch import load as load_tensors
 
 from raytuner import storage
 from raytuner.config import ConfigError
-from raytuner.lora import export, kohya, lycoris_from
+from raytuner.lora import export, kohya, lycoris, lycoris_from
 from raytuner.lora.header import Header
 
 COMFY = "diffusion_model."  # ComfyUI's name of the denoiser in LoRA keys
@@ -267,7 +267,7 @@ def start_from(denoiser, path: str, lora, family, text=()) -> tuple[dict, dict, 
         {
             "raytuner.init_from": path,
             "raytuner.init_from_sha256": sha,
-            "raytuner.init_from_modules": str((len(state) + len(texts)) // 2),
+            "raytuner.init_from_modules": str(len(lycoris.grouped(state | texts))),
             "raytuner.init_from_metadata": json.dumps(source, sort_keys=True),
         },
     )

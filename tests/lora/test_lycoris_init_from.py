@@ -45,6 +45,9 @@ def _started(name: str, tensors: dict, lora: LoraConfig, tmp_path) -> dict:
         family.denoiser(TINY), mode="lora", lora=dataclasses.replace(lora, init_from=str(path)),
         targets=family.adapters.targets, ema_decay=0, family=family,
     )  # fmt: skip
+    assert w.provenance["raytuner.init_from_modules"] == str(len({
+        k.rsplit(".", 1)[0] for k in tensors
+    }))  # fmt: skip
     return merged_weights(w.denoiser)
 
 
