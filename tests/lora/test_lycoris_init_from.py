@@ -103,12 +103,14 @@ def test_lycoris_scale_rule_whatever_alpha_the_file_stores(tmp_path):
 
 
 def test_sd_scripts_and_musubi_names_start_from_the_files_weights(tmp_path):
-    """sd-scripts' LyCORIS names of SDXL (``lora_unet_input_blocks_…``) and musubi-tuner's of
-    Wan (``lora_unet_blocks_0_self_attn_q``, its own module names flat)."""
+    """sd-scripts' LyCORIS names of SDXL (``lora_unet_input_blocks_…``), and Wan's own module
+    names under ``diffusion_model.`` and musubi-tuner's (``lora_unet_blocks_0_self_attn_q``)."""
     trained, tensors = _comfy_file("sdxl", "lokr", tmp_path)
     assert all(k.startswith("lora_unet_") for k in tensors)
     _same(_started("sdxl", tensors, KINDS["lokr"], tmp_path), trained)
     trained, tensors = _comfy_file("wan", "loha", tmp_path)
+    assert "diffusion_model.blocks.0.self_attn.q.hada_w1_a" in tensors  # ComfyUI's, ai-toolkit's
+    _same(_started("wan", tensors, KINDS["loha"], tmp_path), trained)
     musubi = _renamed(tensors, "diffusion_model.", "lora_unet_", flat=True)
     assert "lora_unet_blocks_0_self_attn_q.hada_w1_a" in musubi
     _same(_started("wan", musubi, KINDS["loha"], tmp_path), trained)
