@@ -81,6 +81,11 @@ def grouped(tensors: dict, family, denoiser) -> dict[str, tuple[str, dict]]:
         if tensor not in TENSORS:
             raise ValueError(f"{key}: no LoKr or LoHa tensor (e.g. {base}.lokr_w1, .hada_w1_a)")
         pieces = names.get(_module_key(base, part))
+        if pieces is None and base.startswith(("lora_te", "text_encoder")):
+            raise ValueError(
+                f"{key}: a text encoder's LoKr / LoHa, which lora.init_from does not read (it "
+                "starts a text encoder's LoRA only): remove the text encoder's keys"
+            )
         if pieces is None:
             raise ValueError(f"{key}: names no module of this model: a LyCORIS of another model")
         if len(pieces) > 1:

@@ -135,6 +135,9 @@ def test_init_from_refuses_a_lycoris_file_it_cannot_start_from(tmp_path):
     other = {"lycoris_not_a_block.lokr_w1": tensors[key]}
     with pytest.raises(ConfigError, match=r"lycoris_not_a_block.lokr_w1: names no module"):
         _started("flux", other, lokr, tmp_path)
+    text = tensors | {"lora_te1_text_model_encoder_layers_0_mlp_fc1.lokr_w1": tensors[key] + 0}
+    with pytest.raises(ConfigError, match=r"mlp_fc1.lokr_w1: a text encoder's LoKr / LoHa"):
+        _started("flux", text, lokr, tmp_path)
 
 
 def test_check_refuses_a_lycoris_file_of_another_kind_or_rank_from_its_header(tmp_path, capsys):
