@@ -60,6 +60,9 @@ MASKS = ("none", "alpha", "file")  # data.mask
 # a caption file that is not UTF-8: its bad bytes replaced by U+FFFD, its image skipped, or
 # the preprocess refused naming the files
 CAPTION_ERRORS = ("replace", "skip", "strict")
+# how a clip's frames are chosen (raytuner/preprocess/video.py): the first ones, spread over the
+# clip, or consecutive runs (each a sample of its own)
+FRAME_SELECTIONS = ("head", "uniform", "chunks")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,8 +81,13 @@ class SourceConfig:
     regularization: bool = False
     flip: str = ""  # none | random (a mirror image's latent is cached too); "": data.flip
     mask: str = ""  # none | alpha | file (<stem>-masklabel.png); "": data.mask
+    # a clip's frame counts, selection and rate for this source; []/""/-1: data's
+    frames: list[int] = ranged([], 1, 1025)
+    frame_selection: str = ""
+    fps: float = ranged(-1.0, -1, 240, hint="-1: data.fps; 0: the clip's own rate")
 
     def __post_init__(self) -> None:
+        one_of("data.sources.frame_selection", self.frame_selection, ("", *FRAME_SELECTIONS))
         one_of("data.sources.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))
         one_of("data.sources.caption_errors", self.caption_errors, CAPTION_ERRORS)
         one_of("data.sources.flip", self.flip, ("", *FLIPS))
@@ -104,12 +112,21 @@ class DataConfig:
     repeats_from_folder: bool = True
     flip: str = "none"  # every source's flip unless it sets its own
     mask: str = "none"  # every source's mask unless it sets its own
+    # video clips: the frame counts a sample may take (the frame buckets; a clip takes the
+    # largest its length gives), how they are chosen and at what rate (0: the clip's own);
+    # an image is a one-frame sample. The family's frame rule (Wan: 4n + 1) is jobcheck's
+    frames: list[int] = ranged([81], 1, 1025)
+    frame_selection: str = "head"
+    fps: float = ranged(0.0, 0, 240, low_open=True, zero="the clip's own rate")
     sources: list[SourceConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._shorthand()  # validates the shorthand's caption options
         one_of("data.flip", self.flip, FLIPS)
         one_of("data.mask", self.mask, MASKS)
+        one_of("data.frame_selection", self.frame_selection, FRAME_SELECTIONS)
+        if not self.frames:
+            raise ConfigError("data.frames is empty: name at least one frame count, e.g. [81]")
         if not self.images and not self.sources:
             raise ConfigError("set data.images or at least one [[data.sources]]")
         if not self.images and all(s.regularization for s in self.sources):
@@ -123,7 +140,14 @@ class DataConfig:
         its flip and mask settled (``data.flip`` / ``data.mask`` unless it sets its own)."""
         shorthand = [self._shorthand()] if self.images else []
         return [
-            dataclasses.replace(s, flip=s.flip or self.flip, mask=s.mask or self.mask)
+            dataclasses.replace(
+                s,
+                flip=s.flip or self.flip,
+                mask=s.mask or self.mask,
+                frames=s.frames or self.frames,
+                frame_selection=s.frame_selection or self.frame_selection,
+                fps=self.fps if s.fps < 0 else s.fps,
+            )
             for s in shorthand + list(self.sources)
         ]
 
@@ -135,6 +159,9 @@ class DataConfig:
             caption_fallback=self.caption_fallback,
             caption_errors=self.caption_errors,
             repeats_from_folder=self.repeats_from_folder,
+            frames=self.frames,
+            frame_selection=self.frame_selection,
+            fps=self.fps,
         )
 
 

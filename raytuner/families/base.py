@@ -37,6 +37,9 @@ class Geometry:
     pixel_multiple: int  # bucket sides are multiples of this (VAE factor x denoiser factor)
     # image sides must be multiples of this for its parts to run (pixel_multiple is one)
     pixel_grid: int
+    # video: a sample's frames are 1 + this x n (the VAE's temporal factor: Wan's 4, so 4n + 1
+    # frames make n + 1 latent frames); 0: the family trains images only
+    frame_multiple: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

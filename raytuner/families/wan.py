@@ -121,7 +121,9 @@ class Wan(base.DiffusersFamily):
     name = "wan"
     objective_kind = "flow"
     # the VAE's 8 x the transformer's 2x2 patches (WanPipeline's check_inputs: multiples of 16)
-    geometry = base.Geometry(default_resolution=640, pixel_multiple=16, pixel_grid=16)
+    geometry = base.Geometry(
+        default_resolution=640, pixel_multiple=16, pixel_grid=16, frame_multiple=4
+    )
     blocks = base.Blocks(
         swap=("blocks",),
         shard=("blocks",),

@@ -33,6 +33,7 @@ def check_job(job: JobConfig, family, *, runs: bool = True, reads_images: bool =
     leaves out the optional packages, the image folders and the outputs; ``reads_images=False``
     the image folders (see the module's docstring for which operation passes what)."""
     model.bucket_sizes(job.preprocess, family)
+    model.frame_counts(job.data, family)
     model.objective_kind(job.objective, family)
     model.sharding(job)
     model.compiling(job, family)

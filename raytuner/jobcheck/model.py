@@ -12,6 +12,7 @@ import os
 from raytuner import placement
 from raytuner.config import (
     ConfigError,
+    DataConfig,
     JobConfig,
     ModelConfig,
     ObjectiveConfig,
@@ -48,6 +49,24 @@ def bucket_sizes(pre: PreprocessConfig, family) -> None:
             f"resolution {side}: set preprocess.resolution to a multiple "
             f"of {bucket_step}, or a bucket step that divides {side}"
         )
+
+
+def frame_counts(data: DataConfig, family) -> None:
+    """A video family's frame buckets take the frame counts its VAE encodes (Wan: 4n + 1); an
+    image family's are never used (its clips are reported, not trained)."""
+    step = family.geometry.frame_multiple
+    if not step:
+        return
+    for where, frames in [("data.frames", data.frames)] + [
+        (f"data.sources[{i}].frames", s.frames) for i, s in enumerate(data.sources)
+    ]:
+        for n in frames:
+            if (n - 1) % step:
+                near = 1 + step * max(0, round((n - 1) / step))
+                raise ConfigError(
+                    f"{where} holds {n}: {family.name} encodes clips of {step}n + 1 frames "
+                    f"(1, {1 + step}, {1 + 2 * step}, ...); use e.g. {near}"
+                )
 
 
 def objective_kind(objective: ObjectiveConfig, family) -> None:
@@ -180,8 +199,8 @@ def model_file(model: ModelConfig, family) -> None:
 
 
 def validation_prompts(v: ValidationConfig, family) -> None:
-    """The prompts file reads and every line is one the family can render; a negative prompt
-    needs a family with classifier-free guidance (``negative_prompt``)."""
+    """The prompts file reads and every line is one the family can render (its sizes, its clip
+    lengths); a negative prompt needs a family with classifier-free guidance."""
     from raytuner.render import prompts
 
     if v.negative_prompt and not family.guidance.negative_prompt:
@@ -199,6 +218,10 @@ def validation_prompts(v: ValidationConfig, family) -> None:
             prompts.on_grid(f"validation.{key} =", getattr(v, key), family)
     except prompts.PromptsError as e:
         raise ConfigError(f"{e}; 0 renders at the job's resolution") from None
+    try:
+        prompts.frame_count("validation.frames =", v.frames, family)
+    except prompts.PromptsError as e:
+        raise ConfigError(f"{e}; 0 renders the largest data.frames bucket") from None
     if not v.prompts_file:
         return
     try:

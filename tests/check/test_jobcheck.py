@@ -462,3 +462,15 @@ def test_each_adapter_kind_with_its_options_passes(tmp_path, capsys):
         ["lora.dora=true", "lora.dropout=0.1"],
     ):
         accepted(tmp_path, capsys, *overrides, family="flux")
+
+
+def test_a_frame_count_the_video_family_cannot_encode_is_refused_naming_the_nearest(
+    tmp_path, capsys
+):
+    code, err = check(tmp_path, capsys, "data.frames=[17, 80]", family="wan")
+    assert code == 2 and "data.frames holds 80" in err and "use e.g. 81" in err, err
+    source = "data.sources=[{path = 'more', frames = [6]}]"
+    code, err = check(tmp_path, capsys, source, family="wan", name="source")
+    assert code == 2 and "data.sources[0].frames holds 6" in err and "e.g. 5" in err, err
+    # an image family never encodes clips' frames: its frames are not checked
+    assert check(tmp_path, capsys, "data.frames=[80]", name="sdxl")[0] == 0

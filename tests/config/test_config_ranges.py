@@ -24,6 +24,10 @@ from raytuner.config import SECTIONS, LoraConfig, MemoryConfig, ModelConfig, Obj
 # key -> values (TOML text) outside its range; a list key's bad element is its last
 BAD: dict[str, list[str]] = {
     "data.sources.repeats": ["0", "-1", "10001"],
+    "data.frames": ["[0]", "[81, 2000]"],
+    "data.fps": ["-1", "241"],
+    "data.sources.frames": ["[0]"],
+    "data.sources.fps": ["-2", "241"],
     "preprocess.resolution": ["-64", "32", "8256"],
     "preprocess.bucket_step": ["-8", "4", "2048"],
     "preprocess.min_aspect": ["0", "-0.5", "1.5"],
@@ -90,6 +94,8 @@ BAD: dict[str, list[str]] = {
     "validation.width": ["-64", "4", "8200"],
     "validation.height": ["-64", "4", "8200"],
     "validation.guidance_scale": ["-1", "101"],
+    "validation.frames": ["-1", "1026"],
+    "validation.fps": ["0", "241"],
     "validation.cpus": ["-1"],
     "validation.gpus": ["-1", "2"],
     "memory.blocks_to_swap": ["-1"],
