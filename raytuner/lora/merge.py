@@ -30,10 +30,9 @@ import torch
 
 from raytuner import storage
 from raytuner.config import ConfigError
-from raytuner.lora import export, init_from, kohya
+from raytuner.lora import export, init_from, kohya, lycoris_from
 from raytuner.lora.header import Header
 from raytuner.lora.init_from import ADAPTER_KEY, COMFY
-from raytuner.lora.lycoris import LOHA, LOKR
 
 MAGNITUDES = ("lora_magnitude_vector", "dora_scale")  # peft's DoRA m, LyCORIS' dora_scale
 _DEFAULT = re.compile(r"\.default(?=\.|$)")  # peft's adapter name in a key
@@ -71,7 +70,7 @@ def changes(tensors: dict, meta: dict, family, denoiser, load=None) -> dict[str,
     magnitudes = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[-1] in MAGNITUDES}
     rest = {k: v for k, v in tensors.items() if k not in magnitudes}
     if any(k.rsplit(".", 1)[-1].startswith(("lokr_", "hada_")) for k in rest):
-        found = _lycoris(rest, meta, names)
+        found = _lycoris(rest, meta, family, denoiser)
     else:
         rest = _template_as_kohya(rest, family, dims)
         lora = init_from.file_modules(rest, meta, family, denoiser, load)
@@ -142,19 +141,12 @@ def _module(names: dict, name: str, k: str) -> str:
     return pieces[0]
 
 
-def _lycoris(tensors: dict, meta: dict, names: dict) -> dict[str, Change]:
-    """A LyCORIS file's (or raytuner's peft LoKr / LoHa file's) modules."""
-    grouped: dict[str, dict] = {}
-    for k, value in tensors.items():
-        name, _, own = k.rpartition(".")
-        if own not in (*LOKR, *LOHA, "alpha"):
-            raise ValueError(f"{k}: no tensor of a LoKr or LoHa (a Tucker factor is not read)")
-        grouped.setdefault(name, {})[own] = value
+def _lycoris(tensors: dict, meta: dict, family, denoiser) -> dict[str, Change]:
+    """A LyCORIS file's (or raytuner's peft LoKr / LoHa file's) modules, named as
+    ``lora.init_from`` reads other tools' LyCORIS names (``lycoris_from.grouped``)."""
     peft = _peft_config(meta)
     out = {}
-    for name, t in grouped.items():
-        module = _module(names, name, f"{name}.{next(iter(t))}")
-        alpha = t.pop("alpha", None)
+    for module, (name, t) in lycoris_from.grouped(tensors, family, denoiser).items():
         kind = "lokr" if any(k.startswith("lokr_") for k in t) else "loha"
         need = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b") if kind == "loha" else ()
         if kind == "lokr" and not (
@@ -164,20 +156,13 @@ def _lycoris(tensors: dict, meta: dict, names: dict) -> dict[str, Change]:
             need = ("lokr_w1", "lokr_w2")
         if missing := [n for n in need if n not in t]:
             raise ValueError(f"{name}: a {kind} without {', '.join(missing)}")
-        out[module] = Change(kind, t, _scale(kind, t, alpha, peft))
+        if "alpha" not in t and peft.get("r"):  # peft's scale: alpha / r, always
+            scale = float(peft.get("alpha", peft.get("lora_alpha", peft["r"]))) / peft["r"]
+        else:  # LyCORIS' and ComfyUI's
+            scale = lycoris_from.file_scale(t, lambda a: a)
+        factors = {k: v for k, v in t.items() if k != "alpha"}
+        out[module] = Change(kind, factors, scale)
     return out
-
-
-def _scale(kind: str, t: dict, alpha, peft: dict) -> float:
-    """ComfyUI's scale of a LyCORIS module (``alpha / rank``; 1 without alpha or, for a LoKr,
-    with both factors whole); peft's ``alpha / r`` for a file without alpha keys whose stored
-    peft config has them (raytuner's diffusers file)."""
-    if alpha is None and peft.get("r"):
-        return float(peft.get("alpha", peft.get("lora_alpha", peft["r"]))) / float(peft["r"])
-    rank = t["hada_w1_b"] if kind == "loha" else t.get("lokr_w2_b", t.get("lokr_w1_b"))
-    if alpha is None or rank is None:
-        return 1.0
-    return float(alpha) / rank.shape[0]
 
 
 def _peft_config(meta: dict) -> dict:
