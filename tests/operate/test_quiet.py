@@ -14,7 +14,8 @@ import re
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -78,20 +79,26 @@ def image_set(job: str, images: Path) -> list[str]:
     return [] if job == "tiny.toml" else ["--set", f"data.images={images}"]
 
 
+def plan(job: str, images: Path) -> subprocess.CompletedProcess:
+    return raytuner("plan", f"jobs/{job}", "--gpu-memory", "80GiB", *image_set(job, images))
+
+
 @pytest.fixture(scope="module")
-def checks(images) -> dict[str, subprocess.CompletedProcess]:
-    """`raytuner check` of every shipped job, each a process of its own, two at a time (one a
-    core: most of a check is its process's imports, one core's work): ~half the time of one
-    after the other. The first job's test waits for them all."""
+def commands(images) -> Iterator[dict[tuple[str, str], Future]]:
+    """The quick loop's commands, each a process of its own, two at a time (one a core: most of
+    a check is its process's imports, one core's work): ~half the time of one after the other.
+    `plan` of the tiny job first (the longest), then `raytuner check` of every shipped job."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = pool.map(lambda job: raytuner("check", f"jobs/{job}", *image_set(job, images)),
-                           JOBS)  # fmt: skip
-        return dict(zip(JOBS, results, strict=True))
+        futures = {("plan", "tiny.toml"): pool.submit(plan, "tiny.toml", images)}
+        for job in JOBS:
+            args = ("check", f"jobs/{job}", *image_set(job, images))
+            futures["check", job] = pool.submit(raytuner, *args)
+        yield futures
 
 
 @pytest.mark.parametrize("job", JOBS)
-def test_check_of_every_shipped_job_writes_only_raytuner_lines(job, checks):
-    result = checks[job]
+def test_check_of_every_shipped_job_writes_only_raytuner_lines(job, commands):
+    result = commands["check", job].result()
     assert result.returncode == 0, result.stderr
     assert foreign(result.stderr) == []
 
@@ -99,8 +106,9 @@ def test_check_of_every_shipped_job_writes_only_raytuner_lines(job, checks):
 @pytest.mark.parametrize(
     "job", ["tiny.toml", pytest.param("sdxl.toml", marks=pytest.mark.slow)]
 )  # a full-size plan takes 20-50 s here
-def test_plan_writes_only_raytuner_lines(job, images):
-    result = raytuner("plan", f"jobs/{job}", "--gpu-memory", "80GiB", *image_set(job, images))
+def test_plan_writes_only_raytuner_lines(job, images, commands):
+    started = commands.get(("plan", job))
+    result = started.result() if started else plan(job, images)
     assert result.returncode == 0, result.stderr
     assert "the training worker fits in" in result.stdout
     assert foreign(result.stderr) == []
