@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,12 @@ def _slice(i: int, rank: int, world: int):
     return RankSlice(0, i, STEPS, batch, seeds, [])
 
 
-def _train_and_save(rank: int, world: int, folder: str, port: int) -> None:
+def _train_save_and_load(rank: int, world: int, folder: str, port: int) -> None:
+    """Train, save the checkpoint, keep an intact copy of it (for the load on 1 worker), then
+    load it back on these workers and damage it (``_load_into``): one start of the workers
+    (their imports and model) for both."""
+    import torch.distributed as dist
+
     from raytuner.checkpoint import files
 
     os.environ["RANK"] = str(rank)
@@ -100,21 +106,28 @@ def _train_and_save(rank: int, world: int, folder: str, port: int) -> None:
     export = lambda d: weights.export_lora(None, None, {})  # noqa: E731 (gathered, not written)
     files.save_checkpoint(folder, weights, opt, sched, state, {}, export, rank=rank, sharded=True)
     reference = _state(weights, opt, sched)
+    dist.barrier()  # every worker's files written
     if rank == 0:
         save_file(reference, os.path.join(folder, "..", "reference.safetensors"))
+        shutil.copytree(folder, f"{folder}-intact")
+    dist.barrier()
+    _load_into(rank, world, folder, weights, opt, sched, step)
 
 
 def _load(rank: int, world: int, folder: str, port: int) -> None:
+    """``_load_into`` a model, optimizer and schedule built afresh on ``world`` workers."""
+    os.environ["RANK"] = str(rank)
+    _load_into(rank, world, folder, *_setup(world, port))
+
+
+def _load_into(rank: int, world: int, folder: str, weights, opt, sched, step) -> None:
     """Load the checkpoint (counting the bytes read), keep what it restored, take a step; at 2
     workers, then damage a shard and load again."""
+    import pyarrow.fs as pafs
     import torch.distributed as dist
+    from test_export_final import Recording  # the local filesystem, noting every read
 
     from raytuner.checkpoint import files
-
-    os.environ["RANK"] = str(rank)
-    weights, opt, sched, step = _setup(world, port)
-    import pyarrow.fs as pafs
-    from test_export_final import Recording  # the local filesystem, noting every read
 
     reads = Recording()
     loaded = files.load_checkpoint(
@@ -159,7 +172,9 @@ def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(
     folder.mkdir()
     (folder / layout.EXPORT).mkdir()  # what _trained_files_complete looks for (a LoRA's export)
     (folder / layout.EXPORT / "lora.safetensors").write_bytes(b"x")
-    mp.spawn(_train_and_save, args=(2, str(folder), free_ports(1)[0]), nprocs=2)
+    # trained, saved, then (the intact copy kept) loaded back on 2 workers and damaged
+    mp.spawn(_train_save_and_load, args=(2, str(folder), free_ports(1)[0]), nprocs=2)
+    folder = tmp_path / "checkpoint-intact"
     names = sorted(p.name for p in folder.iterdir())
     assert {layout.WEIGHTS_DIR, layout.EMA_DIR, layout.OPTIMIZER_DIR, layout.OPTIMIZER_JSON} <= set(
         names
@@ -183,7 +198,6 @@ def test_a_sharded_checkpoint_restores_every_piece_on_another_number_of_workers(
         files = list((folder / sub).glob("*.safetensors"))
         headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
         sizes[sub] = headers, sum(f.stat().st_size for f in files) - headers
-    mp.spawn(_load, args=(2, str(folder), free_ports(1)[0]), nprocs=2)
     results = [json.loads((tmp_path / f"result-2-{r}.json").read_text()) for r in (0, 1)]
     for result in results:
         assert len(result["errors"]) == 2, result["errors"]

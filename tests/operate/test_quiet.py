@@ -14,6 +14,8 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -77,18 +79,43 @@ def image_set(job: str, images: Path) -> list[str]:
     return [] if job == "tiny.toml" else ["--set", f"data.images={images}"]
 
 
+def plan(job: str, images: Path) -> subprocess.CompletedProcess:
+    return raytuner("plan", f"jobs/{job}", "--gpu-memory", "80GiB", *image_set(job, images))
+
+
+PLANS = ["tiny.toml", pytest.param("sdxl.toml", marks=pytest.mark.slow)]  # sdxl: 20-50 s
+
+
+@pytest.fixture(scope="module")
+def commands(images, request) -> Iterator[dict[tuple[str, str], Future]]:
+    """The commands of this module's selected `plan` and `check` tests, each a process of its
+    own, two at a time (one a core: most of a check is its process's imports, one core's
+    work): ~half the time of one after the other. The plans first (the longest)."""
+    selected = {item.nodeid for item in request.session.items}
+
+    def chosen(test, jobs: list[str]) -> list[str]:
+        return [j for j in jobs if f"{request.node.nodeid}::{test.__name__}[{j}]" in selected]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {}
+        for job in chosen(test_plan_writes_only_raytuner_lines, ["sdxl.toml", "tiny.toml"]):
+            futures["plan", job] = pool.submit(plan, job, images)
+        for job in chosen(test_check_of_every_shipped_job_writes_only_raytuner_lines, JOBS):
+            args = ("check", f"jobs/{job}", *image_set(job, images))
+            futures["check", job] = pool.submit(raytuner, *args)
+        yield futures
+
+
 @pytest.mark.parametrize("job", JOBS)
-def test_check_of_every_shipped_job_writes_only_raytuner_lines(job, images):
-    result = raytuner("check", f"jobs/{job}", *image_set(job, images))
+def test_check_of_every_shipped_job_writes_only_raytuner_lines(job, commands):
+    result = commands["check", job].result()
     assert result.returncode == 0, result.stderr
     assert foreign(result.stderr) == []
 
 
-@pytest.mark.parametrize(
-    "job", ["tiny.toml", pytest.param("sdxl.toml", marks=pytest.mark.slow)]
-)  # a full-size plan takes 20-50 s here
-def test_plan_writes_only_raytuner_lines(job, images):
-    result = raytuner("plan", f"jobs/{job}", "--gpu-memory", "80GiB", *image_set(job, images))
+@pytest.mark.parametrize("job", PLANS)
+def test_plan_writes_only_raytuner_lines(job, commands):
+    result = commands["plan", job].result()
     assert result.returncode == 0, result.stderr
     assert "the training worker fits in" in result.stdout
     assert foreign(result.stderr) == []

@@ -47,9 +47,11 @@ def test_one_ctrl_c_stops_the_run_and_the_processes_it_started(tmp_path):
     shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_inner.py").write_text(INNER.format(out=str(out)))
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"]
+    # the sleeper never exits by itself: no grace before it is stopped (default 5 s)
+    env = os.environ | {"RAYTUNER_TEST_EXIT_GRACE_S": "0"}
     inner = subprocess.Popen(
         command, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     sleeper = None
     try:
