@@ -22,6 +22,10 @@ MAX_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length: every caption pa
 TEXT_WIDTH = 4096  # UMT5-XXL's d_model
 VAE_FACTOR = 8
 PATCH = 2  # the transformer's 1x2x2 patches
+# a frame's pixels above which the VAE encodes in tiles (diffusers' enable_tiling: 256-pixel
+# tiles, blended): 480x832 (Wan's 480p) whole, 720p and above tiled. Its memory grows with a
+# frame's pixels, not the frame count (it encodes a clip 4 frames at a time, caching features)
+TILE_ABOVE = 480 * 832
 COMFY = "diffusion_model."  # ComfyUI's name of the denoiser in LoRA keys
 
 # Wan's own module names (its releases, ComfyUI, musubi-tuner) of diffusers' names in a block
@@ -104,8 +108,11 @@ class _UMT5Text:
 def wan_image_encoder(vae, device: str) -> base.ImageEncoder:
     """Latent mean and std of Wan's 3-D VAE of images [B, 3, H, W] (one frame each) or clips
     [B, 3, F, H, W] (F = 4n + 1), [B, 16, T, h, w] (T = n + 1; an image: 1) in the transformer's
-    scale: (mean - latents_mean) / latents_std per channel, as WanPipeline decodes them."""
+    scale: (mean - latents_mean) / latents_std per channel, as WanPipeline decodes them. A
+    batch is encoded a sample at a time (slicing: a batch of clips costs one clip's memory),
+    frames over ``TILE_ABOVE`` pixels in tiles."""
     vae = placement.move(vae, device).eval().requires_grad_(False)
+    vae.enable_slicing()
     dtype = vae.dtype
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
@@ -115,6 +122,10 @@ def wan_image_encoder(vae, device: str) -> base.ImageEncoder:
         frames = placement.inputs(pixels, device, dtype)
         if frames.ndim == 4:  # an image: a one-frame clip [B, 3, 1, H, W]
             frames = frames.unsqueeze(2)
+        if frames.shape[-1] * frames.shape[-2] > TILE_ABOVE:
+            vae.enable_tiling()
+        else:
+            vae.disable_tiling()
         dist = vae.encode(frames).latent_dist
         m, s = (placement.inputs(t, str(dist.mean.device), dist.mean.dtype) for t in (mean, std))
         return (dist.mean - m) / s, dist.std / s
