@@ -142,7 +142,9 @@ def clip_report(rows: list[dict], indexed: list[dict]) -> dict:
     for r in indexed:
         if r.get("frames"):
             frames[r["frames"]] = frames.get(r["frames"], 0) + 1
-    samples = {"samples": sum(frames.values()), "frames": dict(sorted(frames.items()))}
+    # keyed by the frame count as a string: the report is JSON
+    by_count = {str(n): k for n, k in sorted(frames.items())}
+    samples = {"samples": sum(frames.values()), "frames": by_count}
     return {"files": len(category), **counts, **samples}
 
 

@@ -278,7 +278,15 @@ def _clip_sample(out: dict, key: str, source, known: Known, taken: set) -> dict:
     return row | {"status": ENCODE, "want_latent": want_latent, "want_flip": want_flip}
 
 
-def probe_decode(batch: pa.Table, sources, spec: DecodeSpec, known: Known, progress=None):
+def probe_decode(
+    batch: pa.Table, sources, spec: DecodeSpec, known: Known, progress=None
+) -> pa.Table:
+    """``probe_decode_blocks`` as one table (the bench's bare loop, tests)."""
+    tables = list(probe_decode_blocks(batch, sources, spec, known, progress))
+    return pa.concat_tables(tables) if tables else STREAM_SCHEMA.empty_table()
+
+
+def probe_decode_blocks(batch: pa.Table, sources, spec: DecodeSpec, known: Known, progress=None):
     """The stream's first step (Ray Data tasks): a batch of listed files -> stream rows (the
     images' as one table, then each clip sample's as a table of its own, so a task holds one
     sample's frames at a time); ``progress``: the counting actor told what the batch's files

@@ -18,7 +18,7 @@ import ray
 from raytuner import quiet, runtime
 from raytuner.data.cache import caption_key, flip_key
 from raytuner.preprocess.clips import is_clip
-from raytuner.preprocess.decode import ENCODE, PROBE_COLUMNS, DecodeSpec, probe_decode
+from raytuner.preprocess.decode import ENCODE, PROBE_COLUMNS, DecodeSpec, probe_decode_blocks
 from raytuner.preprocess.encode import Encoder
 from raytuner.preprocess.sink import PartSink
 
@@ -121,7 +121,7 @@ def _probe_stream(listing: list[dict], rows: int, probe: dict) -> ray.data.Datas
     return ray.data.from_items(
         listing, override_num_blocks=math.ceil(len(listing) / rows)
     ).map_batches(
-        probe_decode,
+        probe_decode_blocks,
         fn_kwargs=probe,
         batch_size=None,  # one call per block
         batch_format="pyarrow",

@@ -6,13 +6,13 @@ family reports the clips as not trained."""
 
 from __future__ import annotations
 
-import io
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from clip_files import clip
 from PIL import Image
 
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
@@ -26,27 +26,6 @@ from raytuner.preprocess.job import update_cache
 WAN = FAMILIES["wan"]
 MODEL = ModelConfig(family="wan", pretrained="tiny")
 PRE = PreprocessConfig(resolution=64, bucket_step=16, min_size=32, dtype="float32")
-
-
-def clip(frames: int, fps: int, size=(64, 48), fmt="mp4", codec="mpeg4", seed=0) -> bytes:
-    """An encoded clip of ``frames`` frames of smooth random colour."""
-    import av
-
-    rng = np.random.default_rng(seed)
-    out = io.BytesIO()
-    with av.open(out, mode="w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
-        stream.bit_rate = 4_000_000
-        for _ in range(frames):
-            level = rng.integers(0, 255, size=3)
-            pixels = np.broadcast_to(level, (size[1], size[0], 3)).astype(np.uint8)
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return out.getvalue()
 
 
 def make_folder(root: Path) -> tuple[Path, Path]:
@@ -97,7 +76,7 @@ def test_every_clip_lands_in_exactly_one_category(encoded):
     _, _, report = encoded
     assert report["clips"] == {
         "files": 5, "trained": 3, "corrupt": 1, "too_short": 1, "codec": 0, "bomb": 0,
-        "huge": 0, "not_trained": 0, "skipped": 0, "samples": 4, "frames": {5: 1, 9: 3},
+        "huge": 0, "not_trained": 0, "skipped": 0, "samples": 4, "frames": {"5": 1, "9": 3},
     }  # fmt: skip
     reasons = {s["path"]: s["reason"] for s in report["skipped"]}
     assert reasons["bad.mp4"].startswith("corrupt: ")
