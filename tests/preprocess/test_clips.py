@@ -117,6 +117,7 @@ def test_each_sample_is_the_vaes_latent_of_its_decoded_frames(encoded):
         dataset.close()
 
 
+@pytest.mark.slow
 def test_a_rerun_encodes_nothing_and_an_edited_clip_alone_again(encoded):
     root, data, _ = encoded
     again = update_cache(MODEL, data, PRE, family=WAN)
@@ -129,6 +130,7 @@ def test_a_rerun_encodes_nothing_and_an_edited_clip_alone_again(encoded):
     assert keys["long.mp4"].split(":")[0] != keys["mid.webm"].split(":")[0]
 
 
+@pytest.mark.slow
 def test_an_image_family_reports_clips_as_not_trained(encoded, tmp_path):
     """Its images are encoded, each clip reported ``not_trained`` (no decode, no crash)."""
     root, _, _ = encoded
@@ -141,3 +143,14 @@ def test_an_image_family_reports_clips_as_not_trained(encoded, tmp_path):
     assert report["clips"]["trained"] == 0 and report["clips"]["samples"] == 0
     reasons = {s["path"]: s["reason"] for s in report["skipped"]}
     assert reasons["long.mp4"] == "a video clip: the model family trains images only"
+
+
+def test_a_stream_block_holds_one_clip_where_a_sample_is_over_64_mib():
+    """81 frames at 832 px (a 97 MB+ sample): a listed clip a block, not a batch of 8; small
+    clips share a block, within 64 MiB of samples and without rounding up to a batch."""
+    from raytuner.preprocess.pipeline import BLOCK_PIXEL_BYTES, rows_per_block
+
+    assert rows_per_block(100, 8, 832, 1, frames=81) == 1
+    rows = rows_per_block(1000, 8, 64, 1, frames=9)  # not rounded to 256
+    assert rows * 64 * 64 * 3 * 9 <= BLOCK_PIXEL_BYTES and rows == 250  # a quarter: 2 actors + 2
+    assert rows_per_block(1000, 8, 64, 1) % 8 == 0  # images: whole batches, as before
