@@ -94,10 +94,14 @@ def sample(
     width: int = 0,
     height: int = 0,
     out: str = "samples",
+    frames: int = 0,
+    fps: float = 0.0,
 ) -> list:
     """Render ``prompts`` (and the lines of a kohya-style ``prompts_file``) with the job's
     trained weights: ``checkpoint`` is "latest" (the newest checkpoint of the job's runs),
     "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution.
+    A video family renders clips of ``frames`` (0: ``validation.frames``, else the largest
+    ``data.frames`` bucket) at ``fps`` (0: ``validation.fps``): an mp4 and its poster each.
     Returns the files written under ``out``."""
     from raytuner.render import prompts as prompt_lines
     from raytuner.render.sample import default_size, render_samples
@@ -113,6 +117,7 @@ def sample(
     if not lines:
         raise ConfigError("sample: give at least one prompt or a prompts file")
     _sample_options(family, seeds, steps, width, height)
+    _clip_options(family, frames, fps)
     v = job.validation  # its negative prompt and guidance scale apply here too
     side_w, side_h = default_size(job, family)
     defaults = prompt_lines.Defaults(
@@ -121,8 +126,9 @@ def sample(
         steps=steps,
         guidance_scale=v.guidance_scale,
         negative_prompt=v.negative_prompt,
+        frames=prompt_lines.clip_frames(frames or v.frames, job.data.frames, family),
     )
-    return render_samples(job, family, checkpoint, lines, defaults, out)
+    return render_samples(job, family, checkpoint, lines, defaults, out, fps)
 
 
 def _sample_options(family, seeds, steps, width, height) -> None:
@@ -142,6 +148,22 @@ def _sample_options(family, seeds, steps, width, height) -> None:
             prompt_lines.on_grid(flag, value, family)
     except prompt_lines.PromptsError as e:
         raise ConfigError(f"sample: {e}") from None
+
+
+def _clip_options(family, frames: int, fps: float) -> None:
+    """`raytuner sample`'s ``--frames`` (0: the job's) in the range of a line's ``--f`` and a
+    count the family renders, ``--fps`` (0: the job's) in ``validation.fps``' range."""
+    from raytuner.config.sections import MAX_FPS
+    from raytuner.render import prompts as prompt_lines
+
+    try:
+        if frames:
+            prompt_lines.in_range("--frames", "f", frames)
+        prompt_lines.frame_count("--frames", frames, family)
+    except prompt_lines.PromptsError as e:
+        raise ConfigError(f"sample: {e}") from None
+    if fps and not 0 < fps <= MAX_FPS:
+        raise ConfigError(f"sample: --fps {fps}: must be > 0 and <= {MAX_FPS:g} (frames a second)")
 
 
 def plan(job: JobConfig, gpu_memory: str = "") -> dict:

@@ -45,7 +45,15 @@ def _sample_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
     cmd.add_argument("--width", type=int, help="pixels (default: the job's resolution)")
     cmd.add_argument("--height", type=int, help="pixels (default: the job's resolution)")
-    cmd.add_argument("--out", required=True, help="folder for the PNGs, grid.png, samples.json")
+    cmd.add_argument(
+        "--frames", type=int, help="a video family's clip length (default: validation.frames, "
+        "else the largest data.frames bucket; Wan: 4n + 1)",
+    )  # fmt: skip
+    cmd.add_argument("--fps", type=float, help="a clip's frame rate (default: validation.fps)")
+    cmd.add_argument(
+        "--out", required=True, help="folder for the PNGs (a clip: its mp4 and poster), "
+        "grid.png, samples.json",
+    )  # fmt: skip
 
 
 def _feed_args(cmd: argparse.ArgumentParser) -> None:

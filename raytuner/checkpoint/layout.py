@@ -20,6 +20,8 @@ job's run lives, its checkpoints, the newest complete one and where the exported
       lora/pytorch_lora_weights.safetensors  lora/lora_kohya.safetensors   (LoRA runs)
       model/<denoiser part>/               (full fine-tunes)
       validation/step_<N>.png|json   tensorboard/   samples/<attempt>/   wandb/  wandb_run_id
+      validation/step_<N>/<i>-<prompt>-seed<s>.mp4   (video families: each clip rendered;
+                                           step_<N>.png is the grid of their posters)
 
 Nothing here imports torch: the CLI, the validation actor and `sample` use it as well as the
 training workers.
@@ -62,7 +64,8 @@ LORA_DIR = "lora"  # a LoRA's export: <run>/lora/
 MODEL_DIR = "model"  # a full fine-tune's export: <run>/model/<denoiser part>/
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # in lora/: diffusers/peft keys
 KOHYA_FILE = "lora_kohya.safetensors"  # in lora/: kohya keys
-VALIDATION = "validation"  # step_<N>.png and step_<N>.json
+VALIDATION = "validation"  # step_<N>.png and step_<N>.json; clips in step_<N>/
+CLIP_SUFFIX = ".mp4"  # a rendered clip (validation/step_<N>/, `raytuner sample --out`)
 TENSORBOARD = "tensorboard"  # event files (scalars, validation images)
 SAMPLES = "samples"  # the sample log: <attempt>/step_<N>.json
 WANDB = "wandb"  # W&B's local files (offline runs, its logs)
@@ -70,6 +73,12 @@ WANDB_RUN_ID = "wandb_run_id"  # the W&B run id of every attempt of the run
 
 log = logging.getLogger("raytuner.train")
 _FRESH = re.compile(r"-\d{8}-\d{6}$")  # the suffix of a run started with resume = false
+
+
+def validation_step(step: int) -> str:
+    """The name of a validation render's grid and record (``.png``, ``.json``) and of the folder
+    of its clips, in ``<run>/validation``: ``step_<N>``."""
+    return f"step_{step:06d}"
 
 
 def run_dir(output: str, name: str) -> str:

@@ -39,6 +39,8 @@ MAX_LR = 10.0  # train.learning_rate: Prodigy's multiplier is about 1, AdamW's r
 MAX_RENDER_STEPS = 1000  # validation.steps, a prompt line's --s: sd-scripts clamps to 1..1000
 MAX_SIDE = 8192  # validation.width/height, preprocess.resolution: pixels
 MAX_GUIDANCE = 100.0  # validation.guidance_scale
+MAX_FRAMES = 1025  # validation.frames, a prompt line's --f: data.frames' bound
+MAX_FPS = 240.0  # validation.fps: data.fps' bound
 RESOURCE_HINT = f"Ray counts resources in steps of {RESOURCE_STEP}"
 GPU_HINT = "a worker or actor computes on one GPU; a fraction shares it"
 
@@ -306,6 +308,10 @@ class ValidationConfig:
     negative_prompt: str = ""
     # classifier-free guidance; 0: the family's default (a distilled model's: none)
     guidance_scale: float = ranged(0.0, 0, MAX_GUIDANCE, low_open=True, zero="the family's default")
+    # video families: the frames of each clip (the family's frame rule, Wan: 4n + 1, is
+    # jobcheck's; image families render one); 0: the largest data.frames bucket
+    frames: int = ranged(0, 1, MAX_FRAMES, zero="the largest data.frames bucket")
+    fps: float = ranged(16.0, 0, MAX_FPS, low_open=True)  # a clip's frame rate (Wan's: 16)
     # render as a step- and guidance-distilled model (Z-Image Turbo, Flux.2 [klein]): its few
     # steps, no classifier-free guidance. auto: when the pipeline's config says is_distilled or
     # model.pretrained is a distilled release the family names; yes / no: as said

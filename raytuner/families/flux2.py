@@ -75,6 +75,9 @@ def _adapters(base_model_version: str, architecture: str) -> base.Adapters:
         "networks.lora_flux_2",
         architecture,
         "https://github.com/black-forest-labs/flux2",
+        # ComfyUI: FLUX.2 is a Flux model there, flux_to_diffusers maps these (q/k/v as rows of
+        # the fused qkv); a LyCORIS piece of BFL's fused qkv would be none of them
+        lycoris="lycoris_{flat}",
     )
     return base.Adapters(targets=TARGETS, files=files, kohya_names=flux2_lora.names)
 

@@ -158,7 +158,9 @@ class QwenImage(base.DiffusersFamily):
     )
     # adapters: the defaults, diffusers' attention projections to_q/k/v/out.0 of the 60 blocks'
     # image stream, as train_dreambooth_lora_qwen_image.py adapts them; the diffusers file,
-    # which ComfyUI also loads (its module names are diffusers'); Qwen2.5-VL: not trained
+    # which ComfyUI also loads (its module names are diffusers'); Qwen2.5-VL: not trained.
+    # A LyCORIS file (LoKr, LoHa, DoRA) in SimpleTuner's names, ComfyUI's QwenImage rule
+    adapters = base.Adapters(files=base.LoraFiles(lycoris="lycoris_{flat}"))
 
     # true classifier-free guidance: the scale is the pipeline's true_cfg_scale (default 4),
     # which guides only with a negative prompt: " " where none is set (its model card)

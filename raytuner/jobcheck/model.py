@@ -199,8 +199,8 @@ def model_file(model: ModelConfig, family) -> None:
 
 
 def validation_prompts(v: ValidationConfig, family) -> None:
-    """The prompts file reads and every line is one the family can render; a negative prompt
-    needs a family with classifier-free guidance (``negative_prompt``)."""
+    """The prompts file reads and every line is one the family can render (its sizes, its clip
+    lengths); a negative prompt needs a family with classifier-free guidance."""
     from raytuner.render import prompts
 
     if v.negative_prompt and not family.guidance.negative_prompt:
@@ -218,6 +218,10 @@ def validation_prompts(v: ValidationConfig, family) -> None:
             prompts.on_grid(f"validation.{key} =", getattr(v, key), family)
     except prompts.PromptsError as e:
         raise ConfigError(f"{e}; 0 renders at the job's resolution") from None
+    try:
+        prompts.frame_count("validation.frames =", v.frames, family)
+    except prompts.PromptsError as e:
+        raise ConfigError(f"{e}; 0 renders the largest data.frames bucket") from None
     if not v.prompts_file:
         return
     try:

@@ -1,6 +1,7 @@
 """``lora.init_from``: a LoRA file training starts from, in the diffusers/peft layout or a kohya
 one (raytuner's own exports, sd-scripts' SDXL ``input_blocks`` names, sd-scripts' Flux
-layout), read into the run's freshly made peft adapter before the first step. Its rank and
+layout; another tool's LoKr or LoHa: ``lycoris_from``), read into the run's freshly made peft
+adapter before the first step. Its rank and
 alpha must be the job's ``lora.rank`` / ``lora.alpha``; a key that names no adapted module of
 the model is refused, never skipped. A resumed run reads its checkpoint afterwards, which wins.
 A file's text-encoder LoRA (``text_encoder.*``, ``lora_te_*``: SD1.5's and SDXL's) starts the
@@ -22,7 +23,7 @@ from safetensors.torch import load as load_tensors
 
 from raytuner import storage
 from raytuner.config import ConfigError
-from raytuner.lora import export, kohya
+from raytuner.lora import export, kohya, lycoris, lycoris_from
 from raytuner.lora.header import Header
 
 COMFY = "diffusion_model."  # ComfyUI's name of the denoiser in LoRA keys
@@ -266,7 +267,7 @@ def start_from(denoiser, path: str, lora, family, text=()) -> tuple[dict, dict, 
         {
             "raytuner.init_from": path,
             "raytuner.init_from_sha256": sha,
-            "raytuner.init_from_modules": str((len(state) + len(texts)) // 2),
+            "raytuner.init_from_modules": str(len(lycoris.grouped(state | texts))),
             "raytuner.init_from_metadata": json.dumps(source, sort_keys=True),
         },
     )
@@ -279,6 +280,8 @@ def _states(tensors, meta, denoiser, path, lora, family, text, load=None) -> tup
     adapted = set(kohya.modules_of(current))
     texts = {}
     try:
+        if export.KIND not in meta and lycoris_from.is_lycoris(tensors):  # another tool's
+            return lycoris_from.peft_state(tensors, current, lora, family, denoiser, load), {}
         _same_kind(meta, lora)
         if not all(".lora_A." in k or ".lora_B." in k for k in current):
             return _kind_state(tensors, meta, current, lora, family.parts.denoiser), {}

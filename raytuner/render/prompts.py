@@ -1,7 +1,8 @@
 """Prompts as users write them: kohya sd-scripts' prompt files, one prompt per line with its own
 options, and what every rendered row of a validation grid or `raytuner sample` settles on.
 
-A line is ``<prompt> --w 512 --h 768 --s 20 --d 42 --l 7.5 --n <negative prompt>``; it is split
+A line is ``<prompt> --w 512 --h 768 --s 20 --d 42 --l 7.5 --n <negative prompt>`` (a video
+family's clip length: ``--f 33``, as musubi-tuner's prompt files write it); it is split
 at each ``" --"`` as sd-scripts' ``line_to_prompt_dict`` does, option letters in any case, the
 last of a repeated option wins. Blank lines and lines starting with ``#`` are skipped. Unlike
 sd-scripts, which ignores what it cannot read, a value that is not a number, an unknown option
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from raytuner import storage
 from raytuner.config.ranges import SEED_MAX, Range
-from raytuner.config.sections import MAX_GUIDANCE, MAX_RENDER_STEPS, MAX_SIDE
+from raytuner.config.sections import MAX_FRAMES, MAX_GUIDANCE, MAX_RENDER_STEPS, MAX_SIDE
 
 # kohya's option letter -> (PromptLine field, what it is)
 OPTIONS = {
@@ -28,6 +29,7 @@ OPTIONS = {
     "l": ("scale", "classifier-free guidance scale"),
     "g": ("guidance", "guidance-embedding scale (guidance-distilled models: Flux dev)"),
     "n": ("negative_prompt", "negative prompt"),
+    "f": ("frames", "frames of a clip"),
 }
 SAMPLER = "ss"  # sd-scripts' sampler option: kept on the line, not rendered with
 # options sd-scripts reads that raytuner does not render with
@@ -46,6 +48,7 @@ RANGES = {
     "d": Range(0, SEED_MAX),
     "l": Range(0, MAX_GUIDANCE),
     "g": Range(0, MAX_GUIDANCE),
+    "f": Range(1, MAX_FRAMES),  # validation.frames' range
 }
 log = logging.getLogger("raytuner.prompts")
 
@@ -67,6 +70,7 @@ class PromptLine:
     scale: float | None = None  # --l
     guidance: float | None = None  # --g
     negative_prompt: str | None = None  # --n
+    frames: int | None = None  # --f: a clip's frames (video families)
     sampler: str | None = None  # --ss: sd-scripts' sampler; the pipeline's scheduler renders
 
 
@@ -79,11 +83,13 @@ class Defaults:
     steps: int | None  # None: the pipeline's default
     guidance_scale: float = 0.0  # 0: the family's default
     negative_prompt: str = ""
+    frames: int = 1  # a clip's frames (validation.frames, `sample --frames`); 1: an image
 
 
 @dataclass(frozen=True, kw_only=True)
 class Render:
-    """One row of a grid: a prompt with every option settled, one image per seed."""
+    """One row of a grid: a prompt with every option settled, one image (or, ``frames`` > 1,
+    one clip) per seed."""
 
     prompt: str
     line: int
@@ -93,6 +99,7 @@ class Render:
     seeds: tuple[int, ...]
     guidance_scale: float
     negative_prompt: str  # "": none (always "" for families that take none)
+    frames: int = 1  # > 1: a clip of that many frames
     # the pipeline's keyword for the scale (the family's guidance.scale_argument)
     scale_argument: str = field(default="guidance_scale", repr=False)
 
@@ -103,6 +110,8 @@ class Render:
             out["num_inference_steps"] = self.steps
         if self.negative_prompt:  # none at all keeps the pipeline's own empty-prompt handling
             out["negative_prompt"] = self.negative_prompt
+        if self.frames > 1:  # diffusers' video pipelines' keyword; 1: the family's options'
+            out["num_frames"] = self.frames
         return out
 
     def record(self) -> dict:
@@ -131,7 +140,7 @@ def in_range(option: str, letter: str, value: float) -> None:
     rng = RANGES[letter]
     if not rng.allows(value):
         what = OPTIONS[letter][1]
-        raise PromptsError(f"{option} {value}: must be {rng.text(letter in 'whsd')} ({what})")
+        raise PromptsError(f"{option} {value}: must be {rng.text(letter in 'whsdf')} ({what})")
 
 
 def parse_line(text: str, number: int = 0) -> PromptLine | None:
@@ -216,6 +225,7 @@ def check_line(p: PromptLine, family) -> None:
         )
     for letter, side in (("w", p.width), ("h", p.height)):
         on_grid(f"{where}: --{letter}", side, family)
+    frame_count(f"{where}: --f", p.frames, family)
 
 
 def is_distilled(family, pipe, pretrained: str, setting: str) -> bool:
@@ -236,6 +246,30 @@ def on_grid(option: str, side: int | None, family) -> None:
             f"{option} {side}: {family.name} renders sides that are multiples of "
             f"{family.geometry.pixel_grid} pixels"
         )
+
+
+def frame_count(option: str, frames: int | None, family) -> None:
+    """Refuse a clip length (``option``: ``line 3: --f``, ``--frames``, ``validation.frames =``)
+    the family cannot render: a video family's frames are 1 + n x its ``frame_multiple`` (Wan:
+    4n + 1), an image family renders one; None and 0 (the default) pass."""
+    step = family.geometry.frame_multiple
+    if not frames or (step and (frames - 1) % step == 0) or frames == 1:
+        return
+    if not step:
+        raise PromptsError(f"{option} {frames}: {family.name} renders images (one frame)")
+    near = 1 + step * max(0, round((frames - 1) / step))
+    raise PromptsError(
+        f"{option} {frames}: {family.name} renders clips of {step}n + 1 frames "
+        f"(1, {1 + step}, {1 + 2 * step}, ...); use e.g. {near}"
+    )
+
+
+def clip_frames(setting: int, buckets: list[int], family) -> int:
+    """The frames a render takes where its line sets none: ``setting`` (validation.frames,
+    `sample --frames`), else the largest frame bucket (``data.frames``); 1 for image families."""
+    if not family.geometry.frame_multiple:
+        return 1
+    return setting or max(buckets)
 
 
 def resolve(
@@ -264,6 +298,7 @@ def resolve(
                 seeds=(p.seed,) if p.seed is not None else tuple(defaults.seeds),
                 guidance_scale=float(scale),
                 negative_prompt=negative if family.guidance.negative_prompt else "",
+                frames=p.frames or defaults.frames,
                 scale_argument=g.scale_argument,
             )
         )

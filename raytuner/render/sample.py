@@ -1,5 +1,7 @@
 """Images from trained weights: the family's diffusers pipeline with a run's LoRA or fine-tuned
-denoiser, a PNG per prompt and seed, and a grid of them (prompts as rows, seeds as columns).
+denoiser, a PNG per prompt and seed, and a grid of them (prompts as rows, seeds as columns). A
+render of more than one frame (a video family's clip) is an mp4 and its poster, a strip of its
+frames, which stands in the grid for it (``render/clips.py``).
 
 Used by `raytuner sample` and by the validation renders during training.
 """
@@ -11,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow.fs as pafs
 import torch
 from PIL import Image
@@ -19,6 +22,7 @@ from raytuner import placement, quiet, storage
 from raytuner.checkpoint import full_model, layout
 from raytuner.lora import apply as lora_apply
 from raytuner.lora.find import ExportedWeights, find_weights
+from raytuner.render import clips
 from raytuner.render.prompts import Defaults, PromptLine, Render, is_distilled, resolve
 
 LATEST = "latest"  # --checkpoint: the run's newest complete checkpoint
@@ -72,18 +76,23 @@ def apply_weights(
     placement.place_pipeline(pipe, family, device, blocks_to_swap)
 
 
-def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image]]:
+def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image | np.ndarray]]:
     """One image per render (a prompt with its settled options, ``render/prompts.py``) and seed
-    (rows: renders); the same seed gives the same noise for every prompt of a size, so rows
-    compare. ``options``: the family's ``pipeline_options`` (a render's own settings win: a
-    line's steps over a distilled model's few-step default)."""
+    (rows: renders), or, for a render of more than one frame, its clip: uint8 [F, H, W, 3]; the
+    same seed gives the same noise for every prompt of a size, so rows compare. ``options``:
+    the family's ``pipeline_options`` (a render's own settings win: a line's steps over a
+    distilled model's few-step default, its frames over the one frame an image takes)."""
     device = pipe.device
 
-    def image(r: Render, seed: int) -> Image.Image:
+    def image(r: Render, seed: int) -> Image.Image | np.ndarray:
         generator = torch.Generator(device).manual_seed(seed)
         # the prompt by name: FLUX.2's pipelines take an image first; the render's settings
         # win over the family's options
-        out = pipe(prompt=r.prompt, generator=generator, output_type="pil", **(options | r.call()))
+        call = options | r.call()
+        if r.frames > 1:  # a video pipeline's frames: [B, F, H, W, 3] in [0, 1]
+            out = pipe(prompt=r.prompt, generator=generator, output_type="np", **call)
+            return clips.to_uint8(np.asarray(out.frames[0]))
+        out = pipe(prompt=r.prompt, generator=generator, output_type="pil", **call)
         # an image pipeline's first image; a video pipeline's (a one-frame clip) first frame
         return out.images[0] if hasattr(out, "images") else out.frames[0][0]
 
@@ -114,19 +123,44 @@ def _slug(text: str) -> str:
     return "-".join(part for part in kept.split("-") if part)[:40] or "prompt"
 
 
-def write_samples(rows, renders: list[Render], out: Path, record: dict) -> list:
-    """``<i>-<prompt>-seed<s>.png`` per image, ``grid.png`` when there are several, and
-    ``samples.json`` (what was rendered with which weights, and each prompt's options under
-    ``lines``); returns the PNG paths."""
-    local, out = pafs.LocalFileSystem(), out.resolve()
-    paths = []
+def file_stem(index: int, r: Render, seed: int) -> str:
+    """A render's files' name without its suffix: ``<i>-<prompt>-seed<s>``."""
+    return f"{index:02d}-{_slug(r.prompt)}-seed{seed}"
+
+
+def write_clips(rows, renders: list[Render], fs, folder: str, fps: float):
+    """Each clip of ``rows`` (``render``'s) as ``<folder>/<i>-<prompt>-seed<s>.mp4`` at ``fps``,
+    atomically; returns the rows with each clip's poster in its place (images as they are) and
+    the names of the mp4s written."""
+    cells, names = [], []
     for i, (r, row) in enumerate(zip(renders, rows, strict=True)):
+        cells.append([])
+        for seed, cell in zip(r.seeds, row, strict=True):
+            if r.frames > 1:
+                names.append(file_stem(i, r, seed) + layout.CLIP_SUFFIX)
+                storage.write_atomic(fs, f"{folder}/{names[-1]}", clips.mp4_bytes(cell, fps))
+                cell = clips.poster(cell)
+            cells[-1].append(cell)
+    return cells, names
+
+
+def write_samples(rows, renders: list[Render], out: Path, record: dict, fps: float = 16.0):
+    """``<i>-<prompt>-seed<s>.png`` per image (a clip: its ``.mp4`` and its poster as the
+    ``.png``), ``grid.png`` when there are several, and ``samples.json`` (what was rendered
+    with which weights, and each prompt's options under ``lines``); returns the paths of the
+    mp4s and PNGs."""
+    local, out = pafs.LocalFileSystem(), out.resolve()
+    cells, written = write_clips(rows, renders, local, str(out), fps)
+    paths = [out / name for name in written]
+    for i, (r, row) in enumerate(zip(renders, cells, strict=True)):
         for seed, image in zip(r.seeds, row, strict=True):
-            paths.append(out / f"{i:02d}-{_slug(r.prompt)}-seed{seed}.png")
+            paths.append(out / f"{file_stem(i, r, seed)}.png")
             storage.write_atomic(local, str(paths[-1]), png_bytes(image))
-    if len(paths) > 1:
+    if sum(len(row) for row in cells) > 1:
         paths.append(out / "grid.png")
-        storage.write_atomic(local, str(paths[-1]), png_bytes(grid(rows)))
+        storage.write_atomic(local, str(paths[-1]), png_bytes(grid(cells)))
+    if written:
+        record |= {"fps": fps, "codec": clips.codec()}
     record |= {"prompts": [r.prompt for r in renders], "lines": [r.record() for r in renders]}
     record["files"] = [p.name for p in paths]
     storage.write_json_atomic(local, str(out / "samples.json"), record)
@@ -134,10 +168,12 @@ def write_samples(rows, renders: list[Render], out: Path, record: dict) -> list:
 
 
 def render_samples(
-    job, family, checkpoint: str, lines: list[PromptLine], defaults: Defaults, out: str
-):
+    job, family, checkpoint: str, lines: list[PromptLine], defaults: Defaults, out: str,
+    fps: float = 0.0,
+):  # fmt: skip
     """`raytuner sample`: render each prompt line with its options (else ``defaults``: every
-    seed, the size, the steps) with the job's trained weights; returns the PNGs written."""
+    seed, the size, the steps, the frames) with the job's trained weights; returns the files
+    written (clips at ``fps``, 0: validation.fps)."""
     from raytuner.families import parts
 
     renders = resolve(lines, family, defaults)  # refuses what the family cannot render
@@ -158,7 +194,7 @@ def render_samples(
     record = {"checkpoint": BASE if checkpoint == BASE else source, "steps": defaults.steps}
     record["distilled"] = distilled
     record |= {"size": list(defaults.size), "seeds": list(defaults.seeds)}
-    return write_samples(rows, renders, Path(out), record)
+    return write_samples(rows, renders, Path(out), record, fps or job.validation.fps)
 
 
 def _local(fs: pafs.FileSystem, path: str, scratch: str) -> str:

@@ -4,8 +4,9 @@ Every ``validation.every_steps`` the workers write a checkpoint; once Ray Train 
 a callback on Ray Train's controller hands its path to a validation actor and returns (the
 actor only queues it). The actor renders the job's prompts x seeds with that checkpoint on a
 thread of its own and writes ``<run>/validation/step_<N>.png`` (a grid, a row per prompt),
-``step_<N>.json`` and a TensorBoard image. Training ranks never wait for it, and a failed
-render is logged and recorded, never raised into training.
+``step_<N>.json`` and a TensorBoard image; a video family's clips go to
+``step_<N>/<i>-<prompt>-seed<s>.mp4`` and the grid shows their posters. Training ranks never
+wait for it, and a failed render is logged and recorded, never raised into training.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from raytuner.config import ConfigError, TrackingConfig
 from raytuner.lora.find import find_weights
 from raytuner.observe import metrics
 from raytuner.observe.observer import ValidationReport
-from raytuner.render import prompts, sample
+from raytuner.render import clips, prompts, sample
 
 log = logging.getLogger("raytuner.validation")
 DRAIN_TIMEOUT_S = 900.0  # after training: how long the driver waits for the last renders
@@ -62,6 +63,8 @@ class RenderSpec:
     distilled: str = "auto"  # validation.distilled
     single_file_config: str = ""  # model.single_file_config (a single-file pretrained)
     tracking: dict | None = None  # the job's [tracking] when tracking.wandb: grids to W&B too
+    frames: int = 1  # a clip's frames where a line sets none (prompts.clip_frames); 1: images
+    fps: float = 16.0  # validation.fps
 
 
 def _prompt_lines(spec: RenderSpec) -> list[prompts.PromptLine]:
@@ -79,6 +82,7 @@ def _defaults(spec: RenderSpec, family, distilled: bool) -> prompts.Defaults:
         steps=spec.steps or (None if distilled else family.guidance.default_steps),
         guidance_scale=spec.guidance_scale,
         negative_prompt=spec.negative_prompt,
+        frames=spec.frames,
     )
 
 
@@ -157,22 +161,27 @@ class Validator:
             rows = sample.render(self.pipe, options, renders)
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        sheet = sample.grid(rows)
         fs, folder = storage.resolve(storage.join(s.run_dir, VALIDATION))
+        name = layout.validation_step(step)
+        rows, written = sample.write_clips(rows, renders, fs, f"{folder}/{name}", s.fps)
+        sheet = sample.grid(rows)  # a clip's poster in its place
         seconds = time.perf_counter() - started
         record = {"step": step, "checkpoint": path, "seconds": seconds}
         record |= {"started_at": started_at, "finished_at": time.time()}
         record |= {"prompts": [r.prompt for r in renders], "seeds": s.seeds}
         record |= {"steps": defaults.steps, "distilled": distilled}
         record["lines"] = [r.record() for r in renders]  # each prompt's options, as rendered
-        storage.write_atomic(fs, f"{folder}/step_{step:06d}.png", sample.png_bytes(sheet))
-        storage.write_json_atomic(fs, f"{folder}/step_{step:06d}.json", record)
+        if written:
+            record |= {"clips": [f"{name}/{c}" for c in written], "fps": s.fps}
+            record["codec"] = clips.codec()
+        storage.write_atomic(fs, f"{folder}/{name}.png", sample.png_bytes(sheet))
+        storage.write_json_atomic(fs, f"{folder}/{name}.json", record)
         with self.writer_lock:  # closed meanwhile: the PNG and its record are written already
             if self.writer is not None:
                 self.writer.image(step, np.asarray(sheet), seconds)
         metrics.gauge("raytuner_validation_time_s", seconds, self.run)
-        log.info("validation at step %d: %s/step_%06d.png (%.1f s)", step, folder, step, seconds)
-        return record | {"path": f"{folder}/step_{step:06d}.png"}
+        log.info("validation at step %d: %s/%s.png (%.1f s)", step, folder, name, seconds)
+        return record | {"path": f"{folder}/{name}.png"}
 
 
 class ValidationCallback(UserCallback):
@@ -234,6 +243,8 @@ def start(job, family, run_dir: str):
         negative_prompt=v.negative_prompt,
         guidance_scale=v.guidance_scale,
         distilled=v.distilled,
+        frames=prompts.clip_frames(v.frames, job.data.frames, family),
+        fps=v.fps,
     )
     actor = ray.remote(Validator).options(num_cpus=v.cpus, num_gpus=v.gpus or None)
     validator = actor.remote(asdict(spec))

@@ -94,6 +94,8 @@ BAD: dict[str, list[str]] = {
     "validation.width": ["-64", "4", "8200"],
     "validation.height": ["-64", "4", "8200"],
     "validation.guidance_scale": ["-1", "101"],
+    "validation.frames": ["-1", "1026"],
+    "validation.fps": ["0", "241"],
     "validation.cpus": ["-1"],
     "validation.gpus": ["-1", "2"],
     "memory.blocks_to_swap": ["-1"],

@@ -90,10 +90,22 @@ def merged_weights(denoiser) -> dict[str, torch.Tensor]:
     return out
 
 
-# every kind on the transformer; on the UNet the decomposed LoKr alone unless slow (8-16 s each)
+def comfy_keys(name: str, base) -> dict[str, str]:
+    """ComfyUI's keys of the family's tiny denoiser ``base`` (``comfy_rules.accepted``)."""
+    wan_layers = base.config.num_layers if name == "wan" else 0
+    kohya = export.kohya_names(FAMILIES[name], base)
+    return comfy_rules.accepted(name, dict(base.named_modules()), kohya, wan_layers)
+
+
+# every kind on the transformer; on the UNet the decomposed LoKr alone unless slow (8-16 s
+# each); a kind on each of Wan (its own names), Qwen-Image and FLUX.2 (q/k/v onto the fused qkv)
 CASES = [("flux", kind) for kind in sorted(KINDS)] + [("sdxl", "lokr")]
+CASES += [("wan", "lokr"), ("qwen-image", "loha"), ("flux2-klein", "dora")]
 SLOW = pytest.mark.slow
 CASES += [pytest.param("sdxl", k, marks=SLOW) for k in ("lokr-whole", "loha", "dora")]
+CASES += [pytest.param("flux2-klein", k, marks=SLOW) for k in ("lokr", "loha")]
+CASES += [pytest.param("wan", k, marks=SLOW) for k in ("loha", "dora")]
+CASES += [pytest.param("qwen-image", k, marks=SLOW) for k in ("lokr-whole", "dora")]
 
 
 @pytest.mark.parametrize(("name", "kind"), CASES)
@@ -109,8 +121,7 @@ def test_each_kind_exports_what_comfyui_and_raytuner_sample_apply_as_trained(nam
     # ComfyUI: every key maps to a weight, and the weight it makes is the trained one
     base = family.denoiser(TINY).eval()
     modules = dict(base.named_modules())
-    keys = comfy_rules.accepted(name, modules, export.kohya_names(family, base))
-    per_module = comfy_rules.loaded(load_file(lora_dir / layout.KOHYA_FILE), keys)
+    per_module = comfy_rules.loaded(load_file(lora_dir / layout.KOHYA_FILE), comfy_keys(name, base))
     trained_weights = merged_weights(w.denoiser)
     assert per_module.keys() == trained_weights.keys()
     with torch.no_grad():
@@ -145,6 +156,22 @@ def test_diffusers_loads_a_z_image_lokr_as_trained(tmp_path):
     )  # fmt: skip
     keys = set(load_file(lora_dir / layout.KOHYA_FILE))
     assert all(k.startswith("diffusion_model.") for k in keys)
+
+
+@pytest.mark.parametrize("kind", ["lokr", "lokr-whole"])
+def test_diffusers_loads_a_flux2_lokr_comfyui_file_as_trained(kind, tmp_path):
+    """The LyCORIS file of a FLUX.2 LoKr (SimpleTuner's ``lycoris_`` names) is one diffusers'
+    FLUX.2 loader reads too (``_convert_lycoris_flux2_lokr_to_diffusers``, LyCORIS' alpha
+    rule), to the trained model's loss."""
+    family = FAMILIES["flux2-klein"]
+    w, batch, lora_dir = exported("flux2-klein", kind, tmp_path)
+    assert all(k.startswith("lycoris_") for k in load_file(lora_dir / layout.KOHYA_FILE))
+    pipe = family.pipeline(TINY)
+    pipe.load_lora_weights(str(lora_dir), weight_name=layout.KOHYA_FILE)
+    torch.testing.assert_close(
+        _loss(family, pipe.transformer.eval(), batch), _loss(family, w.denoiser, batch),
+        atol=1e-5, rtol=1e-4,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["dora", *(pytest.param(k, marks=SLOW) for k in ("lokr", "loha"))])
