@@ -14,8 +14,9 @@ Every listed clip ends in one report category (``CLIP_CATEGORIES``): ``trained``
 ``skipped`` (the probe left it out: no caption, unreadable, a symlink out of the folder...).
 Loss masks are not made for clips (a mask file is an image's); flips mirror every frame.
 
-Memory: a decode task holds one sample's frames at a time (81 x 832 x 480 x 3 = 97 MB of
-uint8; ``decode_samples`` hands each sample on once its last frame is decoded)."""
+Memory: a decode task holds at most ``BLOCK_BYTES`` of decoded samples, or one sample where it
+is more (81 x 832 x 480 x 3 = 97 MB of uint8), and the one it decodes (``decode_samples``
+hands each sample on once its last frame is decoded)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ from raytuner.preprocess.buckets import fit_to_bucket, nearest_bucket
 
 VIDEO_EXTENSIONS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v", ".mpg", ".mpeg", ".wmv"}
 TRAINED, NOT_TRAINED, SKIPPED = "trained", "not_trained", "skipped"
+# decoded clip samples a stream table holds at most (one sample where it is more: 81 frames at
+# 832x480 are 97 MB), as ``pipeline.BLOCK_PIXEL_BYTES`` bounds a block of images
+BLOCK_BYTES = 64 * 1024**2
 CLIP_CATEGORIES = (TRAINED, *video.CATEGORIES, NOT_TRAINED, SKIPPED)
 
 

@@ -288,9 +288,11 @@ def probe_decode(
 
 def probe_decode_blocks(batch: pa.Table, sources, spec: DecodeSpec, known: Known, progress=None):
     """The stream's first step (Ray Data tasks): a batch of listed files -> stream rows (the
-    images' as one table, then each clip sample's as a table of its own, so a task holds one
-    sample's frames at a time); ``progress``: the counting actor told what the batch's files
-    came to, and how long the step took (``progress.timed``)."""
+    images' as one table, then the clip samples' in tables of at most ``clips.BLOCK_BYTES`` of
+    pixels, or one sample where it is more: a task holds that and one sample being decoded;
+    a table a sample made the encoder pay a call's overhead per clip); ``progress``: the
+    counting actor told what the batch's files came to, and how long the step took
+    (``progress.timed``)."""
     start = clock()
     taken: set[str] = set()  # a file whose content another row of this batch already decodes
     listed = batch.to_pylist()
@@ -298,13 +300,20 @@ def probe_decode_blocks(batch: pa.Table, sources, spec: DecodeSpec, known: Known
     counts = read_counts(rows)
     if rows:
         yield pa.Table.from_pylist(rows, schema=STREAM_SCHEMA)
+    held, size = [], 0  # clip samples not handed on yet, and their pixels' bytes
     for r in (r for r in listed if is_clip(r)):
         done = []
         for sample in _clip_rows(r, sources, spec, known, taken):
             done.append({k: v for k, v in sample.items() if k != "pixels"})
-            yield pa.Table.from_pylist([sample], schema=STREAM_SCHEMA)
+            if held and size + len(sample["pixels"]) > clips.BLOCK_BYTES:
+                yield pa.Table.from_pylist(held, schema=STREAM_SCHEMA)
+                held, size = [], 0
+            held.append(sample)
+            size += len(sample["pixels"])
         more = read_counts(done)
         counts = {k: counts[k] + more[k] for k in counts}
+    if held:
+        yield pa.Table.from_pylist(held, schema=STREAM_SCHEMA)
     if progress is not None:  # counted, not waited for
         progress.add.remote(counts)
     timed(progress, "decode", start)
