@@ -61,7 +61,6 @@ STREAM_SCHEMA = pa.schema(
     ]
 )
 DECODED = ("width", "height", "original_size", "crop_top_left", "flip_crop_top_left", "alpha")
-CLIP_DECODED = ("width", "height", "frames", "original_size", "crop_top_left", "flip_crop_top_left")
 # What the driver gets back of each listed file (the encoder keeps only these of its rows).
 PROBE_COLUMNS = STREAM_SCHEMA.names[: STREAM_SCHEMA.names.index("pixels")]
 
