@@ -93,7 +93,9 @@ def do_bench(job: JobConfig, family, args: argparse.Namespace) -> None:
     if args.action == "preprocess":
         from raytuner.tools.bench.preprocess import bench_preprocess
 
-        bench_preprocess(job, family, args.images, args.json, args.rounds)
+        bench_preprocess(
+            job, family, args.images, args.json, args.rounds, (args.clips, args.frames)
+        )
     elif args.action == "train":
         from raytuner.tools.bench.train import bench_train
 

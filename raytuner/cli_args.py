@@ -138,6 +138,12 @@ def _bench_parsers(sub) -> None:
         parser.add_argument("--json", action="store_true", help="print one JSON object")
     _gpu_args(group.add_parser("gpu", help="every GPU figure in one go (needs a CUDA GPU)"))
     cmd["preprocess"].add_argument("--images", type=int, default=192, help="synthetic image count")
+    cmd["preprocess"].add_argument(
+        "--clips", type=int, default=0, help="video mode: synthetic clip count (a video family)"
+    )
+    cmd["preprocess"].add_argument(
+        "--frames", type=int, default=17, help="video mode: frames of each clip's sample"
+    )
     cmd["train"].add_argument("--steps", type=int, default=100, help="measured steps")
     cmd["step"].add_argument("--steps", type=int, default=10, help="measured steps")
     cmd["step"].add_argument(

@@ -300,12 +300,21 @@ def _caption_row(caption: dict, tensors: list[str]) -> dict:
     return out
 
 
+def bucket_name(width: int, height: int, latent_shape) -> str:
+    """The bucket of a trained row: its size "WxH", and for a clip sample of a video family
+    (a latent [C, T, h, w] with T > 1) its latent frames: "WxH/T" (Wan's 81 frames: "/21").
+    An image of a video family (T = 1) shares the images' "WxH" bucket. Rows of one bucket
+    stack into one batch: the same latent shape."""
+    frames = latent_shape[1] if len(latent_shape) == 4 else 1
+    return f"{width}x{height}" + (f"/{frames}" if frames > 1 else "")
+
+
 def appearances(rows: list[dict]) -> dict[str, int]:
     """Samples per bucket in one epoch of the schedule: every row times its repeats (its
     source's, or its kohya folder's with ``repeats_from_folder``)."""
     counts: dict[str, int] = {}
     for row in rows:
-        bucket = f"{row['width']}x{row['height']}"
+        bucket = bucket_name(row["width"], row["height"], row["latent_shape"])
         counts[bucket] = counts.get(bucket, 0) + row["repeats"]
     return dict(sorted(counts.items()))
 

@@ -42,6 +42,7 @@ from raytuner.data.cache import (
     row_at,
     text_dtype_of,
 )
+from raytuner.data.index import bucket_name
 from raytuner.data.tensors import DTYPES, from_cell, stacked
 
 HOLE = 8 * 1024  # ranges of one file at most this far apart are read as one request
@@ -213,10 +214,10 @@ class CachedDataset:
 
     @property
     def buckets(self) -> list[str]:
-        """The bucket of every indexed row, as "WxH"."""
-        return [
-            f"{w}x{h}" for w, h in zip(self._width.tolist(), self._height.tolist(), strict=True)
-        ]
+        """The bucket of every indexed row, as "WxH" (a clip sample's: "WxH/T",
+        ``index.bucket_name``): the schedule's batches hold rows of one bucket."""
+        sizes = zip(self._width.tolist(), self._height.tolist(), self._shape, strict=True)
+        return [bucket_name(w, h, shape) for w, h, shape in sizes]
 
     def __len__(self) -> int:
         return len(self.paths)

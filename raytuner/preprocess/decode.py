@@ -1,7 +1,8 @@
 """The stream's first step (Ray Data tasks, no torch): probe each listed file (content hash,
 caption, mask file) and decode and bucket the ones with something new to encode: the image's
 latent, its mirror image's (``data.flip``) or its loss mask (``data.mask``). A bad file (or a
-bad mask file) becomes a row with its reason."""
+bad mask file) becomes a row with its reason. A clip becomes a row per sample it gives
+(``preprocess/clips.py``), each decoded sample handed on as a table of its own."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from PIL import Image
 
 from raytuner import storage
 from raytuner.data.cache import ALPHA, caption_key, flip_key, mask_key
+from raytuner.preprocess import clips, video
 from raytuner.preprocess.buckets import Size, fit_to_bucket, nearest_bucket
 from raytuner.preprocess.images import ImagePolicy, SkipImage, load_mask, load_with_alpha
 from raytuner.preprocess.progress import CACHED, READ, SKIPPED, TO_ENCODE, clock, timed
@@ -43,6 +45,8 @@ STREAM_SCHEMA = pa.schema(
         ("flip_key", pa.string()),  # the key of its flipped latent ("": its source flips none)
         ("mask_key", pa.string()),  # the key of its loss mask ("": none)
         ("alpha", pa.bool_()),  # its crop has transparency (an alpha mask can be made)
+        ("clip", pa.string()),  # a clip's report category (clips.CLIP_CATEGORIES); "": an image
+        ("frames", pa.int32()),  # a clip sample's frames (its frame bucket); 0: an image
         ("pixels", pa.binary()),
         ("width", pa.int32()),
         ("height", pa.int32()),
@@ -73,6 +77,8 @@ class DecodeSpec:
     max_aspect: float
     aspect_policy: str
     image: ImagePolicy
+    # the family's Geometry.frame_multiple (0: it trains images only, its clips are not trained)
+    frame_multiple: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,8 @@ def _row(row: dict, status: str = "ok", reason: str = "") -> dict:
         "pixels": b"",
         "mask": b"",
         "alpha": False,
+        "clip": "",
+        "frames": 0,
         "width": 0,
         "height": 0,
         "original_size": [0, 0],
@@ -218,20 +226,100 @@ def _stream_row(row: dict, sources, spec: DecodeSpec, known: Known, taken: set) 
     return out | want | encode | {k: decoded[k] for k in DECODED}
 
 
+def _clip_rows(row: dict, sources, spec: DecodeSpec, known: Known, taken: set):
+    """A listed clip's stream rows: one per sample (decoded where its key is not cached), or
+    one row with its report category when it gives none. Read and probed each run (its sample
+    count is the clip's); decoded only for a sample the cache lacks."""
+    probed, data = probe_and_read(row, sources, keep=True)
+    out = probed | _row(probed) | {"status": PROBED, "reason": probed["reason"], "failure": ""}
+    out |= {"caption_key": caption_key(probed["caption"]), "flip_key": "", "mask_key": ""}
+    out |= {"original_size": [], "crop_top_left": [], "flip_crop_top_left": []}
+    out |= {"want_latent": False, "want_flip": False, "want_mask": False}
+    if probed["reason"]:
+        yield out | {"clip": clips.SKIPPED}
+        return
+    if not spec.frame_multiple:
+        reason = "a video clip: the model family trains images only"
+        yield out | {"clip": clips.NOT_TRAINED, "reason": reason}
+        return
+    source, content = sources[row["source"]], probed["key"]
+    limits = {"max_pixels": spec.image.max_pixels}
+    counts = list(source.frames)
+    try:
+        _, n, samples = clips.samples_of(data, counts, source.frame_selection, source.fps, limits)
+        keys = [
+            clips.sample_key(content, n, source.frame_selection, source.fps, i)
+            for i in range(len(samples))
+        ]
+        rows = [_clip_sample(out | {"frames": n}, k, source, known, taken) for k in keys]
+        todo = [i for i, r in enumerate(rows) if r["status"] == ENCODE]
+        decoded = clips.decode_samples(data, [samples[i] for i in todo])
+        for r in rows:
+            if r["status"] == ENCODE:
+                seed = int(content[:8], 16) ^ spec.seed
+                r |= clips.fit_clip(next(decoded), spec.buckets, spec.crop, seed)
+            yield r
+    except video.ClipError as e:
+        failure = f"{e.category}: {e}"
+        yield out | {"clip": e.category, "status": FAILED, "failure": failure}
+
+
+def _clip_sample(out: dict, key: str, source, known: Known, taken: set) -> dict:
+    """A sample's row before its frames are decoded: ENCODE where its latent (or its flipped
+    latent) is not cached, PROBED otherwise."""
+    flip = flip_key(key) if source.flip == "random" else ""
+    row = out | {"key": key, "clip": clips.TRAINED, "flip_key": flip}
+    want_latent = key not in known.keys and key not in taken
+    want_flip = bool(flip) and flip not in known.keys and key not in taken
+    taken.add(key)
+    if not (want_latent or want_flip):
+        return row
+    return row | {"status": ENCODE, "want_latent": want_latent, "want_flip": want_flip}
+
+
 def probe_decode(
     batch: pa.Table, sources, spec: DecodeSpec, known: Known, progress=None
 ) -> pa.Table:
-    """The stream's first step (Ray Data tasks): a batch of listed files -> stream rows;
-    ``progress``: the counting actor told what the batch's files came to, and how long the
-    step took (``progress.timed``)."""
+    """``probe_decode_blocks`` as one table (the bench's bare loop, tests)."""
+    tables = list(probe_decode_blocks(batch, sources, spec, known, progress))
+    return pa.concat_tables(tables) if tables else STREAM_SCHEMA.empty_table()
+
+
+def probe_decode_blocks(batch: pa.Table, sources, spec: DecodeSpec, known: Known, progress=None):
+    """The stream's first step (Ray Data tasks): a batch of listed files -> stream rows (the
+    images' as one table, then the clip samples' in tables of at most ``clips.BLOCK_BYTES`` of
+    pixels, or one sample where it is more: a task holds that and one sample being decoded;
+    a table a sample made the encoder pay a call's overhead per clip); ``progress``: the
+    counting actor told what the batch's files came to, and how long the step took
+    (``progress.timed``)."""
     start = clock()
     taken: set[str] = set()  # a file whose content another row of this batch already decodes
-    rows = [_stream_row(r, sources, spec, known, taken) for r in batch.to_pylist()]
+    listed = batch.to_pylist()
+    rows = [_stream_row(r, sources, spec, known, taken) for r in listed if not is_clip(r)]
+    counts = read_counts(rows)
+    if rows:
+        yield pa.Table.from_pylist(rows, schema=STREAM_SCHEMA)
+    held, size = [], 0  # clip samples not handed on yet, and their pixels' bytes
+    for r in (r for r in listed if is_clip(r)):
+        done = []
+        for sample in _clip_rows(r, sources, spec, known, taken):
+            done.append({k: v for k, v in sample.items() if k != "pixels"})
+            if held and size + len(sample["pixels"]) > clips.BLOCK_BYTES:
+                yield pa.Table.from_pylist(held, schema=STREAM_SCHEMA)
+                held, size = [], 0
+            held.append(sample)
+            size += len(sample["pixels"])
+        more = read_counts(done)
+        counts = {k: counts[k] + more[k] for k in counts}
+    if held:
+        yield pa.Table.from_pylist(held, schema=STREAM_SCHEMA)
     if progress is not None:  # counted, not waited for
-        progress.add.remote(read_counts(rows))
-    out = pa.Table.from_pylist(rows, schema=STREAM_SCHEMA)
+        progress.add.remote(counts)
     timed(progress, "decode", start)
-    return out
+
+
+def is_clip(row: dict) -> bool:
+    return clips.is_clip(row["path"])
 
 
 def read_counts(rows: list[dict]) -> dict[str, int]:

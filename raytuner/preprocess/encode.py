@@ -121,6 +121,13 @@ def _pixels(column: pa.ChunkedArray, shape: tuple[int, ...]) -> np.ndarray:
     return data.reshape(len(cells), *shape)
 
 
+def _scaled(pixels: np.ndarray) -> torch.Tensor:
+    """uint8 images [B, H, W, 3] -> [B, 3, H, W] in [-1, 1]; clip samples [B, F, H, W, 3] ->
+    [B, 3, F, H, W] (the VAE's layout of a clip: the mirror of a clip mirrors every frame)."""
+    x = torch.from_numpy(pixels.astype(np.float32)) / 127.5 - 1.0
+    return x.permute(0, 3, 1, 2) if x.ndim == 4 else x.permute(0, 4, 1, 2, 3)
+
+
 def _rows_of(kind: str, rows: pa.Table, keys: str, corner: str) -> dict[str, pa.Array]:
     """The ``ROW_FIELDS`` of the rows a ``kind`` row is made of (its key from ``keys``, its
     crop's corner from ``corner``)."""
@@ -216,22 +223,23 @@ class Encoder:
 
     def _batches(self, block: pa.Table):
         """The ENCODE rows of ``block`` as (bucket, rows) in batches of ``batch_size``, the
-        images of one bucket together."""
+        images (clip samples) of one bucket (width, height, frames; 0: an image) together."""
         todo = np.flatnonzero(_flags(block, "status") == ENCODE)
         width, height = _flags(block, "width")[todo], _flags(block, "height")[todo]
-        for w, h in sorted(set(zip(width.tolist(), height.tolist(), strict=True))):
-            rows = todo[(width == w) & (height == h)]
+        frames = _flags(block, "frames")[todo]
+        sizes = zip(width.tolist(), height.tolist(), frames.tolist(), strict=True)
+        for w, h, f in sorted(set(sizes)):
+            rows = todo[(width == w) & (height == h) & (frames == f)]
             for i in range(0, len(rows), self.batch_size):
-                yield (w, h), block.take(rows[i : i + self.batch_size])
+                yield (w, h, f), block.take(rows[i : i + self.batch_size])
 
     def encode_images(self, block: pa.Table) -> list[pa.Table]:
         """The LATENT and MASK rows of the block's ENCODE rows (none without any): per batch,
         one VAE forward for its latents, one for its mirror images' (``want_flip``)."""
         out = []
-        for (w, h), rows in self._batches(block):
+        for (w, h, f), rows in self._batches(block):
             encode = self._ready("image")
-            pixels = _pixels(rows.column("pixels"), (h, w, 3)).astype(np.float32)
-            x = torch.from_numpy(pixels).permute(0, 3, 1, 2) / 127.5 - 1.0
+            x = _scaled(_pixels(rows.column("pixels"), (f, h, w, 3) if f else (h, w, 3)))
             mine = np.flatnonzero(_flags(rows, "want_latent"))
             flips = np.flatnonzero(_flags(rows, "want_flip"))
             if len(mine):
@@ -241,7 +249,7 @@ class Encoder:
                 if len(masked):
                     out.append(self._masks(rows.take(masked), mean.shape[-2:]))
             if len(flips):  # the mirror image: the crop's corner as seen in it
-                mean, std = encode(torch.flip(x[torch.from_numpy(flips)], dims=[3]))
+                mean, std = encode(torch.flip(x[torch.from_numpy(flips)], dims=[-1]))
                 out.append(self._latents(rows.take(flips), mean, std, flip=True))
             if self.progress is not None:  # counted, not waited for
                 self.progress.add.remote({ENCODED: rows.num_rows})

@@ -20,6 +20,7 @@ from raytuner.data.cache import caption_key
 from raytuner.observe import metrics
 from raytuner.preprocess import pipeline
 from raytuner.preprocess.buckets import make_buckets
+from raytuner.preprocess.clips import clip_report
 from raytuner.preprocess.decode import DecodeSpec, Known
 from raytuner.preprocess.encode import FAILED
 from raytuner.preprocess.images import ImagePolicy
@@ -66,7 +67,18 @@ def decode_spec(family, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:
         image=ImagePolicy(
             max_pixels=pre.max_pixels, min_size=pre.min_size, background=tuple(pre.background)
         ),
+        frame_multiple=family.geometry.frame_multiple,
     )
+
+
+def clips_failed(rows: list[dict]) -> list[dict]:
+    """The stream's rows less the samples of a clip that failed after them (its stream broke
+    at a later sample): the clip ends in its failure's category alone, nothing of it trained."""
+    failed = {(r["source"], r["path"]) for r in rows if r["clip"] and r["status"] == FAILED}
+    return [
+        r for r in rows
+        if not (r["clip"] and r["status"] != FAILED and (r["source"], r["path"]) in failed)
+    ]  # fmt: skip
 
 
 COMMIT_ATTEMPTS = 3  # a run that finds another's commit lists again (reusing every file)
@@ -133,7 +145,7 @@ def _indexed(rows: list[dict], located: index.Located, sources) -> list[dict]:
     indexed = []
     for r in rows:
         if (latent := located.latents.get(r["key"])) is not None:
-            bucket = f"{latent['width']}x{latent['height']}"
+            bucket = index.bucket_name(latent["width"], latent["height"], latent["latent_shape"])
             source = sources[r["source_index"]]
             repeats = image_repeats(source, r["path"])
             reg = source.regularization
@@ -219,6 +231,7 @@ def _preprocess(job: _Pass) -> dict:
     log.info("preprocess: %d files -> %s/%s", len(listing), version.root, job.run)
     available = set(located.latents)
     rows, first_at, streamed = _stream(job, listing, located)
+    rows = clips_failed(rows)
     p = plan([{**r, "source_index": r["source"]} for r in rows], available, roots)
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
     began = clock()
@@ -232,6 +245,8 @@ def _preprocess(job: _Pass) -> dict:
     rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
     rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
     rep["folders"] = folders
+    if any(r["clip"] for r in rows):
+        rep["clips"] = clip_report(rows, indexed)
     rep["not_utf8_files"] = [
         {"source": r["source"], "path": caption_file(sources[r["source_index"]], r["path"])}
         for r in indexed

@@ -17,7 +17,8 @@ import ray
 
 from raytuner import quiet, runtime
 from raytuner.data.cache import caption_key, flip_key
-from raytuner.preprocess.decode import ENCODE, PROBE_COLUMNS, DecodeSpec, probe_decode
+from raytuner.preprocess.clips import is_clip
+from raytuner.preprocess.decode import ENCODE, PROBE_COLUMNS, DecodeSpec, probe_decode_blocks
 from raytuner.preprocess.encode import Encoder
 from raytuner.preprocess.sink import PartSink
 
@@ -25,13 +26,19 @@ BLOCK_PIXEL_BYTES = 64 * 1024**2  # decoded pixels per stream block, at most (ab
 BLOCK_ROWS = 512  # rows per stream block, at most
 
 
-def rows_per_block(files: int, batch_size: int, side: int, actors: int) -> int:
+def rows_per_block(files: int, batch_size: int, side: int, actors: int, frames: int = 1) -> int:
     """Rows of each stream block: a whole number of encoder batches, about 64 MiB of pixels at
     the bucket resolution ``side``, and at least two blocks per encoder actor and two more, so
     that decoding the next blocks overlaps encoding this one. Every block costs a task per step
-    (~0.2 s of Ray overhead on a small machine): blocks of one batch made that the bottleneck."""
-    rows = min(BLOCK_ROWS, BLOCK_PIXEL_BYTES // (side * side * 3))
+    (~0.2 s of Ray overhead on a small machine): blocks of one batch made that the bottleneck.
+    With clips listed (``frames``: the most frames a sample takes), a row is a sample of that
+    many frames: the rows stay within the 64 MiB where they fit, one a block where one sample
+    is more (81 frames at 832x480: 97 MB; each of a clip's samples is a block of its own)."""
+    row_bytes = side * side * 3 * frames
+    rows = min(BLOCK_ROWS, BLOCK_PIXEL_BYTES // row_bytes)
     rows = min(rows, math.ceil(files / (2 * actors + 2)))
+    if frames > 1:  # no rounding up to a batch: a block's bytes stay rows x a sample's
+        return max(1, rows)
     return max(1, math.ceil(rows / batch_size)) * batch_size
 
 
@@ -45,7 +52,8 @@ def run(
     Returns one row per listed file: its probe columns, ``status`` and ``failure``."""
     latents, caption_keys = known
     side = max(max(w, h) for w, h in spec.buckets)
-    rows = rows_per_block(len(listing), pre.batch_size, side, pre.max_actors)
+    frames = _most_frames(listing, sources, spec)
+    rows = rows_per_block(len(listing), pre.batch_size, side, pre.max_actors, frames)
     preload = any(_likely_new(r, sources, latents.keys) for r in listing)  # images to encode
     probe = {"sources": sources, "spec": spec, "known": latents, "progress": progress}
     if not preload:  # every image unchanged: probe alone, no encoder starts unless a caption is new
@@ -74,6 +82,14 @@ def run(
         )
     encoded.write_datasink(sink, ray_remote_args={"num_cpus": 0.25})
     return sink.rows
+
+
+def _most_frames(listing: list[dict], sources, spec) -> int:
+    """The most frames a sample of a listed clip takes (1: no clip to decode)."""
+    if not spec.frame_multiple:
+        return 1
+    listed = {r["source"] for r in listing if is_clip(r["path"])}
+    return max((max(sources[i].frames) for i in listed), default=1)
 
 
 def _likely_new(row: dict, sources, keys: frozenset) -> bool:
@@ -105,7 +121,7 @@ def _probe_stream(listing: list[dict], rows: int, probe: dict) -> ray.data.Datas
     return ray.data.from_items(
         listing, override_num_blocks=math.ceil(len(listing) / rows)
     ).map_batches(
-        probe_decode,
+        probe_decode_blocks,
         fn_kwargs=probe,
         batch_size=None,  # one call per block
         batch_format="pyarrow",

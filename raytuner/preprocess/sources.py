@@ -14,6 +14,7 @@ import pyarrow.fs as pafs
 
 from raytuner import storage
 from raytuner.config import SourceConfig
+from raytuner.preprocess.clips import VIDEO_EXTENSIONS
 
 MAX_CAPTION_BYTES = 256 * 1024  # a caption file over this is skipped with its reason
 MAX_METADATA_BYTES = 1024**3  # a metadata table over this is refused
@@ -163,7 +164,8 @@ def _metadata_file(fs, root: str, source: SourceConfig, names: set[str]) -> str 
 
 
 def list_source(index: int, source: SourceConfig) -> list[dict]:
-    """One row per image file of a source (hidden and OS junk files are not inputs)."""
+    """One row per image or video clip file of a source (hidden and OS junk files are not
+    inputs)."""
     fs, root = storage.resolve(source.path)
     if fs.get_file_info(root).type != pafs.FileType.Directory:
         raise ValueError(f"data source {source.path!r} is not a folder")
@@ -176,7 +178,8 @@ def list_source(index: int, source: SourceConfig) -> list[dict]:
     rows = []
     for rel in sorted(files):
         stem, ext = posixpath.splitext(rel)
-        if ext.lower() not in IMAGE_EXTENSIONS or _is_junk(rel) or rel in masks:
+        media = ext.lower() in IMAGE_EXTENSIONS or ext.lower() in VIDEO_EXTENSIONS  # clips too
+        if not media or _is_junk(rel) or rel in masks:
             continue
         txt, mask = caption_file(source, rel), stem + MASK_SUFFIX
         mask = mask if mask in masks and source.mask == "file" else ""

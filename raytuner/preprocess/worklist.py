@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from raytuner.data.cache import ALPHA, mask_key
+from raytuner.preprocess.clips import report_line as clip_report_line
 from raytuner.preprocess.sources import NOT_UTF8
 
 
@@ -165,6 +166,8 @@ def report_lines(report: dict) -> list[str]:
             f"(at most {t['max_bytes_per_caption']:,}; preprocess.text_dtype)"
         )
     out.extend(_kind_lines(report))
+    if "clips" in report:
+        out.append(clip_report_line(report["clips"]))
     out.extend(_folder_lines(report.get("folders", [])))
     for f in report.get("not_utf8_files", [])[:20]:
         out.append(f"  caption not UTF-8 (bad bytes replaced by U+FFFD): {f['path']}")

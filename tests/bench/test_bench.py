@@ -62,6 +62,19 @@ def test_bench_preprocess_prints_one_json_object(ray_local, capsys, monkeypatch)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_preprocess_has_a_video_mode_on_drawn_clips(ray_local, capsys, monkeypatch):
+    """``--clips 6 --frames 9`` with the tiny Wan: 6 clip samples through the stream and the
+    bare decode + encode loop, rated in clips/s."""
+    monkeypatch.chdir(REPO)
+    args = ("--clips", "6", "--frames", "9", "--rounds", "1", "--set", "model.family=wan")
+    figures = _figures(capsys, "preprocess", "jobs/tiny.toml", *args)
+    assert figures["images"] == 6 and figures["clip_frames"] == 9
+    assert figures["pipeline_images_per_s"] > 0 and figures["bare_images_per_s"] > 0
+    _check_rounds(figures, 1)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bench_train_prints_one_json_object(ray_local, capsys, monkeypatch, tmp_path):
     shutil.copytree(REPO / "jobs", tmp_path / "jobs")  # its cache lands in tmp_path/runs

@@ -222,3 +222,50 @@ def test_sharded_checkpoint_files_are_read_in_place_on_s3(s3, tmp_path):
     assert reader.shapes() == {k: (tuple(v.shape), v.dtype) for k, v in full.items()}
     read = reader.read(sorted(full))
     assert all(torch.equal(read[k], full[k]) for k in full)
+
+
+CLIP_JOB = f"""
+[model]
+family = "wan"
+pretrained = "tiny"
+
+[data]
+images = "s3://{BUCKET}/clips"
+cache = "s3://{BUCKET}/clip-cache"
+frames = [5, 9]
+
+[preprocess]
+resolution = 64
+bucket_step = 16
+min_size = 32
+
+[train]
+output = "s3://{BUCKET}/clip-runs"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_clips_on_s3_are_listed_decoded_and_reported_as_on_disk(s3, tmp_path):
+    """Clips beside an image and their captions in a bucket: `raytuner preprocess` decodes
+    them from S3 into samples (one too short), its report line counting each clip once."""
+    from clip_files import clip
+    from PIL import Image
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    (folder / "long.mp4").write_bytes(clip(12, 24))
+    (folder / "short.mp4").write_bytes(clip(3, 24, seed=1))
+    Image.new("RGB", (80, 48), (10, 90, 200)).save(folder / "still.png")
+    for name in ("long", "short", "still"):
+        (folder / f"{name}.txt").write_text(f"a {name} one")
+    fs, _ = storage.resolve(f"s3://{BUCKET}/clips")
+    pafs.copy_files(str(folder), f"{BUCKET}/clips", destination_filesystem=fs)
+    (tmp_path / "job.toml").write_text(CLIP_JOB)
+    done = subprocess.run(
+        [sys.executable, "-m", "raytuner", "preprocess", "job.toml"],
+        cwd=tmp_path, env=os.environ | s3, capture_output=True, text=True, timeout=500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "clips: 2 files, 1 trained (1 samples; 9 frames: 1); too_short 1" in done.stdout
+    assert "buckets: 80x48: 1, 80x48/3: 1" in done.stdout, done.stdout

@@ -1,6 +1,8 @@
 """`raytuner bench preprocess`: the whole preprocess (probe, decode, encode, commit) against
 the stream's own steps called in one process without Ray, alternated in rounds; and the time of
-each stage of both, so that a slower preprocess names the stage that got slower."""
+each stage of both, so that a slower preprocess names the stage that got slower. Its video mode
+(``--clips N``: a video family's job) does the same on N drawn clips (``--frames`` each, a
+sample of each): clips/s of the stream against the bare decode + encode loop."""
 
 from __future__ import annotations
 
@@ -33,8 +35,16 @@ from raytuner.tools.bench.common import (
 )
 
 
-def _bench_data(job: JobConfig, images: int, workdir: str) -> DataConfig:
-    """The job's data, or ``images`` drawn images (three aspect ratios) in a fresh folder."""
+def _bench_data(job: JobConfig, images: int, workdir: str, clips=(0, 0)) -> DataConfig:
+    """The job's data, or ``images`` drawn images (three aspect ratios) in a fresh folder, or
+    ``clips`` = (count, frames) drawn clips (a sample of ``frames`` frames each)."""
+    count, frames = clips
+    if count > 0:
+        from raytuner.tools.demo_clips import make_demo_clips
+
+        folder = make_demo_clips(os.path.join(workdir, "clips"), count, frames)
+        cache_dir = os.path.join(workdir, "cache")
+        return DataConfig(images=str(folder), cache=cache_dir, frames=[frames])
     if images <= 0:
         return dataclasses.replace(job.data, cache=os.path.join(workdir, "cache"))
     from raytuner.tools.demo_images import make_demo_images
@@ -113,13 +123,18 @@ def _latent_bytes(version: cache.Version, manifest: dict) -> tuple[int, int]:
     return stored, tensor
 
 
-def bench_preprocess(job: JobConfig, family, images: int, as_json: bool, rounds: int = 3) -> dict:
+def bench_preprocess(
+    job: JobConfig, family, images: int, as_json: bool, rounds: int = 3, clips=(0, 0)
+) -> dict:
     """``rounds`` rounds, each a whole preprocess into a fresh cache folder and then the bare
-    loop over the same images; the figures are the medians over the rounds."""
+    loop over the same images (``clips`` = (count, frames): drawn clips); the figures are the
+    medians over the rounds (a clip's sample counts as an image: clips/s)."""
+    if clips[0] and not family.geometry.frame_multiple:
+        raise ValueError(f"bench preprocess --clips: {family.name} trains images only")
     runtime.connect()
     # one thread, like one encoder actor (Ray gives it OMP_NUM_THREADS=1)
     with torch_threads(1), tempfile.TemporaryDirectory(prefix="raytuner-bench-") as workdir:
-        data = _bench_data(job, images, workdir)
+        data = _bench_data(job, images, workdir, clips)
 
         def pipeline(r: int) -> dict:
             cache_r = os.path.join(workdir, f"cache-{r}")
@@ -162,6 +177,7 @@ def bench_preprocess(job: JobConfig, family, images: int, as_json: bool, rounds:
         "stages": _stage_figures([r["stages"] for r in reports], reports[0]["encoded"]),
         "bare_stages": _stage_figures([b[2] for b in sides["bare"]], reports[0]["encoded"]),
         "encoder_actors": [job.preprocess.min_actors, job.preprocess.max_actors],
+        "clip_frames": clips[1] if clips[0] else 0,  # video mode: images are clip samples
         "cpus": os.cpu_count(),
         **round_figures(rounds, rates, load_before, load_after),
     }

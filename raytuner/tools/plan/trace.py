@@ -277,16 +277,21 @@ def _frozen(module) -> int:
     return sum(p.numel() for n, p in module.named_parameters() if not kinds.is_adapter(n))
 
 
-def trace_encoders(job: JobConfig, family, size, progress: Progress | None = None):
-    """An encoder actor (VAE encode of ``preprocess.batch_size`` images at ``size``, then the
-    text encoders on as many captions) and the tensor shapes it produces per image."""
+def trace_encoders(
+    job: JobConfig, family, size, progress: Progress | None = None, frames: int = 1
+):  # fmt: skip
+    """An encoder actor (VAE encode of ``preprocess.batch_size`` images at ``size``, or clip
+    samples of ``frames`` frames, then the text encoders on as many captions) and the tensor
+    shapes it produces per image (sample)."""
     pre = job.preprocess
     source = _source(job)
     n, (w, h) = pre.batch_size, size
-    (progress or Progress(quiet=True)).tracing(f"the encoder actor: {n} images at {w}x{h}")
+    what = f"{n} images" if frames == 1 else f"{n} clips of {frames} frames"
+    (progress or Progress(quiet=True)).tracing(f"the encoder actor: {what} at {w}x{h}")
     encode_image = family.image_encoder(source, "meta", weights=False)
     encode_text = family.text_encoder(source, "meta", weights=False)
-    pixels = torch.zeros(n, 3, h, w, device="meta")
+    clip = (frames,) if frames > 1 else ()  # a clip's frame axis: [B, 3, F, H, W]
+    pixels = torch.zeros(n, 3, *clip, h, w, device="meta")
     with traced() as image_live:
         latent = encode_image(pixels)[0]
     with traced() as text_live:

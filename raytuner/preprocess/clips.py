@@ -1,0 +1,162 @@
+"""Video clips in the preprocess stream (issue 40): a clip file listed beside the images becomes
+one stream row per sample it gives (``head`` / ``uniform``: one; ``chunks``: one per run of
+frames), each with its own key, decoded with ``preprocess/video.py`` (PyAV) in the stream's
+CPU tasks and cut to its bucket like an image (every frame resized and cropped alike).
+
+A sample's key is the clip's content hash, what was taken of it (frame count, selection, fps)
+and its place among the clip's samples: an edited clip, or other frame settings, make new
+keys (only that clip is encoded again). A clip's sample takes the largest of its source's
+frame counts (``data.frames``) its length gives: the frame bucket it trains in.
+
+Every listed clip ends in one report category (``CLIP_CATEGORIES``): ``trained``, one of
+``video.CATEGORIES`` (``corrupt``, ``too_short``, ``codec``, ``bomb``, ``huge``),
+``not_trained`` (the family trains images only: ``Geometry.frame_multiple`` 0) or
+``skipped`` (the probe left it out: no caption, unreadable, a symlink out of the folder...).
+Loss masks are not made for clips (a mask file is an image's); flips mirror every frame.
+
+Memory: a decode task holds at most ``BLOCK_BYTES`` of decoded samples, or one sample where it
+is more (81 x 832 x 480 x 3 = 97 MB of uint8), and the one it decodes (``decode_samples``
+hands each sample on once its last frame is decoded)."""
+
+from __future__ import annotations
+
+import io
+import posixpath
+from collections.abc import Iterator
+
+import numpy as np
+from PIL import Image
+
+from raytuner.preprocess import video
+from raytuner.preprocess.buckets import fit_to_bucket, nearest_bucket
+
+VIDEO_EXTENSIONS = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v", ".mpg", ".mpeg", ".wmv"}
+TRAINED, NOT_TRAINED, SKIPPED = "trained", "not_trained", "skipped"
+# decoded clip samples a stream table holds at most (one sample where it is more: 81 frames at
+# 832x480 are 97 MB), as ``pipeline.BLOCK_PIXEL_BYTES`` bounds a block of images
+BLOCK_BYTES = 64 * 1024**2
+CLIP_CATEGORIES = (TRAINED, *video.CATEGORIES, NOT_TRAINED, SKIPPED)
+
+
+def is_clip(path: str) -> bool:
+    """Whether a listed file is a video clip (by its extension)."""
+    return posixpath.splitext(path)[1].lower() in VIDEO_EXTENSIONS
+
+
+def sample_key(content: str, frames: int, selection: str, fps: float, i: int) -> str:
+    """The row key of a clip's ``i``-th sample: its content hash first (hex, as an image's)."""
+    return f"{content}:clip:{frames}:{selection}:{fps:g}:{i}"
+
+
+def content_of(key: str) -> str:
+    """The clip's content hash in a sample key (an image key: itself)."""
+    return key.split(":", 1)[0]
+
+
+def samples_of(data: bytes, counts: list[int], selection: str, fps: float, limits: dict):
+    """(the clip's ``ClipInfo``, the frame count taken, each sample's source frames): the
+    largest of ``counts`` the clip's length gives. ClipError with its category otherwise;
+    ``limits``: FrameSpec's ``max_pixels`` and ``max_bytes``."""
+    spec = video.FrameSpec(frames=min(counts), selection=selection, fps=fps, **limits)
+    info = video.probe(data, spec)
+    for n in sorted(counts, reverse=True):
+        try:
+            chosen = video.FrameSpec(frames=n, selection=selection, fps=fps, **limits)
+            return info, n, video.frame_indices(info.frames, info.fps, chosen)
+        except video.ClipError as e:
+            error = e
+    raise error
+
+
+def decode_samples(data: bytes, samples: list[list[int]]) -> Iterator[np.ndarray]:
+    """Each sample's frames [F, H, W, 3] uint8 RGB, in order, each handed on once its last
+    frame is decoded (the frames no later sample takes are dropped); ClipError (``corrupt``)
+    where the stream breaks or ends before a sample's frames."""
+    import av
+
+    wanted: dict[int, int] = {}  # source frame -> samples still taking it
+    for s in samples:
+        for i in s:
+            wanted[i] = wanted.get(i, 0) + 1
+    kept: dict[int, np.ndarray] = {}
+    pending, last = list(samples), max(wanted)
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            for i, frame in enumerate(container.decode(stream)):
+                if i in wanted:
+                    kept[i] = frame.to_ndarray(format="rgb24")
+                while pending and max(pending[0]) <= i:
+                    yield _taken(pending.pop(0), kept, wanted)
+                if i >= last:
+                    break
+    except av.error.FFmpegError as e:
+        raise video.ClipError("corrupt", f"decoding failed at a sample's frames ({e})") from None
+    if pending:
+        raise video.ClipError("corrupt", f"the stream ends before frame {max(pending[0])}")
+
+
+def _taken(sample: list[int], kept: dict, wanted: dict) -> np.ndarray:
+    out = np.stack([kept[i] for i in sample])
+    for i in sample:
+        wanted[i] -= 1
+        if not wanted[i]:
+            kept.pop(i, None)
+    return out
+
+
+def fit_clip(frames: np.ndarray, buckets, crop: str, seed: int) -> dict:
+    """A sample's frames [F, H, W, 3] cut to its bucket as an image is (every frame the same
+    resize and crop): its pixels' bytes and the row's bucket and conditioning columns."""
+    _, h, w, _ = frames.shape
+    bucket = nearest_bucket(w, h, buckets)
+    (rw, rh), (top, left) = fit_to_bucket(w, h, bucket, crop, seed)
+    box = (left, top, left + bucket[0], top + bucket[1])
+    cut = np.stack(
+        [
+            np.asarray(Image.fromarray(f).resize((rw, rh), Image.Resampling.LANCZOS).crop(box))
+            for f in frames
+        ]
+    )
+    return {
+        "pixels": cut.tobytes(),
+        "width": bucket[0],
+        "height": bucket[1],
+        "frames": int(frames.shape[0]),
+        "original_size": [h, w],
+        "crop_top_left": [top, left],
+        "flip_crop_top_left": [top, rw - left - bucket[0]],
+    }
+
+
+def clip_report(rows: list[dict], indexed: list[dict]) -> dict:
+    """The report's ``clips``: each listed clip's category counted once (a clip whose samples
+    are all duplicates of another file's counts as ``skipped``), the samples trained, per frame
+    count."""
+    category: dict[tuple, str] = {}
+    for r in rows:
+        if r.get("clip"):
+            category.setdefault((r["source"], r["path"]), r["clip"])
+    trained = {(r["source_index"], r["path"]) for r in indexed if r.get("frames")}
+    counts = dict.fromkeys(CLIP_CATEGORIES, 0)
+    for where, c in category.items():
+        counts[TRAINED if where in trained else (SKIPPED if c == TRAINED else c)] += 1
+    frames: dict[int, int] = {}
+    for r in indexed:
+        if r.get("frames"):
+            frames[r["frames"]] = frames.get(r["frames"], 0) + 1
+    # keyed by the frame count as a string: the report is JSON
+    by_count = {str(n): k for n, k in sorted(frames.items())}
+    samples = {"samples": sum(frames.values()), "frames": by_count}
+    return {"files": len(category), **counts, **samples}
+
+
+def report_line(clips: dict) -> str:
+    """The report's line on clips (``clip_report``)."""
+    counts = ", ".join(f"{c} {clips[c]}" for c in CLIP_CATEGORIES[1:] if clips[c])
+    frames = ", ".join(f"{n} frames: {k}" for n, k in clips["frames"].items())
+    return (
+        f"  clips: {clips['files']} files, {clips[TRAINED]} trained ({clips['samples']} "
+        f"samples{'; ' + frames if frames else ''}){'; ' + counts if counts else ''}"
+    )
