@@ -63,6 +63,10 @@ class SourceConfig:
     regularization: bool = False
     flip: str = ""  # none | random (a mirror image's latent is cached too); "": data.flip
     mask: str = ""  # none | alpha | file (<stem>-masklabel.png); "": data.mask
+    # edit training: a folder of reference (control) images, <stem>.<ext> and/or <stem>_0.<ext>,
+    # <stem>_1.<ext> ... for each image <stem>.<ext> (relative to the source folder unless
+    # absolute or a URI); "": none, or those its metadata table names (control_path)
+    references: str = ""
 
     def __post_init__(self) -> None:
         one_of("data.sources.caption_fallback", self.caption_fallback, ("stem", "empty", "skip"))

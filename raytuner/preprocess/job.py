@@ -18,7 +18,7 @@ from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
 from raytuner.data import cache, index
 from raytuner.data.cache import caption_key
 from raytuner.observe import metrics
-from raytuner.preprocess import pipeline
+from raytuner.preprocess import pairs, pipeline
 from raytuner.preprocess.buckets import make_buckets
 from raytuner.preprocess.decode import DecodeSpec, Known
 from raytuner.preprocess.encode import FAILED
@@ -43,11 +43,14 @@ def bucket_sizes(family, pre: PreprocessConfig) -> list[tuple[int, int]]:
 
 
 def _listing(data: DataConfig, located: index.Located) -> list[dict]:
-    """Every image file of every source, with its key from a committed index if unchanged."""
+    """Every image file of every source, with its key from a committed index if unchanged;
+    then the reference files of the paired sources (``pairs.py``: source ``n + i``)."""
     known, rows = located.listed, []
-    for i, source in enumerate(data.all_sources()):
-        root = storage.absolute(source.path)
-        for row in list_source(i, source):
+    sources = data.all_sources()
+    roots = [storage.absolute(s.path) for s in pairs.with_reference_sources(sources)]
+    for i, source in enumerate(sources):
+        for row in list_source(i, source, reference_index=len(sources) + i):
+            root = roots[row["source"]]
             size, mtime, key = known.get((root, row["path"]), (None, None, ""))
             unchanged = (size, mtime) == (row["size"], row["mtime_ns"])
             rows.append({**row, "known_key": key if unchanged else ""})
@@ -56,7 +59,7 @@ def _listing(data: DataConfig, located: index.Located) -> list[dict]:
 
 def decode_spec(family, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:
     return DecodeSpec(
-        roots=[storage.absolute(s.path) for s in data.all_sources()],
+        roots=[storage.absolute(s.path) for s in pairs.with_reference_sources(data.all_sources())],
         buckets=bucket_sizes(family, pre),
         crop=pre.crop,
         seed=pre.seed,
@@ -119,7 +122,8 @@ def _stream(job: _Pass, listing, located) -> tuple[list, float, dict]:
     todo = sum(1 for r in listing if r["known_key"] not in known[0].keys)  # about this many new
     line = ProgressLine(len(listing), todo, job.tag, "raytuner_images_encoded")
     with line as progress:
-        spec, sources = decode_spec(job.family, job.data, job.pre), job.data.all_sources()
+        spec = decode_spec(job.family, job.data, job.pre)
+        sources = pairs.with_reference_sources(job.data.all_sources())
         encoder = (job.family, job.model)
         args = (known, spec, encoder, job.pre, job.version, job.run, progress)
         rows = pipeline.run(listing, sources, *args)
@@ -219,6 +223,8 @@ def _preprocess(job: _Pass) -> dict:
     log.info("preprocess: %d files -> %s/%s", len(listing), version.root, job.run)
     available = set(located.latents)
     rows, first_at, streamed = _stream(job, listing, located)
+    encoded = {r["key"] for r in rows if r["status"] == pipeline.ENCODE}
+    rows, references = pairs.join_references(rows, listing, len(sources))
     p = plan([{**r, "source_index": r["source"]} for r in rows], available, roots)
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
     began = clock()
@@ -229,9 +235,11 @@ def _preprocess(job: _Pass) -> dict:
     truncated = sum(located.captions[k]["truncated"] for k in need)
     folders = folder_report(indexed, sources)  # the kohya folders' N, taken or not
     indexed = pair_regularization(indexed)
-    rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
+    targets = sum(1 for r in listing if r["source"] < len(sources))  # references: pairs.py
+    rep = report(targets, p, indexed, truncated, time.monotonic() - start)
     rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
     rep["folders"] = folders
+    rep |= pairs.pair_report(indexed, references, encoded)
     rep["not_utf8_files"] = [
         {"source": r["source"], "path": caption_file(sources[r["source_index"]], r["path"])}
         for r in indexed

@@ -1,0 +1,165 @@
+"""Edit / reference-image datasets (``preprocess/pairs.py``): a target's references found by
+stem in a references folder (musubi-tuner's ``control_directory``, ai-toolkit's
+``control_path`` folder) or named by its metadata row (``control_path``, ``control_path_0`` …),
+a missing, ambiguous or undecodable reference skips its target naming it, and the references
+are cached once like images: a rerun encodes nothing, a changed reference only itself."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from raytuner.api import preprocess
+from raytuner.config import SourceConfig, load_job
+from raytuner.preprocess.sources import list_source, probe_row
+from raytuner.preprocess.worklist import report_lines
+
+SIDE = 64
+
+
+def _image(path: Path, seed: int, size=(SIDE, SIDE)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+
+
+def _listed(source: SourceConfig) -> dict[str, dict]:
+    """A source's targets by path, and its reference files as ``ref:<path>``."""
+    rows = list_source(0, source, reference_index=1)
+    return {("ref:" if r["source"] else "") + r["path"]: r for r in rows}
+
+
+def test_references_by_stem_in_a_folder_and_what_skips_a_target(tmp_path):
+    data, control = tmp_path / "data", tmp_path / "data" / "control"
+    for i, name in enumerate(["one.png", "two.png", "none.png", "both.png", "sub/deep.png"]):
+        _image(data / name, i)
+    _image(control / "one.png", 10)  # one reference, the same name
+    _image(control / "two_0.png", 11)  # two, numbered
+    _image(control / "two_1.jpg", 12)
+    _image(control / "both.png", 13)  # one name in two formats: which?
+    _image(control / "both.jpg", 14)
+    _image(control / "sub" / "deep.webp", 15)  # subfolders mirrored, any image format
+    rows = _listed(SourceConfig(path=str(data), references="control"))
+    targets = {p: r for p, r in rows.items() if r["role"] == "target"}
+    assert sorted(targets) == ["both.png", "none.png", "one.png", "sub/deep.png", "two.png"]
+    assert targets["one.png"]["references"] == ["one.png"] and not targets["one.png"]["refused"]
+    assert targets["two.png"]["references"] == ["two_0.png", "two_1.jpg"]
+    assert targets["sub/deep.png"]["references"] == ["sub/deep.webp"]
+    assert targets["none.png"]["refused"].startswith("no reference image: neither none.<ext>")
+    assert "both.jpg, both.png (keep one)" in targets["both.png"]["refused"]
+    references = sorted(p for p, r in rows.items() if r["role"] == "reference")
+    assert references == ["ref:one.png", "ref:sub/deep.webp", "ref:two_0.png", "ref:two_1.jpg"]
+    assert {r["source"] for r in rows.values() if r["role"] == "reference"} == {1}
+
+
+def test_references_named_by_the_metadata_table_are_no_targets(tmp_path):
+    data = tmp_path / "data"
+    for i, name in enumerate(["a.png", "b.png", "c.png", "in/a.png", "in/b0.png", "in/b1.png"]):
+        _image(data / name, i)
+    lines = [
+        {"file_name": "a.png", "text": "make it red", "control_path": "in/a.png"},
+        {"file_name": "b.png", "text": "two", "control_path_0": "in/b0.png",
+         "control_path_1": "in/b1.png"},
+        {"file_name": "c.png", "text": "gone", "control_path": "in/c.png"},
+    ]  # fmt: skip
+    (data / "metadata.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    source = SourceConfig(path=str(data))
+    rows = _listed(source)
+    targets = {p: r for p, r in rows.items() if r["role"] == "target"}
+    assert sorted(targets) == ["a.png", "b.png", "c.png"]  # in/*.png are references
+    assert targets["a.png"]["references"] == ["in/a.png"]
+    assert targets["b.png"]["references"] == ["in/b0.png", "in/b1.png"]
+    assert targets["c.png"]["refused"] == f"reference 'in/c.png' is missing (in {data})"
+    probed = probe_row({**targets["a.png"], "known_key": ""}, [source])
+    assert probed["caption"] == "make it red" and not probed["reason"]
+
+
+def test_a_reference_linked_out_of_its_folder_skips_its_target(tmp_path):
+    secret = tmp_path / "secret.png"
+    _image(secret, 0)
+    data, control = tmp_path / "data", tmp_path / "control"
+    _image(data / "a.png", 1)
+    control.mkdir()
+    os.symlink(secret, control / "a.png")
+    rows = _listed(SourceConfig(path=str(data), references=str(control)))
+    assert rows["a.png"]["refused"] == "reference 'a.png' is a symlink outside its folder"
+    assert [r["role"] for r in rows.values()] == ["target"]
+    with pytest.raises(ValueError, match="references folder .* is not a folder"):
+        list_source(0, SourceConfig(path=str(data), references="nowhere"))
+
+
+JOB = """
+[model]
+family = "{family}"
+
+[data]
+cache = "{root}/cache"
+
+[[data.sources]]
+path = "{root}/edits"
+references = "control"
+
+[preprocess]
+resolution = 64
+bucket_step = 16
+
+[train]
+output = "{root}/runs"
+max_steps = 4
+global_batch_size = 2
+"""
+
+
+def _edits(root: Path) -> None:
+    """4 targets with a reference each (one of them shared: the same bytes), one with two, one
+    with none, one whose reference is no image."""
+    edits, control = root / "edits", root / "edits" / "control"
+    for i in range(6):
+        _image(edits / f"t{i}.png", i)
+        (edits / f"t{i}.txt").write_text(f"make picture {i} red")
+    for i in range(3):
+        _image(control / f"t{i}.png", 100 + i, (80, SIDE))  # another aspect: its own bucket
+    _image(control / "t3.png", 100, (80, SIDE))  # t0's reference again: encoded once
+    _image(control / "t4_0.png", 104)
+    _image(control / "t4_1.png", 105)
+    (control / "t5.png").write_bytes(b"not a png at all")
+
+
+@pytest.fixture(scope="module")
+def edited(ray_local, tmp_path_factory):
+    """The edit dataset, its job and the report of its first preprocess (tiny Flux)."""
+    root = tmp_path_factory.mktemp("edits")
+    _edits(root)
+    (root / "job.toml").write_text(JOB.format(family="flux", root=root))
+    missing = root / "edits" / "t6.png"
+    _image(missing, 6)
+    return root, preprocess(load_job(root / "job.toml"))
+
+
+def test_the_report_counts_pairs_and_names_a_missing_or_undecodable_reference(edited):
+    root, report = edited
+    skipped = {s["path"]: s["reason"] for s in report["skipped"]}
+    assert skipped["t6.png"].startswith("no reference image: neither t6.<ext>")
+    assert skipped["t5.png"].startswith("reference 't5.png': ")
+    assert len(skipped) == 2 and report["total"] == 7
+    # 5 targets, 5 distinct references (t3's is t0's bytes), each encoded once
+    assert report["pairs"] == {"targets": 5, "references": 5, "per_target": 2, "encoded": 5}
+    assert report["encoded"] == 5
+    lines = "\n".join(report_lines(report))
+    assert "pairs: 5 targets with 5 reference images (up to 2 each; 5 encoded now)" in lines
+    assert "skipped t5.png: reference 't5.png'" in lines
+
+
+def test_a_rerun_encodes_nothing_and_a_changed_reference_only_itself(edited, tmp_path):
+    root, _ = edited
+    again = preprocess(load_job(root / "job.toml"))
+    assert again["encoded"] == 0 and again["pairs"]["encoded"] == 0
+    assert again["pairs"]["targets"] == 5
+    _image(root / "edits" / "control" / "t1.png", 999, (80, SIDE))
+    changed = preprocess(load_job(root / "job.toml"))
+    assert changed["encoded"] == 0 and changed["pairs"]["encoded"] == 1
