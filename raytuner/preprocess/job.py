@@ -143,10 +143,11 @@ def _indexed(rows: list[dict], located: index.Located, sources) -> list[dict]:
             reg = source.regularization
             indexed.append(r | {"bucket": bucket, "repeats": repeats, "regularization": reg})
     cells = [k for r in indexed for k in (r["flip_key"], r["mask_key"]) if k]
+    cells += [k for r in indexed for k in r.get("reference_keys", ())]
     captions = {r["caption_key"] for r in indexed} | {caption_key("")}
     for what, missing in (
         ("caption", sorted(captions - set(located.captions))),
-        ("flipped latent or mask", [k for k in cells if k not in located.latents]),
+        ("flipped latent, mask or reference", [k for k in cells if k not in located.latents]),
     ):
         if missing:
             raise RuntimeError(
@@ -224,12 +225,19 @@ def _preprocess(job: _Pass) -> dict:
     available = set(located.latents)
     rows, first_at, streamed = _stream(job, listing, located)
     encoded = {r["key"] for r in rows if r["status"] == pipeline.ENCODE}
-    rows, references = pairs.join_references(rows, listing, len(sources))
+    stream_roots = [storage.absolute(s.path) for s in pairs.with_reference_sources(sources)]
+    rows, references = pairs.join_references(rows, listing, stream_roots)
     p = plan([{**r, "source_index": r["source"]} for r in rows], available, roots)
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
     began = clock()
     located.refresh()
     indexed = _indexed(p.cached + p.new, located, sources)
+    indexed, mismatched = pairs.matched(indexed, located.latents)
+    for r, why in mismatched:  # skipped, not cached or new: each file in one list
+        p.skip(r, why)
+    gone = {(r["source"], r["path"]) for r, _ in mismatched}
+    p.new = [r for r in p.new if (r["source"], r["path"]) not in gone]
+    p.cached = [r for r in p.cached if (r["source"], r["path"]) not in gone]
     _refuse_unusable(p, indexed, sources, roots)
     need = {r["caption_key"] for r in indexed} | {caption_key("")}
     truncated = sum(located.captions[k]["truncated"] for k in need)

@@ -217,23 +217,52 @@ def reference_rows(rows: list[dict], index: int, pairing: Pairing) -> list[dict]
     ]
 
 
-def join_references(rows: list[dict], listing: list[dict], count: int) -> tuple[list, list]:
-    """The stream's rows split into the targets' (of the ``count`` sources) and the
-    references'; each target gets its references' keys (``reference_keys``, in order), and a
-    target whose reference was skipped or could not be decoded is skipped naming it."""
+def join_references(rows: list[dict], listing: list[dict], roots: list[str]) -> tuple:
+    """The stream's rows split into the targets' (of the first ``len(roots) // 2`` sources:
+    ``roots``, the stream's source folders) and the references'; each target gets its
+    references in order (``reference_keys`` and where they came from: ``reference_root``,
+    ``_paths``, ``_sizes``, ``_mtimes``), and a target whose reference was skipped or could not
+    be decoded is skipped naming it."""
+    count = len(roots) // 2
     by_place = {(r["source"], r["path"]): r for r in rows}
     targets, references = [], [r for r in rows if r["source"] >= count]
     named = {(r["source"], r["path"]): r["references"] for r in listing if r["source"] < count}
     for r in (r for r in rows if r["source"] < count):
-        keys, why = [], ""
-        for name in named.get((r["source"], r["path"]), []):
-            ref = by_place[(count + r["source"], name)]
+        refs = [by_place[(count + r["source"], n)] for n in named.get((r["source"], r["path"]), [])]
+        why = ""
+        for ref in refs:
             failure = ref["reason"] or (ref["failure"] if ref["status"] == "failed" else "")
-            keys.append(ref["key"])
-            why = why or (f"reference {name!r}: {failure}" if failure else "")
-        reason = r["reason"] or why
-        targets.append(r | {"reference_keys": keys, "reason": reason})
+            why = why or (f"reference {ref['path']!r}: {failure}" if failure else "")
+        targets.append(
+            r
+            | {
+                "reason": r["reason"] or why,
+                "reference_root": roots[count + r["source"]] if refs else "",
+                "reference_paths": [x["path"] for x in refs],
+                "reference_sizes": [x["size"] for x in refs],
+                "reference_mtimes": [x["mtime_ns"] for x in refs],
+                "reference_keys": [x["key"] for x in refs],
+            }
+        )
     return targets, references
+
+
+def matched(indexed: list[dict], latents: dict) -> tuple[list[dict], list[tuple[dict, str]]]:
+    """The trained targets whose references share their bucket, and the others with the reason
+    they are skipped (an edit pair's images are batched together: one bucket, the target's)."""
+    kept, skipped = [], []
+    for r in indexed:
+        why = ""
+        for path, key in zip(r["reference_paths"], r["reference_keys"], strict=True):
+            ref = latents[key]
+            size = f"{ref['width']}x{ref['height']}"
+            if size != r["bucket"] and not why:
+                why = (
+                    f"reference {path!r} falls in bucket {size}, its target in {r['bucket']}: "
+                    "an edit pair's images must have about the same aspect ratio"
+                )
+        (skipped.append((r, why)) if why else kept.append(r))
+    return kept, skipped
 
 
 def pair_report(indexed: list[dict], references: list[dict], encoded: set[str]) -> dict:

@@ -12,10 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from raytuner.api import preprocess
 from raytuner.config import SourceConfig, load_job
+from raytuner.data import cache
+from raytuner.data.reader import open_dataset
+from raytuner.families import FAMILIES
+from raytuner.families.parts import Source
 from raytuner.preprocess.sources import list_source, probe_row
 from raytuner.preprocess.worklist import report_lines
 
@@ -116,18 +121,19 @@ global_batch_size = 2
 
 
 def _edits(root: Path) -> None:
-    """4 targets with a reference each (one of them shared: the same bytes), one with two, one
-    with none, one whose reference is no image."""
+    """5 targets with references: 3 with one each (t3's the same bytes as t0's), t4 with two;
+    t5 whose reference is no image, t6 with none, t7 whose reference is of another bucket."""
     edits, control = root / "edits", root / "edits" / "control"
-    for i in range(6):
+    for i in range(8):
         _image(edits / f"t{i}.png", i)
         (edits / f"t{i}.txt").write_text(f"make picture {i} red")
     for i in range(3):
-        _image(control / f"t{i}.png", 100 + i, (80, SIDE))  # another aspect: its own bucket
-    _image(control / "t3.png", 100, (80, SIDE))  # t0's reference again: encoded once
+        _image(control / f"t{i}.png", 100 + i)
+    _image(control / "t3.png", 100)  # t0's reference again: encoded once
     _image(control / "t4_0.png", 104)
     _image(control / "t4_1.png", 105)
     (control / "t5.png").write_bytes(b"not a png at all")
+    _image(control / "t7.png", 107, (2 * SIDE, SIDE))
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +142,6 @@ def edited(ray_local, tmp_path_factory):
     root = tmp_path_factory.mktemp("edits")
     _edits(root)
     (root / "job.toml").write_text(JOB.format(family="flux", root=root))
-    missing = root / "edits" / "t6.png"
-    _image(missing, 6)
     return root, preprocess(load_job(root / "job.toml"))
 
 
@@ -145,11 +149,14 @@ def test_the_report_counts_pairs_and_names_a_missing_or_undecodable_reference(ed
     root, report = edited
     skipped = {s["path"]: s["reason"] for s in report["skipped"]}
     assert skipped["t6.png"].startswith("no reference image: neither t6.<ext>")
-    assert skipped["t5.png"].startswith("reference 't5.png': ")
-    assert len(skipped) == 2 and report["total"] == 7
+    assert skipped["t5.png"].startswith("reference 't5.png': not an image")
+    assert skipped["t7.png"].startswith(
+        "reference 't7.png' falls in bucket 80x48, its target in 64x64: an edit pair's"
+    )
+    assert len(skipped) == 3 and report["total"] == 8
     # 5 targets, 5 distinct references (t3's is t0's bytes), each encoded once
     assert report["pairs"] == {"targets": 5, "references": 5, "per_target": 2, "encoded": 5}
-    assert report["encoded"] == 5
+    assert report["encoded"] == 5 and report["already_cached"] == 0
     lines = "\n".join(report_lines(report))
     assert "pairs: 5 targets with 5 reference images (up to 2 each; 5 encoded now)" in lines
     assert "skipped t5.png: reference 't5.png'" in lines
@@ -160,6 +167,39 @@ def test_a_rerun_encodes_nothing_and_a_changed_reference_only_itself(edited, tmp
     again = preprocess(load_job(root / "job.toml"))
     assert again["encoded"] == 0 and again["pairs"]["encoded"] == 0
     assert again["pairs"]["targets"] == 5
-    _image(root / "edits" / "control" / "t1.png", 999, (80, SIDE))
+    _image(root / "edits" / "control" / "t1.png", 999)
     changed = preprocess(load_job(root / "job.toml"))
     assert changed["encoded"] == 0 and changed["pairs"]["encoded"] == 1
+    data = _dataset(root)
+    i = data.paths.index("t1.png")
+    expected = _encoded(FAMILIES["flux"], root / "edits" / "control" / "t1.png")
+    got = data.batch([i])["reference_latent"][0, 0]
+    torch.testing.assert_close(got, expected.to(torch.bfloat16).float(), rtol=0, atol=2e-2)
+
+
+def _dataset(root: Path):
+    job = load_job(root / "job.toml")
+    return open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
+
+
+def _encoded(family, path: Path) -> torch.Tensor:
+    """The family's VAE encoding of an image file (of its bucket's size: no crop)."""
+    pixels = torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
+    return family.image_encoder(Source("tiny"), "cpu")(pixels[None].float() / 127.5 - 1.0)[0][0]
+
+
+def test_a_batch_carries_each_targets_references_in_order(edited):
+    root, _ = edited
+    data = _dataset(root)
+    order = [data.paths.index(p) for p in ("t4.png", "t0.png", "t3.png")]
+    batch = data.batch(order)
+    assert batch["reference_count"].tolist() == [2, 1, 1]
+    refs = batch["reference_latent"]
+    assert refs.shape == (3, 2, *batch["latent"].shape[1:])
+    assert refs[1:, 1].abs().max() == 0  # one reference: zeros after it
+    torch.testing.assert_close(refs[1, 0], refs[2, 0])  # t3's reference is t0's
+    control = root / "edits" / "control"
+    for j, name in enumerate(["t4_0.png", "t4_1.png"]):
+        expected = _encoded(FAMILIES["flux"], control / name).to(torch.bfloat16).float()
+        torch.testing.assert_close(refs[0, j], expected, rtol=0, atol=2e-2)
+    assert (refs[0, 0] - batch["latent"][0]).abs().max() > 0.1  # not the target's latent
