@@ -94,11 +94,13 @@ def sample(
     width: int = 0,
     height: int = 0,
     out: str = "samples",
+    references: list[str] = (),
 ) -> list:
     """Render ``prompts`` (and the lines of a kohya-style ``prompts_file``) with the job's
     trained weights: ``checkpoint`` is "latest" (the newest checkpoint of the job's runs),
-    "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution.
-    Returns the files written under ``out``."""
+    "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution;
+    ``references``: the reference images of every prompt whose line names none (``--ci``), for a
+    family that takes them. Returns the files written under ``out``."""
     from raytuner.render import prompts as prompt_lines
     from raytuner.render.sample import default_size, render_samples
 
@@ -112,6 +114,10 @@ def sample(
         raise ConfigError(f"prompts file {prompts_file}: {e}") from None
     if not lines:
         raise ConfigError("sample: give at least one prompt or a prompts file")
+    try:
+        prompt_lines.check_references("--reference", tuple(references), family)
+    except prompt_lines.PromptsError as e:
+        raise ConfigError(f"sample {e}") from None
     _sample_options(family, seeds, steps, width, height)
     v = job.validation  # its negative prompt and guidance scale apply here too
     side_w, side_h = default_size(job, family)
@@ -121,6 +127,7 @@ def sample(
         steps=steps,
         guidance_scale=v.guidance_scale,
         negative_prompt=v.negative_prompt,
+        references=tuple(references),
     )
     return render_samples(job, family, checkpoint, lines, defaults, out)
 

@@ -71,7 +71,7 @@ def do_sample(job: JobConfig, args: argparse.Namespace) -> None:
     files = api.sample(
         job, args.prompt, prompts_file=args.prompts_file or "", checkpoint=args.checkpoint,
         seeds=args.seed or [0], steps=args.steps, width=args.width or 0,
-        height=args.height or 0, out=args.out,
+        height=args.height or 0, out=args.out, references=args.reference,
     )  # fmt: skip
     for path in files:
         print(f"wrote {path}")

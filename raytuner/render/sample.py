@@ -83,11 +83,27 @@ def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image]
         generator = torch.Generator(device).manual_seed(seed)
         # the prompt by name: FLUX.2's pipelines take an image first; the render's settings
         # win over the family's options
-        out = pipe(prompt=r.prompt, generator=generator, output_type="pil", **(options | r.call()))
+        call = _with_references(r.call(), r)
+        out = pipe(prompt=r.prompt, generator=generator, output_type="pil", **(options | call))
         # an image pipeline's first image; a video pipeline's (a one-frame clip) first frame
         return out.images[0] if hasattr(out, "images") else out.frames[0][0]
 
     return [[image(r, seed) for seed in r.seeds] for r in renders]
+
+
+def _with_references(call: dict, r: Render) -> dict:
+    """The call with its reference images opened, each at the render's size (as training saw
+    them: an edit pair's images share the target's bucket); one image alone where the family
+    takes one."""
+    if not r.references:
+        return call
+    images = []
+    for path in r.references:
+        fs, where = storage.resolve(path)
+        with Image.open(io.BytesIO(storage.read_bytes(fs, where))) as image:
+            rgb = image.convert("RGB")
+        images.append(rgb.resize((r.width, r.height), Image.Resampling.LANCZOS))
+    return call | {r.reference_argument: images[0] if len(images) == 1 else images}
 
 
 def grid(rows: list[list[Image.Image]]) -> Image.Image:
