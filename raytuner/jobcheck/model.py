@@ -226,3 +226,20 @@ def blocks_to_swap(memory, family, source) -> None:
             f"memory.blocks_to_swap = {n}: the {family.name} denoiser has {count} blocks "
             f"({' + '.join(family.blocks.swap)}); allowed: 0 to {count - 1}"
         )
+
+
+def references(data, family) -> None:
+    """A source's ``references`` folder (edit pairs) for a family whose denoiser takes no
+    reference images."""
+    if family.references.most:
+        return
+    for i, source in enumerate(data.sources):
+        if source.references:
+            from raytuner.families import FAMILIES
+
+            edit = ", ".join(n for n, f in FAMILIES.items() if f.references.most)
+            raise ConfigError(
+                f"data.sources[{i}].references = {source.references!r}: {family.name} takes no "
+                f"reference images; edit training needs a family that does ({edit}), or remove "
+                "the key"
+            )

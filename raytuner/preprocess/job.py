@@ -42,14 +42,16 @@ def bucket_sizes(family, pre: PreprocessConfig) -> list[tuple[int, int]]:
     return make_buckets(resolution, step, pre.min_aspect, pre.max_aspect)
 
 
-def _listing(data: DataConfig, located: index.Located) -> list[dict]:
+def _listing(data: DataConfig, located: index.Located, family) -> list[dict]:
     """Every image file of every source, with its key from a committed index if unchanged;
-    then the reference files of the paired sources (``pairs.py``: source ``n + i``)."""
+    then the reference files of the paired sources (``pairs.py``: source ``n + i``), for a
+    family that takes references (another trains every image alone)."""
     known, rows = located.listed, []
     sources = data.all_sources()
     roots = [storage.absolute(s.path) for s in pairs.with_reference_sources(sources)]
     for i, source in enumerate(sources):
-        for row in list_source(i, source, reference_index=len(sources) + i):
+        paired = len(sources) + i if family.references.most else None
+        for row in list_source(i, source, reference_index=paired):
             root = roots[row["source"]]
             size, mtime, key = known.get((root, row["path"]), (None, None, ""))
             unchanged = (size, mtime) == (row["size"], row["mtime_ns"])
@@ -217,7 +219,7 @@ def _preprocess(job: _Pass) -> dict:
     began = clock()
     located = index.Located(version, pre.dtype, manifest, roots, pre.text_storage)
     located.refresh()
-    listing = _listing(data, located)
+    listing = _listing(data, located, job.family)
     listed = since(began)
     if not listing:
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
@@ -232,7 +234,7 @@ def _preprocess(job: _Pass) -> dict:
     began = clock()
     located.refresh()
     indexed = _indexed(p.cached + p.new, located, sources)
-    indexed, mismatched = pairs.matched(indexed, located.latents)
+    indexed, mismatched = pairs.matched(indexed, located.latents, job.family)
     for r, why in mismatched:  # skipped, not cached or new: each file in one list
         p.skip(r, why)
     gone = {(r["source"], r["path"]) for r, _ in mismatched}

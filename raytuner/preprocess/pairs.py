@@ -247,16 +247,18 @@ def join_references(rows: list[dict], listing: list[dict], roots: list[str]) -> 
     return targets, references
 
 
-def matched(indexed: list[dict], latents: dict) -> tuple[list[dict], list[tuple[dict, str]]]:
-    """The trained targets whose references share their bucket, and the others with the reason
-    they are skipped (an edit pair's images are batched together: one bucket, the target's)."""
-    kept, skipped = [], []
+def matched(indexed: list[dict], latents: dict, family) -> tuple[list, list[tuple[dict, str]]]:
+    """The trained targets whose references share their bucket and are as many as the family
+    takes (``family.references.most``), and the others with the reason they are skipped (an
+    edit pair's images are batched together: one bucket, the target's)."""
+    kept, skipped, most = [], [], family.references.most
     for r in indexed:
-        why = ""
+        n = len(r["reference_keys"])
+        why = f"{n} reference images; {family.name} takes at most {most}" if n > most else ""
         for path, key in zip(r["reference_paths"], r["reference_keys"], strict=True):
             ref = latents[key]
             size = f"{ref['width']}x{ref['height']}"
-            if size != r["bucket"] and not why:
+            if size != r["bucket"] and not why:  # the first reason is the one reported
                 why = (
                     f"reference {path!r} falls in bucket {size}, its target in {r['bucket']}: "
                     "an edit pair's images must have about the same aspect ratio"

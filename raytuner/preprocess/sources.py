@@ -179,7 +179,8 @@ def _is_image(ext: str) -> bool:
 def list_source(index: int, source: SourceConfig, reference_index: int | None = None) -> list[dict]:
     """One row per image file of a source (hidden and OS junk files are not inputs), each with
     its reference images (``references``: a paired source's, ``preprocess/pairs.py``); with
-    ``reference_index``, then one row per reference file, of that source index."""
+    ``reference_index``, then one row per reference file, of that source index (None: the
+    source is listed unpaired, every image trained alone)."""
     fs, root = storage.resolve(source.path)
     if fs.get_file_info(root).type != pafs.FileType.Directory:
         raise ValueError(f"data source {source.path!r} is not a folder")
@@ -189,7 +190,9 @@ def list_source(index: int, source: SourceConfig, reference_index: int | None = 
         raise ValueError(f"{metadata_path}: a symlink outside the dataset folder; not read")
     table = metadata_rows(fs, metadata_path) if metadata_path else None
     captions = _captions(table, metadata_path) if metadata_path else {}
-    pairing = pairs.make_pairing(source, files, table, _files, _escapes)
+    pairing = None
+    if reference_index is not None:
+        pairing = pairs.make_pairing(source, files, table, _files, _escapes)
     masks = _mask_files(files)
     rows = []
     for rel in sorted(files):
@@ -228,7 +231,7 @@ def list_source(index: int, source: SourceConfig, reference_index: int | None = 
                 "role": pairs.ROLE_TARGET,
             }
         )
-    if reference_index is not None and pairing is not None:
+    if pairing is not None:
         rows += pairs.reference_rows(rows, reference_index, pairing)
     return rows
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from raytuner.api import preprocess
+from raytuner.api import preprocess, sample, train
 from raytuner.config import SourceConfig, load_job
 from raytuner.data import cache
 from raytuner.data.reader import open_dataset
@@ -95,7 +95,7 @@ def test_a_reference_linked_out_of_its_folder_skips_its_target(tmp_path):
     assert rows["a.png"]["refused"] == "reference 'a.png' is a symlink outside its folder"
     assert [r["role"] for r in rows.values()] == ["target"]
     with pytest.raises(ValueError, match="references folder .* is not a folder"):
-        list_source(0, SourceConfig(path=str(data), references="nowhere"))
+        list_source(0, SourceConfig(path=str(data), references="nowhere"), reference_index=1)
 
 
 JOB = """
@@ -121,8 +121,9 @@ global_batch_size = 2
 
 
 def _edits(root: Path) -> None:
-    """5 targets with references: 3 with one each (t3's the same bytes as t0's), t4 with two;
-    t5 whose reference is no image, t6 with none, t7 whose reference is of another bucket."""
+    """4 targets with a reference each (t3's the same bytes as t0's); t4 with two (Kontext
+    takes one), t5 whose reference is no image, t6 with none, t7 whose reference is of another
+    bucket."""
     edits, control = root / "edits", root / "edits" / "control"
     for i in range(8):
         _image(edits / f"t{i}.png", i)
@@ -138,10 +139,11 @@ def _edits(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def edited(ray_local, tmp_path_factory):
-    """The edit dataset, its job and the report of its first preprocess (tiny Flux)."""
+    """The edit dataset, its job and the report of its first preprocess (tiny Flux.1
+    Kontext)."""
     root = tmp_path_factory.mktemp("edits")
     _edits(root)
-    (root / "job.toml").write_text(JOB.format(family="flux", root=root))
+    (root / "job.toml").write_text(JOB.format(family="flux-kontext", root=root))
     return root, preprocess(load_job(root / "job.toml"))
 
 
@@ -153,12 +155,13 @@ def test_the_report_counts_pairs_and_names_a_missing_or_undecodable_reference(ed
     assert skipped["t7.png"].startswith(
         "reference 't7.png' falls in bucket 80x48, its target in 64x64: an edit pair's"
     )
-    assert len(skipped) == 3 and report["total"] == 8
-    # 5 targets, 5 distinct references (t3's is t0's bytes), each encoded once
-    assert report["pairs"] == {"targets": 5, "references": 5, "per_target": 2, "encoded": 5}
-    assert report["encoded"] == 5 and report["already_cached"] == 0
+    assert skipped["t4.png"] == "2 reference images; flux-kontext takes at most 1"
+    assert len(skipped) == 4 and report["total"] == 8
+    # 4 targets, 3 distinct references (t3's is t0's bytes), each encoded once
+    assert report["pairs"] == {"targets": 4, "references": 3, "per_target": 1, "encoded": 3}
+    assert report["encoded"] == 4 and report["already_cached"] == 0
     lines = "\n".join(report_lines(report))
-    assert "pairs: 5 targets with 5 reference images (up to 2 each; 5 encoded now)" in lines
+    assert "pairs: 4 targets with 3 reference images (up to 1 each; 3 encoded now)" in lines
     assert "skipped t5.png: reference 't5.png'" in lines
 
 
@@ -166,14 +169,15 @@ def test_a_rerun_encodes_nothing_and_a_changed_reference_only_itself(edited, tmp
     root, _ = edited
     again = preprocess(load_job(root / "job.toml"))
     assert again["encoded"] == 0 and again["pairs"]["encoded"] == 0
-    assert again["pairs"]["targets"] == 5
+    assert again["pairs"]["targets"] == 4
     _image(root / "edits" / "control" / "t1.png", 999)
     changed = preprocess(load_job(root / "job.toml"))
     assert changed["encoded"] == 0 and changed["pairs"]["encoded"] == 1
     data = _dataset(root)
     i = data.paths.index("t1.png")
-    expected = _encoded(FAMILIES["flux"], root / "edits" / "control" / "t1.png")
+    expected = _pipeline_encode(root / "edits" / "control" / "t1.png")
     got = data.batch([i])["reference_latent"][0, 0]
+    # stored in bfloat16 (preprocess.dtype): its rounding
     torch.testing.assert_close(got, expected.to(torch.bfloat16).float(), rtol=0, atol=2e-2)
 
 
@@ -182,24 +186,52 @@ def _dataset(root: Path):
     return open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
 
 
-def _encoded(family, path: Path) -> torch.Tensor:
-    """The family's VAE encoding of an image file (of its bucket's size: no crop)."""
-    pixels = torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
-    return family.image_encoder(Source("tiny"), "cpu")(pixels[None].float() / 127.5 - 1.0)[0][0]
+def _pipeline_encode(path: Path) -> torch.Tensor:
+    """``FluxKontextPipeline``'s own encode of a reference image (of its bucket's size: no
+    crop), as its ``__call__`` preprocesses it and ``prepare_latents`` encodes it."""
+    pipe = FAMILIES["flux-kontext"].pipeline(Source("tiny"))
+    image = Image.open(path).convert("RGB")
+    pixels = pipe.image_processor.preprocess(image, image.height, image.width)
+    with torch.no_grad():
+        return pipe._encode_vae_image(pixels, generator=None)[0]
 
 
-def test_a_batch_carries_each_targets_references_in_order(edited):
+def test_a_batch_carries_each_targets_reference(edited):
     root, _ = edited
     data = _dataset(root)
-    order = [data.paths.index(p) for p in ("t4.png", "t0.png", "t3.png")]
+    order = [data.paths.index(p) for p in ("t2.png", "t0.png", "t3.png")]
     batch = data.batch(order)
-    assert batch["reference_count"].tolist() == [2, 1, 1]
+    assert batch["reference_count"].tolist() == [1, 1, 1]
     refs = batch["reference_latent"]
-    assert refs.shape == (3, 2, *batch["latent"].shape[1:])
-    assert refs[1:, 1].abs().max() == 0  # one reference: zeros after it
+    assert refs.shape == (3, 1, *batch["latent"].shape[1:])
     torch.testing.assert_close(refs[1, 0], refs[2, 0])  # t3's reference is t0's
-    control = root / "edits" / "control"
-    for j, name in enumerate(["t4_0.png", "t4_1.png"]):
-        expected = _encoded(FAMILIES["flux"], control / name).to(torch.bfloat16).float()
-        torch.testing.assert_close(refs[0, j], expected, rtol=0, atol=2e-2)
+    expected = _pipeline_encode(root / "edits" / "control" / "t2.png").to(torch.bfloat16)
+    torch.testing.assert_close(refs[0, 0], expected.float(), rtol=0, atol=2e-2)
     assert (refs[0, 0] - batch["latent"][0]).abs().max() > 0.1  # not the target's latent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_edit_run_trains_on_two_workers_and_samples_with_its_reference(edited, tmp_path):
+    """The pairs train (tiny Flux.1 Kontext, 2 workers, the references in every batch); the
+    trained LoRA renders another image with the target's reference than without."""
+    root, _ = edited
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(
+        (root / "job.toml").read_text().replace(f"{root}/runs", f"{tmp_path}/runs")
+        + "\n[scaling]\nworkers = 2\ncpus_per_worker = 0.5\n"
+    )
+    job = load_job(job_file, ["train.learning_rate=1e-2"])
+    summary = train(job)
+    assert summary["step"] == 4 and np.isfinite(summary["loss"])
+    reference = str(root / "edits" / "control" / "t0.png")
+
+    def render(out: str, references=()) -> np.ndarray:
+        (path,) = sample(
+            job, ["make picture 0 red"], steps=2, out=str(tmp_path / out), references=references
+        )
+        return np.asarray(Image.open(path), dtype=np.float32)
+
+    assert np.abs(render("with", [reference]) - render("without")).max() > 2
+    record = json.loads((tmp_path / "with" / "samples.json").read_text())
+    assert record["lines"][0]["references"] == [reference]
