@@ -235,3 +235,23 @@ def test_an_edit_run_trains_on_two_workers_and_samples_with_its_reference(edited
     assert np.abs(render("with", [reference]) - render("without")).max() > 2
     record = json.loads((tmp_path / "with" / "samples.json").read_text())
     assert record["lines"][0]["references"] == [reference]
+
+
+def test_check_refuses_pairs_and_reference_images_for_a_family_without_them(tmp_path):
+    from raytuner.api import check
+    from raytuner.config import ConfigError
+    from raytuner.render.prompts import PromptsError, check_line, parse_line
+
+    _image(tmp_path / "edits" / "t0.png", 0)
+    _image(tmp_path / "edits" / "control" / "t0.png", 1)
+    (tmp_path / "job.toml").write_text(JOB.format(family="flux", root=tmp_path))
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].references = 'control': flux takes"):
+        check(load_job(tmp_path / "job.toml"))
+    line = parse_line(f"make it red --ci {tmp_path}/edits/t0.png --d 1", 3)
+    assert line.references == (f"{tmp_path}/edits/t0.png",) and line.seed == 1
+    with pytest.raises(PromptsError, match="line 3: --ci: flux takes no reference image"):
+        check_line(line, FAMILIES["flux"])
+    check_line(line, FAMILIES["flux-kontext"])
+    gone = parse_line("make it red --ci nowhere.png", 4)
+    with pytest.raises(PromptsError, match="line 4: --ci nowhere.png: no such file"):
+        check_line(gone, FAMILIES["flux-kontext"])
