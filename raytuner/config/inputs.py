@@ -93,6 +93,7 @@ class DataConfig:
     repeats_from_folder: bool = True
     flip: str = "none"  # every source's flip unless it sets its own
     mask: str = "none"  # every source's mask unless it sets its own
+    references: str = ""  # data.images' references folder (edit pairs: as a source's)
     sources: list[SourceConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -124,6 +125,7 @@ class DataConfig:
             caption_fallback=self.caption_fallback,
             caption_errors=self.caption_errors,
             repeats_from_folder=self.repeats_from_folder,
+            references=self.references,
         )
 
 

@@ -6,6 +6,8 @@ is Flux.1's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from raytuner.families import base, parts
@@ -14,6 +16,9 @@ from raytuner.families.flux import Flux
 
 class FluxKontext(Flux):
     name = "flux-kontext"
+    # Flux.1's blocks; compiled_on_gpu 1.0 (eager under train.compile = "auto") until
+    # `raytuner bench gpu` measured it with the reference's tokens
+    blocks = dataclasses.replace(Flux.blocks, compiled_on_gpu=1.0)
     references = base.References(argument="image", most=1, area_argument="max_area")
     parts = base.Parts(
         classes=dict(Flux.parts.classes),

@@ -233,13 +233,15 @@ def references(data, family) -> None:
     reference images."""
     if family.references.most:
         return
-    for i, source in enumerate(data.sources):
+    keys = ["data.references"] if data.images else []
+    keys += [f"data.sources[{i}].references" for i in range(len(data.sources))]
+    for key, source in zip(keys, data.all_sources(), strict=True):
         if source.references:
             from raytuner.families import FAMILIES
 
             edit = ", ".join(n for n, f in FAMILIES.items() if f.references.most)
             raise ConfigError(
-                f"data.sources[{i}].references = {source.references!r}: {family.name} takes no "
+                f"{key} = {source.references!r}: {family.name} takes no "
                 f"reference images; edit training needs a family that does ({edit}), or remove "
                 "the key"
             )
