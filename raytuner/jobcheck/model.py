@@ -230,13 +230,16 @@ def blocks_to_swap(memory, family, source) -> None:
 
 def references(data, family) -> None:
     """A source's ``references`` folder (edit pairs) for a family whose denoiser takes no
-    reference images."""
-    if family.references.most:
-        return
+    reference images, or with flips (a mirrored target beside its unmirrored reference)."""
     keys = ["data.references"] if data.images else []
     keys += [f"data.sources[{i}].references" for i in range(len(data.sources))]
     for key, source in zip(keys, data.all_sources(), strict=True):
-        if source.references:
+        if source.references and source.flip == "random":
+            raise ConfigError(
+                f"{key} = {source.references!r} with flip = \"random\": a flipped target would "
+                'train beside its unflipped reference; set flip = "none" for this source'
+            )
+        if source.references and not family.references.most:
             from raytuner.families import FAMILIES
 
             edit = ", ".join(n for n, f in FAMILIES.items() if f.references.most)

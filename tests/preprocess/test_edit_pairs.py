@@ -247,6 +247,9 @@ def test_check_refuses_pairs_and_reference_images_for_a_family_without_them(tmp_
     (tmp_path / "job.toml").write_text(JOB.format(family="flux", root=tmp_path))
     with pytest.raises(ConfigError, match=r"data.sources\[0\].references = 'control': flux takes"):
         check(load_job(tmp_path / "job.toml"))
+    (tmp_path / "job.toml").write_text(JOB.format(family="flux-kontext", root=tmp_path))
+    with pytest.raises(ConfigError, match='references = .control. with flip = "random"'):
+        check(load_job(tmp_path / "job.toml", ['data.flip="random"']))
     line = parse_line(f"make it red --ci {tmp_path}/edits/t0.png --d 1", 3)
     assert line.references == (f"{tmp_path}/edits/t0.png",) and line.seed == 1
     with pytest.raises(PromptsError, match="line 3: --ci: flux takes no reference image"):
