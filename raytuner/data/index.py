@@ -77,8 +77,7 @@ INDEX_SCHEMA = pa.schema(
         ("mask_file", pa.string()),
         ("mask_at", pa.int64()),
         ("mask_xxh3", pa.uint64()),
-        # an edit pair's references (data/references.py): empty lists for an image without
-        *references.FIELDS,
+        *references.FIELDS,  # an edit pair's references (data/references.py); [] for none
     ]
 )
 LISTED = (
@@ -350,7 +349,7 @@ def commit(
     ]
     captions = [_caption_row(located.captions[k], tensors) for k in needed]
     live_latents = {r["latent_file"] for r in index} | {r["flip_file"] for r in index}
-    live_latents |= references.files(index)
+    live_latents |= references.files(index)  # the latents files of the pairs' references
     live_latents = sorted((live_latents | {r["mask_file"] for r in index}) - {""})
     live_text = sorted({c["text_file"] for c in captions})
     key = datasets.dataset_key(sources)
