@@ -97,14 +97,16 @@ def sample(
     frames: int = 0,
     fps: float = 0.0,
     merged: bool = True,
+    references: list[str] = (),
 ) -> list:
     """Render ``prompts`` (and the lines of a kohya-style ``prompts_file``) with the job's
     trained weights: ``checkpoint`` is "latest" (the newest checkpoint of the job's runs),
-    "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution.
-    A video family renders clips of ``frames`` (0: ``validation.frames``, else the largest
-    ``data.frames`` bucket) at ``fps`` (0: ``validation.fps``): an mp4 and its poster each.
-    ``merged=False``: without ``model.merge_adapters`` (on the base alone). Returns the files
-    written under ``out``."""
+    "base" (no trained weights) or a path; ``width``/``height`` 0: the job's resolution;
+    ``references``: the reference images of every prompt whose line names none (``--ci``), for a
+    family that takes them. A video family renders clips of ``frames`` (0:
+    ``validation.frames``, else the largest ``data.frames`` bucket) at ``fps`` (0:
+    ``validation.fps``): an mp4 and its poster each. ``merged=False``: without
+    ``model.merge_adapters`` (on the base alone). Returns the files written under ``out``."""
     from raytuner.render import prompts as prompt_lines
     from raytuner.render.sample import default_size, render_samples
 
@@ -118,6 +120,10 @@ def sample(
         raise ConfigError(f"prompts file {prompts_file}: {e}") from None
     if not lines:
         raise ConfigError("sample: give at least one prompt or a prompts file")
+    try:
+        prompt_lines.check_references("--reference", tuple(references), family)
+    except prompt_lines.PromptsError as e:
+        raise ConfigError(f"sample {e}") from None
     _sample_options(family, seeds, steps, width, height)
     _clip_options(family, frames, fps)
     v = job.validation  # its negative prompt and guidance scale apply here too
@@ -129,6 +135,7 @@ def sample(
         guidance_scale=v.guidance_scale,
         negative_prompt=v.negative_prompt,
         frames=prompt_lines.clip_frames(frames or v.frames, job.data.frames, family),
+        references=tuple(references),
     )
     return render_samples(job, family, checkpoint, lines, defaults, out, fps, merged)
 

@@ -39,7 +39,14 @@ def _sample_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--prompts-file",
         help="a text file of prompts, one a line, with kohya's per-line options "
-        "(--w --h --s --d --l --g --n); rendered after the --prompt ones",
+        "(--w --h --s --d --l --g --n, --ci a reference image); rendered after the --prompt ones",
+    )
+    cmd.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        help="a reference image of every prompt whose line names none (--ci), for an edit "
+        "model (flux-kontext); repeat for several",
     )
     cmd.add_argument("--seed", type=int, action="append", help="repeat for several (default 0)")
     cmd.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")

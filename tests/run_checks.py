@@ -40,10 +40,12 @@ def committed_folder(run_dir: str) -> Path:
 def pipeline_image(pipe) -> np.ndarray:
     """Two seeded denoising steps at 64x64. Tiny models need two settings where a pipeline has
     them: their T5 / Gemma tokenizers keep 32 tokens, and Sana's resolution binning knows only
-    the real models' sizes; a video pipeline's output is its frames."""
+    the real models' sizes; a video pipeline's output is its frames; Flux.1 Kontext's renders
+    about 1024 x 1024 unless its max_area says 64 x 64."""
     accepts = set(inspect.signature(pipe.__call__).parameters)
     # a video pipeline (Wan) renders a one-frame clip
     tiny = {"max_sequence_length": 32, "use_resolution_binning": False, "num_frames": 1}
+    tiny["max_area"] = 64 * 64
     out = pipe(
         prompt="a red circle",  # by name: FLUX.2's pipelines take an image first
         num_inference_steps=2,

@@ -85,6 +85,10 @@ class SourceConfig:
     frames: list[int] = ranged([], 1, 1025)
     frame_selection: str = ""
     fps: float = ranged(-1.0, -1, 240, hint="-1: data.fps; 0: the clip's own rate")
+    # edit training: a folder of reference (control) images, <stem>.<ext> and/or <stem>_0.<ext>,
+    # <stem>_1.<ext> ... for each image <stem>.<ext> (relative to the source folder unless
+    # absolute or a URI); "": none, or those its metadata table names (control_path)
+    references: str = ""
 
     def __post_init__(self) -> None:
         one_of("data.sources.frame_selection", self.frame_selection, ("", *FRAME_SELECTIONS))
@@ -118,6 +122,7 @@ class DataConfig:
     frames: list[int] = ranged([81], 1, 1025)
     frame_selection: str = "head"
     fps: float = ranged(0.0, 0, 240, low_open=True, zero="the clip's own rate")
+    references: str = ""  # data.images' references folder (edit pairs: as a source's)
     sources: list[SourceConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -162,6 +167,7 @@ class DataConfig:
             frames=self.frames,
             frame_selection=self.frame_selection,
             fps=self.fps,
+            references=self.references,
         )
 
 

@@ -30,13 +30,22 @@ _DEFAULTS = {
     "regularization": False,
     "flip": "none",
     "mask": "none",
+    "references": "",
 }
 
 
 def sources_record(sources) -> list[dict]:
     """What a job's sources (``DataConfig.all_sources()``) say of the rows they make: every
     setting of each source, in order, its folder as an absolute path or URI."""
-    return [dataclasses.asdict(s) | {"path": storage.absolute(s.path)} for s in sources]
+    return [_record(s) for s in sources]
+
+
+def _record(source) -> dict:
+    """A source's settings; ``references`` only when set (the keys made before it stay)."""
+    out = dataclasses.asdict(source) | {"path": storage.absolute(source.path)}
+    if not out.get("references"):
+        out.pop("references", None)
+    return out
 
 
 def dataset_key(sources) -> str:

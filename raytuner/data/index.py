@@ -21,7 +21,7 @@ import time
 import pyarrow as pa
 
 from raytuner import storage
-from raytuner.data import datasets
+from raytuner.data import datasets, references
 from raytuner.data.cache import (
     CAPTIONS,
     DATASETS,
@@ -77,6 +77,7 @@ INDEX_SCHEMA = pa.schema(
         ("mask_file", pa.string()),
         ("mask_at", pa.int64()),
         ("mask_xxh3", pa.uint64()),
+        *references.FIELDS,  # an edit pair's references (data/references.py); [] for none
     ]
 )
 LISTED = (
@@ -144,6 +145,8 @@ def _latents_by_file(rows: list[dict]) -> dict[str, list[dict]]:
                     "file": r["flip_file"],
                 }
             )
+        for ref in references.latent_rows(r):
+            out.setdefault(ref["file"], []).append(shared | ref)
         if r.get("mask_file"):
             out.setdefault(r["mask_file"], []).append(
                 shared
@@ -203,6 +206,7 @@ class Located:
             self._take(LATENTS, _latents_by_file(rows), "key")
             for r in rows:
                 self.listed[(r["source"], r["path"])] = (r["size"], r["mtime_ns"], r["key"])
+                self.listed.update(references.listed(r))
 
     def _take(self, kind: str, by_file: dict[str, list[dict]], key: str) -> None:
         """Rows of committed files, each (file, key) once over every index read."""
@@ -249,6 +253,7 @@ def dataset_id(fingerprint: str, rows: list[dict]) -> str:
     for r in rows:
         fields = (r["source_index"], r["path"], r["key"], r["caption_key"], r["repeats"])
         fields += (r["regularization"], bool(r["flip_file"]), r["mask_key"])
+        fields += tuple(r.get("reference_keys") or ())  # an edit pair's (none: as before)
         digest.update(("\0".join(map(str, fields)) + "\n").encode())
     return digest.hexdigest()[:16]
 
@@ -268,7 +273,7 @@ def _flip_columns(latent: dict, flip: dict | None) -> dict:
     }
 
 
-def _index_row(row: dict, latent: dict, caption_row: int, flip=None, mask=None) -> dict:
+def _index_row(row: dict, latent: dict, caption_row: int, flip=None, mask=None, cells=None):
     """The index row of ``row`` (a listed image): its ``latent`` row, its caption's row in the
     captions table, and the rows of its flipped latent and its mask (None: it has none)."""
     return (
@@ -288,6 +293,7 @@ def _index_row(row: dict, latent: dict, caption_row: int, flip=None, mask=None) 
             "mask_at": mask["mask_at"] if mask else -1,
             "mask_xxh3": mask["mask_xxh3"] if mask else 0,
         }
+        | references.index_columns(row, cells or {})
     )
 
 
@@ -346,11 +352,13 @@ def commit(
             position[r["caption_key"]],
             cells[r["flip_key"]] if r.get("flip_key") else None,
             cells[r["mask_key"]] if r.get("mask_key") else None,
+            cells,
         )
         for r in rows
     ]
     captions = [_caption_row(located.captions[k], tensors) for k in needed]
     live_latents = {r["latent_file"] for r in index} | {r["flip_file"] for r in index}
+    live_latents |= references.files(index)  # the latents files of the pairs' references
     live_latents = sorted((live_latents | {r["mask_file"] for r in index}) - {""})
     live_text = sorted({c["text_file"] for c in captions})
     key = datasets.dataset_key(sources)

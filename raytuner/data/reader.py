@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 import torch
 
 from raytuner import storage
+from raytuner.data import references
 from raytuner.data.cache import (
     LENGTH_PREFIX,
     Version,
@@ -210,6 +211,7 @@ class CachedDataset:
         self.flippable = self._flip.at >= 0  # the rows with a flipped latent
         self._mask = _where(rows, "mask_file", "mask_at", "mask_xxh3")
         self.masked = bool((self._mask.at >= 0).any())  # batches carry a "mask"
+        self.references = references.Referenced(rows)  # an edit pair's (none: most = 0)
         self.bytes_used = 0
 
     @property
@@ -312,7 +314,9 @@ class CachedDataset:
             for name, (at, shapes, sums) in self._text.items()
             for c in distinct
         ]
-        cells = self._cells(latents + masks + text)
+        refs = self.references.cells(indices, self._shape)
+        cells = self._cells(latents + masks + text + refs)
+        refs, cells = cells[len(cells) - len(refs) :], cells[: len(cells) - len(refs)]
         n, k = len(indices), len(latents)
         out = {"latent": stacked(cells[:n], dtype, pin)}
         if self._has_std:
@@ -326,6 +330,7 @@ class CachedDataset:
         for t, name in enumerate(self.tensors):
             mine = text_cells[t * m : (t + 1) * m]
             out[name] = stacked([mine[row_of[c]] for c in captions], dtype, pin)
+        out |= self.references.batch(indices, refs, cells[:n], dtype, pin)
         return out | self._conditioning(indices, flips)
 
     def captions(self, indices: list[int], empty_caption=None) -> list[str]:
@@ -375,7 +380,11 @@ def open_dataset(
         raise FileNotFoundError(
             f"no committed cache at {version.root}: run `raytuner preprocess` first"
         )
-    rows = version.read(manifest["index"]["path"], ROW_COLUMNS)
+    path = manifest["index"]["path"]
+    names = pq.read_schema(version.path(path), filesystem=version.fs).names
+    rows = version.read(
+        path, ROW_COLUMNS + [c for c in references.READ if c in names]
+    )
     if rows.num_rows == 0:
         raise ValueError(
             f"the cache at {version.root} holds no usable image: every input was "

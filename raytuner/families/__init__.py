@@ -5,6 +5,7 @@ from raytuner.config import ConfigError
 from raytuner.families.base import Family
 from raytuner.families.flux import Flux
 from raytuner.families.flux2 import Flux2Dev, Flux2Klein
+from raytuner.families.flux_kontext import FluxKontext
 from raytuner.families.qwen_image import QwenImage
 from raytuner.families.sana import Sana
 from raytuner.families.sd15 import SD15
@@ -22,6 +23,7 @@ FAMILIES: dict[str, Family] = {
     "qwen-image": QwenImage(),
     "flux2-klein": Flux2Klein(),
     "flux2-dev": Flux2Dev(),
+    "flux-kontext": FluxKontext(),
 }
 
 

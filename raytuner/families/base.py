@@ -141,6 +141,19 @@ class Guidance:
 
 
 @dataclass(frozen=True, kw_only=True)
+class References:
+    """How the family's denoiser takes reference (control) images: an edit pair's references
+    (``data.sources.references``), and the reference images ``sample`` renders with."""
+
+    # the pipeline-call keyword the reference image(s) are passed as ("": it takes none)
+    argument: str = ""
+    most: int = 0  # the references one sample may have (0: none)
+    # the pipeline-call keyword the rendered area is passed as (Kontext's max_area: else it
+    # renders about 1024 x 1024 whatever the size asked); "": none
+    area_argument: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Parts:
     """A family's parts and its pipeline, by class."""
 
@@ -157,7 +170,7 @@ class Parts:
 
 
 class Family(Protocol):
-    """What generic code asks of a model family: its name, its objective's kind, five records
+    """What generic code asks of a model family: its name, its objective's kind, six records
     and ten methods (every shipped family is a ``DiffusersFamily``)."""
 
     name: str  # the key of FAMILIES (model.family)
@@ -167,6 +180,7 @@ class Family(Protocol):
     adapters: Adapters
     guidance: Guidance
     parts: Parts
+    references: References
 
     # parts from a preset or a folder/hub repo, frozen weights in ``source.dtype`` on ``device``;
     # weights=False: the architecture alone, random weights (``raytuner plan``: on "meta")
@@ -217,6 +231,7 @@ class DiffusersFamily(ABC):
     blocks: Blocks
     adapters: Adapters = Adapters()
     guidance: Guidance
+    references: References = References()
     parts: Parts
 
     @abstractmethod

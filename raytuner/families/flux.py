@@ -254,17 +254,19 @@ class Flux(base.DiffusersFamily):
             )
             img_ids = image_ids(h, w, latents.device, latents.dtype)
             txt_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
+            refs, ref_ids = self.reference_tokens(batch, image_ids)
 
             def predict(noisy, sigmas):
+                packed = FluxPipeline._pack_latents(noisy, b, c, h, w)
                 out = denoiser(
-                    hidden_states=FluxPipeline._pack_latents(noisy, b, c, h, w),
+                    hidden_states=torch.cat([packed, *refs], dim=1),
                     timestep=sigmas.to(latents.dtype),
                     guidance=guidance,
                     pooled_projections=batch["pooled_prompt_embeds"],
                     encoder_hidden_states=text,
                     txt_ids=txt_ids,
-                    img_ids=img_ids,
-                ).sample
+                    img_ids=torch.cat([img_ids, *ref_ids], dim=0),
+                ).sample[:, : packed.shape[1]]  # the loss: the target's tokens alone
                 return FluxPipeline._unpack_latents(out, h * VAE_FACTOR, w * VAE_FACTOR, VAE_FACTOR)
 
             return objectives.flow_loss(objective, batch, predict, batch.get("mask"))
@@ -273,6 +275,24 @@ class Flux(base.DiffusersFamily):
             return (shape[2] // 2) * (shape[3] // 2)
 
         return objectives.Objective(objectives.flow_draw(objective, tokens), flux_loss)
+
+    def reference_tokens(self, batch, image_ids) -> tuple[list, list]:
+        """The packed tokens of a batch's references and their position ids (Flux.1 Kontext:
+        concatenated after the image's, the ids' first channel 1), none for a family that
+        takes no references (``references.most``) or a batch without them."""
+        refs = batch.get("reference_latent")
+        if not self.references.most or refs is None:
+            return [], []
+        from diffusers import FluxPipeline
+
+        b, k, c, h, w = refs.shape
+        tokens, ids = [], []
+        for j in range(k):
+            tokens.append(FluxPipeline._pack_latents(refs[:, j], b, c, h, w))
+            mine = image_ids(h, w, refs.device, refs.dtype).clone()
+            mine[..., 0] = 1
+            ids.append(mine)
+        return tokens, ids
 
     def pipeline_options(self, pipe) -> dict:
         """T5 tokens as the cache kept them: the tokenizer's limit, at most the pipeline's 512."""

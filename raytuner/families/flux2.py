@@ -82,6 +82,18 @@ def _adapters(base_model_version: str, architecture: str) -> base.Adapters:
     return base.Adapters(targets=TARGETS, files=files, kohya_names=flux2_lora.names)
 
 
+def _reference_tokens(refs) -> tuple[list, list]:
+    """A batch's references [B, K, C, h, w] as ``Flux2Pipeline.prepare_image_latents`` makes
+    them: each packed, concatenated, with ids of time coordinates 10, 20, ... (none: [])."""
+    from diffusers import Flux2Pipeline
+
+    if refs is None:
+        return [], []
+    latents = [refs[:, j] for j in range(refs.shape[1])]
+    ids = Flux2Pipeline._prepare_image_ids([x[:1] for x in latents]).to(refs.device)
+    return [torch.cat([Flux2Pipeline._pack_latents(x) for x in latents], dim=1)], [ids]
+
+
 class _Flux2(base.DiffusersFamily):
     """What [klein] and [dev] share: everything but the text encoder, the pipeline and the
     guidance embedding."""
@@ -98,6 +110,9 @@ class _Flux2(base.DiffusersFamily):
         float8_matmul=True,
     )
     adapters: base.Adapters  # the LLM: not trained (no diffusers script trains it)
+    # reference images (Flux2Pipeline's ``image=``, a list): each one's tokens after the
+    # image's, its ids' time coordinate 10, 20, ... (``_prepare_image_ids``); at most 4 here
+    references = base.References(argument="image", most=4)
 
     def cache_shapes(
         self, width: int, height: int, frames: int = 1
@@ -138,20 +153,21 @@ class _Flux2(base.DiffusersFamily):
             latents, text = batch["latent"], batch["prompt_embeds"]
             b, c, h, w = latents.shape
             img_ids, txt_ids = position_ids(latents, text)
+            refs, ref_ids = _reference_tokens(batch.get("reference_latent"))
             guidance = (
                 torch.full((b,), objective.guidance, device=latents.device) if guided else None
             )
 
             def predict(noisy, sigmas):
                 out = denoiser(
-                    hidden_states=Flux2Pipeline._pack_latents(noisy),
+                    hidden_states=torch.cat([Flux2Pipeline._pack_latents(noisy), *refs], dim=1),
                     encoder_hidden_states=text,
                     timestep=sigmas.to(latents.dtype),
-                    img_ids=img_ids,
+                    img_ids=torch.cat([img_ids, *ref_ids], dim=1),
                     txt_ids=txt_ids,
                     guidance=guidance,
                     return_dict=False,
-                )[0]
+                )[0][:, : h * w]  # the loss: the target's tokens alone
                 return out.permute(0, 2, 1).reshape(b, c, h, w)  # the packing's inverse
 
             return objectives.flow_loss(objective, batch, predict, batch.get("mask"))

@@ -249,3 +249,25 @@ def blocks_to_swap(memory, family, source) -> None:
             f"memory.blocks_to_swap = {n}: the {family.name} denoiser has {count} blocks "
             f"({' + '.join(family.blocks.swap)}); allowed: 0 to {count - 1}"
         )
+
+
+def references(data, family) -> None:
+    """A source's ``references`` folder (edit pairs) for a family whose denoiser takes no
+    reference images, or with flips (a mirrored target beside its unmirrored reference)."""
+    keys = ["data.references"] if data.images else []
+    keys += [f"data.sources[{i}].references" for i in range(len(data.sources))]
+    for key, source in zip(keys, data.all_sources(), strict=True):
+        if source.references and source.flip == "random":
+            raise ConfigError(
+                f"{key} = {source.references!r} with flip = \"random\": a flipped target would "
+                'train beside its unflipped reference; set flip = "none" for this source'
+            )
+        if source.references and not family.references.most:
+            from raytuner.families import FAMILIES
+
+            edit = ", ".join(n for n, f in FAMILIES.items() if f.references.most)
+            raise ConfigError(
+                f"{key} = {source.references!r}: {family.name} takes no "
+                f"reference images; edit training needs a family that does ({edit}), or remove "
+                "the key"
+            )

@@ -18,7 +18,7 @@ from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
 from raytuner.data import cache, index
 from raytuner.data.cache import caption_key
 from raytuner.observe import metrics
-from raytuner.preprocess import pipeline
+from raytuner.preprocess import pairs, pipeline
 from raytuner.preprocess.buckets import make_buckets
 from raytuner.preprocess.clips import clip_report
 from raytuner.preprocess.decode import DecodeSpec, Known
@@ -43,12 +43,17 @@ def bucket_sizes(family, pre: PreprocessConfig) -> list[tuple[int, int]]:
     return make_buckets(resolution, step, pre.min_aspect, pre.max_aspect)
 
 
-def _listing(data: DataConfig, located: index.Located) -> list[dict]:
-    """Every image file of every source, with its key from a committed index if unchanged."""
+def _listing(data: DataConfig, located: index.Located, family) -> list[dict]:
+    """Every image file of every source, with its key from a committed index if unchanged;
+    then the reference files of the paired sources (``pairs.py``: source ``n + i``), for a
+    family that takes references (another trains every image alone)."""
     known, rows = located.listed, []
-    for i, source in enumerate(data.all_sources()):
-        root = storage.absolute(source.path)
-        for row in list_source(i, source):
+    sources = data.all_sources()
+    roots = [storage.absolute(s.path) for s in pairs.with_reference_sources(sources)]
+    for i, source in enumerate(sources):
+        paired = len(sources) + i if family.references.most else None
+        for row in list_source(i, source, reference_index=paired):
+            root = roots[row["source"]]
             size, mtime, key = known.get((root, row["path"]), (None, None, ""))
             unchanged = (size, mtime) == (row["size"], row["mtime_ns"])
             rows.append({**row, "known_key": key if unchanged else ""})
@@ -57,7 +62,7 @@ def _listing(data: DataConfig, located: index.Located) -> list[dict]:
 
 def decode_spec(family, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:
     return DecodeSpec(
-        roots=[storage.absolute(s.path) for s in data.all_sources()],
+        roots=[storage.absolute(s.path) for s in pairs.with_reference_sources(data.all_sources())],
         buckets=bucket_sizes(family, pre),
         crop=pre.crop,
         seed=pre.seed,
@@ -131,7 +136,8 @@ def _stream(job: _Pass, listing, located) -> tuple[list, float, dict]:
     todo = sum(1 for r in listing if r["known_key"] not in known[0].keys)  # about this many new
     line = ProgressLine(len(listing), todo, job.tag, "raytuner_images_encoded")
     with line as progress:
-        spec, sources = decode_spec(job.family, job.data, job.pre), job.data.all_sources()
+        spec = decode_spec(job.family, job.data, job.pre)
+        sources = pairs.with_reference_sources(job.data.all_sources())
         encoder = (job.family, job.model)
         args = (known, spec, encoder, job.pre, job.version, job.run, progress)
         rows = pipeline.run(listing, sources, *args)
@@ -151,10 +157,11 @@ def _indexed(rows: list[dict], located: index.Located, sources) -> list[dict]:
             reg = source.regularization
             indexed.append(r | {"bucket": bucket, "repeats": repeats, "regularization": reg})
     cells = [k for r in indexed for k in (r["flip_key"], r["mask_key"]) if k]
+    cells += [k for r in indexed for k in r.get("reference_keys", ())]
     captions = {r["caption_key"] for r in indexed} | {caption_key("")}
     for what, missing in (
         ("caption", sorted(captions - set(located.captions))),
-        ("flipped latent or mask", [k for k in cells if k not in located.latents]),
+        ("flipped latent, mask or reference", [k for k in cells if k not in located.latents]),
     ):
         if missing:
             raise RuntimeError(
@@ -224,7 +231,7 @@ def _preprocess(job: _Pass) -> dict:
     began = clock()
     located = index.Located(version, pre.dtype, manifest, roots, pre.text_storage)
     located.refresh()
-    listing = _listing(data, located)
+    listing = _listing(data, located, job.family)
     listed = since(began)
     if not listing:
         raise ValueError("the data sources hold no images: check data.images / [[data.sources]]")
@@ -232,21 +239,32 @@ def _preprocess(job: _Pass) -> dict:
     available = set(located.latents)
     rows, first_at, streamed = _stream(job, listing, located)
     rows = clips_failed(rows)
+    encoded = {r["key"] for r in rows if r["status"] == pipeline.ENCODE}
+    stream_roots = [storage.absolute(s.path) for s in pairs.with_reference_sources(sources)]
+    rows, references = pairs.join_references(rows, listing, stream_roots)
     p = plan([{**r, "source_index": r["source"]} for r in rows], available, roots)
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
     began = clock()
     located.refresh()
     indexed = _indexed(p.cached + p.new, located, sources)
+    indexed, mismatched = pairs.matched(indexed, located.latents, job.family)
+    for r, why in mismatched:  # skipped, not cached or new: each file in one list
+        p.skip(r, why)
+    gone = {(r["source"], r["path"]) for r, _ in mismatched}
+    p.new = [r for r in p.new if (r["source"], r["path"]) not in gone]
+    p.cached = [r for r in p.cached if (r["source"], r["path"]) not in gone]
     _refuse_unusable(p, indexed, sources, roots)
     need = {r["caption_key"] for r in indexed} | {caption_key("")}
     truncated = sum(located.captions[k]["truncated"] for k in need)
     folders = folder_report(indexed, sources)  # the kohya folders' N, taken or not
     indexed = pair_regularization(indexed)
-    rep = report(len(listing), p, indexed, truncated, time.monotonic() - start)
+    targets = sum(1 for r in listing if r["source"] < len(sources))  # references: pairs.py
+    rep = report(targets, p, indexed, truncated, time.monotonic() - start)
     rep["first_encoded_s"] = None if first_at is None else round(first_at - wall, 3)
     rep["folders"] = folders
     if any(r["clip"] for r in rows):
         rep["clips"] = clip_report(rows, indexed)
+    rep |= pairs.pair_report(indexed, references, encoded)
     rep["not_utf8_files"] = [
         {"source": r["source"], "path": caption_file(sources[r["source_index"]], r["path"])}
         for r in indexed

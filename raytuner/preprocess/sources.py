@@ -15,6 +15,7 @@ import pyarrow.fs as pafs
 from raytuner import storage
 from raytuner.config import SourceConfig
 from raytuner.preprocess.clips import VIDEO_EXTENSIONS
+from raytuner.preprocess import pairs
 
 MAX_CAPTION_BYTES = 256 * 1024  # a caption file over this is skipped with its reason
 MAX_METADATA_BYTES = 1024**3  # a metadata table over this is refused
@@ -136,6 +137,18 @@ def _files(fs: pafs.FileSystem, root: str) -> dict[str, tuple[int, int]]:
 
 def read_metadata(fs: pafs.FileSystem, path: str) -> dict[str, str]:
     """``file_name -> text`` from an imagefolder-style metadata.jsonl / .csv / .parquet."""
+    return _captions(metadata_rows(fs, path), path)
+
+
+def _captions(rows: list[dict], path: str) -> dict[str, str]:
+    missing = {"file_name", "text"} - set(rows[0] if rows else {"file_name", "text"})
+    if missing:
+        raise ValueError(f"{path}: metadata needs columns file_name and text; missing {missing}")
+    return {posixpath.normpath(str(r["file_name"])): str(r["text"] or "") for r in rows}
+
+
+def metadata_rows(fs: pafs.FileSystem, path: str) -> list[dict]:
+    """The rows of a metadata.jsonl / .csv / .parquet, every column."""
     import pyarrow.csv
     import pyarrow.parquet as pq
 
@@ -151,10 +164,7 @@ def read_metadata(fs: pafs.FileSystem, path: str) -> dict[str, str]:
             rows = pyarrow.csv.read_csv(f).to_pylist()
     else:
         rows = pq.read_table(path, filesystem=fs).to_pylist()
-    missing = {"file_name", "text"} - set(rows[0] if rows else {"file_name", "text"})
-    if missing:
-        raise ValueError(f"{path}: metadata needs columns file_name and text; missing {missing}")
-    return {posixpath.normpath(str(r["file_name"])): str(r["text"] or "") for r in rows}
+    return rows
 
 
 def _metadata_file(fs, root: str, source: SourceConfig, names: set[str]) -> str | None:
@@ -163,9 +173,15 @@ def _metadata_file(fs, root: str, source: SourceConfig, names: set[str]) -> str 
     return next((storage.join(root, n) for n in METADATA_NAMES if n in names), None)
 
 
-def list_source(index: int, source: SourceConfig) -> list[dict]:
+def _is_image(ext: str) -> bool:
+    return ext.lower() in IMAGE_EXTENSIONS
+
+
+def list_source(index: int, source: SourceConfig, reference_index: int | None = None) -> list[dict]:
     """One row per image or video clip file of a source (hidden and OS junk files are not
-    inputs)."""
+    inputs), each with its reference images (``references``: a paired source's,
+    ``preprocess/pairs.py``); with ``reference_index``, then one row per reference file, of that
+    source index (None: the source is listed unpaired, every image trained alone)."""
     fs, root = storage.resolve(source.path)
     if fs.get_file_info(root).type != pafs.FileType.Directory:
         raise ValueError(f"data source {source.path!r} is not a folder")
@@ -173,13 +189,19 @@ def list_source(index: int, source: SourceConfig) -> list[dict]:
     metadata_path = _metadata_file(fs, root, source, set(files))
     if metadata_path and _escapes(fs, root, metadata_path):
         raise ValueError(f"{metadata_path}: a symlink outside the dataset folder; not read")
-    captions = read_metadata(fs, metadata_path) if metadata_path else {}
+    table = metadata_rows(fs, metadata_path) if metadata_path else None
+    captions = _captions(table, metadata_path) if metadata_path else {}
+    pairing = None
+    if reference_index is not None:
+        pairing = pairs.make_pairing(source, files, table, _files, _escapes)
     masks = _mask_files(files)
     rows = []
     for rel in sorted(files):
         stem, ext = posixpath.splitext(rel)
-        media = ext.lower() in IMAGE_EXTENSIONS or ext.lower() in VIDEO_EXTENSIONS  # clips too
+        media = _is_image(ext) or ext.lower() in VIDEO_EXTENSIONS  # clips too
         if not media or _is_junk(rel) or rel in masks:
+            continue
+        if pairs.is_reference_file(pairing, rel):
             continue
         txt, mask = caption_file(source, rel), stem + MASK_SUFFIX
         mask = mask if mask in masks and source.mask == "file" else ""
@@ -195,6 +217,8 @@ def list_source(index: int, source: SourceConfig) -> list[dict]:
             refused = "caption file is a symlink outside the dataset folder"
         elif txt in files and files[txt][0] > MAX_CAPTION_BYTES:
             refused = f"caption file over {MAX_CAPTION_BYTES:,} bytes"
+        refs, why = pairs.references_of(pairing, rel, _is_image) if pairing else ([], "")
+        refused = refused or why
         rows.append(
             {
                 "source": index,
@@ -205,8 +229,12 @@ def list_source(index: int, source: SourceConfig) -> list[dict]:
                 "metadata_caption": captions.get(rel),
                 "mask_path": mask,
                 "refused": refused,
+                "references": [] if refused else refs,
+                "role": pairs.ROLE_TARGET,
             }
         )
+    if pairing is not None:
+        rows += pairs.reference_rows(rows, reference_index, pairing)
     return rows
 
 

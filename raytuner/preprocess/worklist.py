@@ -201,6 +201,11 @@ def _kind_lines(report: dict) -> list[str]:
         out.append(f"  flipped: {report['flipped']} images (each with its mirror image's latent)")
     if m := report.get("masked"):
         out.append(f"  masked: {m['alpha']} by their alpha channel, {m['file']} by mask files")
+    if p := report.get("pairs"):
+        out.append(
+            f"  pairs: {p['targets']} targets with {p['references']} reference images "
+            f"(up to {p['per_target']} each; {p['encoded']} encoded now)"
+        )
     if g := report.get("regularization"):
         out.append(
             f"  regularization: {g['images']} images ({g['unused']} left out), {g['samples']} "

@@ -2,7 +2,9 @@
 options, and what every rendered row of a validation grid or `raytuner sample` settles on.
 
 A line is ``<prompt> --w 512 --h 768 --s 20 --d 42 --l 7.5 --n <negative prompt>`` (a video
-family's clip length: ``--f 33``, as musubi-tuner's prompt files write it); it is split
+family's clip length: ``--f 33``, as musubi-tuner's prompt files write it), and for a family that
+takes reference images (edit training: Flux.1 Kontext) ``--ci <image>``, repeated for several
+(musubi-tuner's control image option; a path relative to the working directory); it is split
 at each ``" --"`` as sd-scripts' ``line_to_prompt_dict`` does, option letters in any case, the
 last of a repeated option wins. Blank lines and lines starting with ``#`` are skipped. Unlike
 sd-scripts, which ignores what it cannot read, a value that is not a number, an unknown option
@@ -32,6 +34,7 @@ OPTIONS = {
     "f": ("frames", "frames of a clip"),
 }
 SAMPLER = "ss"  # sd-scripts' sampler option: kept on the line, not rendered with
+REFERENCE = "ci"  # musubi-tuner's control image: a reference image, repeated for several
 # options sd-scripts reads that raytuner does not render with
 UNSUPPORTED = {
     "cn": "a ControlNet image",
@@ -72,6 +75,7 @@ class PromptLine:
     negative_prompt: str | None = None  # --n
     frames: int | None = None  # --f: a clip's frames (video families)
     sampler: str | None = None  # --ss: sd-scripts' sampler; the pipeline's scheduler renders
+    references: tuple[str, ...] = ()  # --ci: reference images (families that take them)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +88,7 @@ class Defaults:
     guidance_scale: float = 0.0  # 0: the family's default
     negative_prompt: str = ""
     frames: int = 1  # a clip's frames (validation.frames, `sample --frames`); 1: an image
+    references: tuple[str, ...] = ()  # reference images of a line that names none (--reference)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,10 +107,19 @@ class Render:
     frames: int = 1  # > 1: a clip of that many frames
     # the pipeline's keyword for the scale (the family's guidance.scale_argument)
     scale_argument: str = field(default="guidance_scale", repr=False)
+    references: tuple[str, ...] = ()  # reference image files (the family's references)
+    # the family's references record: its pipeline keywords for them and for the area
+    reference_argument: str = field(default="", repr=False)
+    area_argument: str = field(default="", repr=False)
 
     def call(self) -> dict:
-        """The pipeline-call arguments (besides the prompt and the generator)."""
+        """The pipeline-call arguments (besides the prompt and the generator); reference
+        images as their paths (``sample.render`` opens them)."""
         out = {"width": self.width, "height": self.height, self.scale_argument: self.guidance_scale}
+        if self.area_argument:  # the size asked is the size rendered
+            out[self.area_argument] = self.width * self.height
+        if self.references:
+            out[self.reference_argument] = list(self.references)
         if self.steps:
             out["num_inference_steps"] = self.steps
         if self.negative_prompt:  # none at all keeps the pipeline's own empty-prompt handling
@@ -116,7 +130,9 @@ class Render:
 
     def record(self) -> dict:
         record = asdict(self) | {"seeds": list(self.seeds)}
-        record.pop("scale_argument")
+        for name in ("scale_argument", "reference_argument", "area_argument"):
+            record.pop(name)
+        record["references"] = list(self.references)
         return record
 
 
@@ -159,6 +175,11 @@ def parse_line(text: str, number: int = 0) -> PromptLine | None:
         letter = letter.lower()
         if letter == SAMPLER:
             values["sampler"] = value.strip()
+            continue
+        if letter == REFERENCE:
+            if not value.strip():
+                raise PromptsError(f"{where}: --ci needs a value (a reference image file)")
+            values["references"] = (*values.get("references", ()), value.strip())
             continue
         if letter in UNSUPPORTED:
             raise PromptsError(f"{where}: --{letter} ({UNSUPPORTED[letter]}) is not supported")
@@ -226,6 +247,25 @@ def check_line(p: PromptLine, family) -> None:
     for letter, side in (("w", p.width), ("h", p.height)):
         on_grid(f"{where}: --{letter}", side, family)
     frame_count(f"{where}: --f", p.frames, family)
+    check_references(where, p.references, family)
+
+
+def check_references(where: str, references, family) -> None:
+    """Refuse reference images a family cannot take, or more than it takes, or files that
+    are not there."""
+    most = family.references.most
+    if references and not most:
+        raise PromptsError(
+            f"{where}: --ci: {family.name} takes no reference image (an edit model does: "
+            "flux-kontext)"
+        )
+    if len(references) > most:
+        raise PromptsError(f"{where}: {len(references)} reference images; {family.name} takes "
+                           f"at most {most}")  # fmt: skip
+    for path in references:
+        fs, there = storage.resolve(path)
+        if not storage.exists(fs, there):
+            raise PromptsError(f"{where}: --ci {path}: no such file")
 
 
 def is_distilled(family, pipe, pretrained: str, setting: str) -> bool:
@@ -300,6 +340,9 @@ def resolve(
                 negative_prompt=negative if family.guidance.negative_prompt else "",
                 frames=p.frames or defaults.frames,
                 scale_argument=g.scale_argument,
+                references=p.references or defaults.references,
+                reference_argument=family.references.argument,
+                area_argument=family.references.area_argument,
             )
         )
     return renders

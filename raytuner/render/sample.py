@@ -97,7 +97,7 @@ def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image 
         generator = torch.Generator(device).manual_seed(seed)
         # the prompt by name: FLUX.2's pipelines take an image first; the render's settings
         # win over the family's options
-        call = options | r.call()
+        call = options | _with_references(r.call(), r)
         if r.frames > 1:  # a video pipeline's frames: [B, F, H, W, 3] in [0, 1]
             out = pipe(prompt=r.prompt, generator=generator, output_type="np", **call)
             return clips.to_uint8(np.asarray(out.frames[0]))
@@ -106,6 +106,21 @@ def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image 
         return out.images[0] if hasattr(out, "images") else out.frames[0][0]
 
     return [[image(r, seed) for seed in r.seeds] for r in renders]
+
+
+def _with_references(call: dict, r: Render) -> dict:
+    """The call with its reference images opened, each at the render's size (as training saw
+    them: an edit pair's images share the target's bucket); one image alone where the family
+    takes one."""
+    if not r.references:
+        return call
+    images = []
+    for path in r.references:
+        fs, where = storage.resolve(path)
+        with Image.open(io.BytesIO(storage.read_bytes(fs, where))) as image:
+            rgb = image.convert("RGB")
+        images.append(rgb.resize((r.width, r.height), Image.Resampling.LANCZOS))
+    return call | {r.reference_argument: images[0] if len(images) == 1 else images}
 
 
 def grid(rows: list[list[Image.Image]]) -> Image.Image:

@@ -28,6 +28,7 @@ PUBLISHED = {
     "sd15": (859.5e6, 0.01),
     "sdxl": (2567e6, 0.01),
     "flux": (11901e6, 0.01),
+    "flux-kontext": (11901e6, 0.01),  # Flux.1 [dev]'s transformer
     "sana": (1600e6, 0.03),
     "z-image": (6_154_908_736, 0),  # the released configs, counted exactly
     "wan": (14_288_491_584, 0),  # Wan 2.1 T2V 14B
