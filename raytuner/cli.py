@@ -73,7 +73,7 @@ def do_sample(job: JobConfig, args: argparse.Namespace) -> None:
         seeds=args.seed or [0], steps=args.steps, width=args.width or 0,
         height=args.height or 0, out=args.out, frames=args.frames or 0, fps=args.fps or 0.0,
         merged=not args.no_merge,
-        height=args.height or 0, out=args.out, references=args.reference,
+        references=args.reference,
     )  # fmt: skip
     for path in files:
         print(f"wrote {path}")

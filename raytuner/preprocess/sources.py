@@ -14,8 +14,8 @@ import pyarrow.fs as pafs
 
 from raytuner import storage
 from raytuner.config import SourceConfig
-from raytuner.preprocess.clips import VIDEO_EXTENSIONS
 from raytuner.preprocess import pairs
+from raytuner.preprocess.clips import VIDEO_EXTENSIONS
 
 MAX_CAPTION_BYTES = 256 * 1024  # a caption file over this is skipped with its reason
 MAX_METADATA_BYTES = 1024**3  # a metadata table over this is refused
