@@ -144,7 +144,7 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared, tmp_pat
         np.testing.assert_allclose(pipeline_image(pipe), after, atol=1e-5)
     # a LoRA export as --checkpoint: once (the full fine-tunes below check a model folder)
     exported = lora_dir if name == "sd15" else None
-    # images (a video family's one-frame clips; its clips: tests/render/test_clips.py)
+    # images (a video family's one-frame clips; its clips: tests/render/test_render_clips.py)
     one = ("--frames", "1") if family.geometry.frame_multiple else ()
     assert_sampling_uses_the_trained_weights(prepared(name), tmp_path, exported, *one)
 
