@@ -29,6 +29,9 @@ class ModelConfig:
     # a single-file checkpoint (pretrained ending in .safetensors): the diffusers folder or hub
     # id whose part configs describe it; "": the family's default repo
     single_file_config: str = ""
+    # the expert a run trains, of a family that is a mixture of experts by noise level (Wan 2.2
+    # A14B: "high" or "low"); "": a family of one denoiser (checked where the family is looked up)
+    expert: str = ""
 
     def __post_init__(self) -> None:
         if not self.pretrained:

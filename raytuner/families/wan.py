@@ -185,7 +185,8 @@ class Wan(base.DiffusersFamily):
         def tokens(shape: tuple[int, ...]) -> int:  # a token a 2x2 patch of latent pixels
             return (shape[2] // PATCH) * (shape[3] // PATCH)
 
-        return objectives.Objective(objectives.flow_draw(objective, tokens), wan_loss)
+        draw = objectives.flow_draw(objective, tokens, levels=self.noise_levels)
+        return objectives.Objective(draw, wan_loss)
 
     def pipeline_options(self, pipe) -> dict:
         """Caption tokens as the cache kept them, one frame: an image."""

@@ -36,7 +36,9 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 def metadata(*, family: str, model, lora, step: int, run: str, fingerprint: str) -> dict[str, str]:
     """What a LoRA file says about itself: raytuner's keys plus kohya's ``ss_*`` ones."""
-    return {
+    # the expert of a mixture of experts the file's LoRA is on (model.expert)
+    expert = {"raytuner.expert": model.expert} if getattr(model, "expert", "") else {}
+    return expert | {
         "raytuner.family": family,
         "raytuner.base_model": model.pretrained,
         "raytuner.revision": model.revision,

@@ -58,7 +58,9 @@ def apply_weights(
             lora_apply.apply_file(getattr(pipe, part), str(path), part)
         else:
             with quiet.no_loading_bars():  # a bar per text encoder the LoRA trained
-                pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+                pipe.load_lora_weights(
+                    str(path.parent), weight_name=path.name, **family.lora_load
+                )
     elif weights is not None:
         part = family.parts.denoiser
         cls = type(getattr(pipe, part))
