@@ -24,7 +24,10 @@ from raytuner.families.objectives import Batch, Loss
 from raytuner.families.parts import Source, class_of, load
 from raytuner.families.text import TextEncoder, TextEncoderLora
 
-# pixels [B,3,H,W] in [-1,1] -> (latent mean, latent std), both in the denoiser's latent scale
+# pixels [B,3,H,W] in [-1,1] -> (latent mean, latent std), both in the denoiser's latent scale;
+# a video family's (``Geometry.frame_multiple`` > 0) also takes clips [B,3,F,H,W] (F = 1 + a
+# multiple of frame_multiple) and returns [B,C,T,h,w] latents, T = (F - 1) // frame_multiple + 1,
+# always with the frame axis (an image [B,3,H,W]: T = 1)
 ImageEncoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # what peft adapts in a diffusers attention (every family's denoiser has them): lora.target_modules
 DIFFUSERS_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
@@ -41,6 +44,14 @@ class Geometry:
     # video: a sample's frames are 1 + this x n (the VAE's temporal factor: Wan's 4, so 4n + 1
     # frames make n + 1 latent frames); 0: the family trains images only
     frame_multiple: int = 0
+
+
+def latent_frames(geometry: Geometry, frames: int) -> int:
+    """The latent frames of a sample of ``frames`` frames (4n + 1 -> n + 1 for Wan's VAE); an
+    image family's latents have no frame axis (0)."""
+    if not geometry.frame_multiple:
+        return 0
+    return (frames - 1) // geometry.frame_multiple + 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,12 +205,17 @@ class Family(Protocol):
     # pipeline-call arguments that match how the cache was encoded (caption token count)
     def pipeline_options(self, pipe) -> dict: ...
     # shapes of the tensors the cache stores per image of a bucket, for the released full-size
-    # model ("latent" and each text tensor): what `raytuner bench feed` writes
-    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]: ...
+    # model ("latent" and each text tensor): what `raytuner bench feed` writes; a video family's
+    # latent per sample of ``frames`` frames is [C, T, h, w] (T = latent_frames(geometry,
+    # frames): an image, 1), an image family's [C, h, w] (it ignores ``frames``)
+    def cache_shapes(
+        self, width: int, height: int, frames: int = 1
+    ) -> dict[str, tuple[int, ...]]: ...
     # a single file's tensors of ``part`` (the keys under its prefix) in the layout diffusers'
     # ``from_single_file`` converts (most families: as they are)
     def single_file_state(self, part: str, state: dict[str, torch.Tensor]) -> dict: ...
-    # cached latents [B, C, H, W] as its VAE's decode takes them (a video VAE: a frame axis)
+    # cached latents as its VAE's decode takes them (an image family whose VAE is a video VAE:
+    # a frame axis added; a video family's [B, C, T, h, w] are as they are)
     def vae_latent(self, latent: torch.Tensor) -> torch.Tensor: ...
     # ``n`` samples of the cached tensors of ``shapes`` (``cache_shapes``, or what its encoders
     # make) at the bucket ``size`` (width, height), as the training feed hands them to ``loss``:
@@ -268,7 +284,9 @@ class DiffusersFamily(ABC):
     def loss(self, source: Source, objective) -> Loss: ...
 
     @abstractmethod
-    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]: ...
+    def cache_shapes(
+        self, width: int, height: int, frames: int = 1
+    ) -> dict[str, tuple[int, ...]]: ...
 
     @abstractmethod
     def preset_pipeline(self, source: Source):

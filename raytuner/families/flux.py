@@ -200,7 +200,9 @@ class Flux(base.DiffusersFamily):
         single_file=(("transformer", ""),),
     )
 
-    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(
+        self, width: int, height: int, frames: int = 1
+    ) -> dict[str, tuple[int, ...]]:
         """What Flux.1's encoders store per image of a bucket: 16-channel latents at 1/8 of the
         pixels, T5-XXL's 512 x 4096 hidden states, CLIP-L's pooled 768."""
         latent = (16, height // VAE_FACTOR, width // VAE_FACTOR)

@@ -96,7 +96,9 @@ class _Flux2(base.DiffusersFamily):
     )
     adapters: base.Adapters  # the LLM: not trained (no diffusers script trains it)
 
-    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(
+        self, width: int, height: int, frames: int = 1
+    ) -> dict[str, tuple[int, ...]]:
         """128 channels at 1/16 of the pixels and the released model's 512 caption rows."""
         latent = (128, height // 16, width // 16)
         return {"latent": latent, "prompt_embeds": (MAX_TOKENS, self.text_width)}

@@ -68,10 +68,12 @@ def ddpm_target(scheduler, latents, noise, timesteps) -> torch.Tensor:
 def mse_per_sample(prediction: torch.Tensor, target: torch.Tensor, mask=None) -> torch.Tensor:
     """The squared error's mean over each sample's latent pixels, each weighted by ``mask``
     ([B, 1, H, W] in [0, 1], or None: all 1), as kohya's masked loss: a pixel of weight 0 adds
-    nothing (nor any gradient), and a half-masked image weighs half."""
+    nothing (nor any gradient), and a half-masked image weighs half. A video family's latents
+    [B, C, T, H, W] take the mask on every latent frame."""
     err = (prediction.float() - target.float()) ** 2
     if mask is not None:
-        err = err * mask.float()
+        mask = mask.float()
+        err = err * (mask.unsqueeze(2) if err.ndim == mask.ndim + 1 else mask)
     return err.reshape(err.shape[0], -1).mean(dim=1)
 
 
@@ -238,7 +240,7 @@ def flow_loss(objective: FlowObjective, batch: Batch, predict, mask=None):
 
     latents, sigmas = batch["latent"], batch["sigma"]
     noise = batch["noise"].to(latents.dtype)
-    s = sigmas.to(latents.dtype)[:, None, None, None]
+    s = sigmas.to(latents.dtype).view(-1, *[1] * (latents.ndim - 1))  # images and clips
     noisy = (1 - s) * latents + s * noise
     err = mse_per_sample(predict(noisy, sigmas), noise - latents, mask)
     return err * compute_loss_weighting_for_sd3(objective.weighting, sigmas).float()

@@ -175,7 +175,9 @@ class QwenImage(base.DiffusersFamily):
         pipeline="diffusers.QwenImagePipeline",
     )
 
-    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(
+        self, width: int, height: int, frames: int = 1
+    ) -> dict[str, tuple[int, ...]]:
         """What Qwen-Image's encoders store per image of a bucket at most: the VAE's 16
         channels at 1/8 of the pixels (its one frame dropped) and Qwen2.5-VL-7B's 3584-wide
         rows of a caption of 512 tokens (a caption stores only its own: 7,168 bytes each)."""

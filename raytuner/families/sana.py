@@ -96,7 +96,9 @@ class Sana(base.DiffusersFamily):
         # pickled .pth files)
     )
 
-    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(
+        self, width: int, height: int, frames: int = 1
+    ) -> dict[str, tuple[int, ...]]:
         """What Sana 1600M's encoders store per image of a bucket: 32-channel DC-AE latents at
         1/32 of the pixels, Gemma-2-2B's 300 x 2304 hidden states and their attention mask."""
         latent = (32, height // 32, width // 32)

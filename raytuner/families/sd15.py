@@ -73,7 +73,9 @@ class SD15(base.DiffusersFamily):
         unused=("safety_checker",),
     )
 
-    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(
+        self, width: int, height: int, frames: int = 1
+    ) -> dict[str, tuple[int, ...]]:
         """What the released model's encoders store per image of a bucket: 4-channel latents
         at 1/8 of the pixels, CLIP-L's 77 x 768 hidden states."""
         return {"latent": (4, height // 8, width // 8), "prompt_embeds": (77, 768)}

@@ -133,7 +133,9 @@ class SDXL(base.DiffusersFamily):
         ),
     )
 
-    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(
+        self, width: int, height: int, frames: int = 1
+    ) -> dict[str, tuple[int, ...]]:
         """What the released model's encoders store per image of a bucket: 4-channel latents
         at 1/8 of the pixels, CLIP-L + OpenCLIP-bigG hidden states (77 x 2048), bigG's pooled
         projection (1280)."""

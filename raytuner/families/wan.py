@@ -1,8 +1,10 @@
-"""Wan 2.1 text-to-video (1.3B, 14B), trained here on images: an image is a one-frame clip (the
-pipeline's own rule: 1 frame -> 1 latent frame). Its transformer patches [B, 16, F, H/8, W/8]
-latents of Wan's causal 3-D VAE (normalized per channel by the VAE config's latents_mean and
-latents_std) 1x2x2, takes time as sigma x 1000 (no x1000 inside) and predicts noise - x0; its
-caption is UMT5-XXL's last hidden state of the prompt's tokens, zero-padded to 512 rows.
+"""Wan 2.1 text-to-video (1.3B, 14B), trained on clips of 4n + 1 frames and on images: an image
+is a one-frame clip (the pipeline's own rule: 1 frame -> 1 latent frame, 4n + 1 -> n + 1). Its
+cache holds [16, T, H/8, W/8] latents, always with the frame axis, and its transformer patches
+[B, 16, T, H/8, W/8] latents of Wan's causal 3-D VAE (normalized per channel by the VAE
+config's latents_mean and latents_std) 1x2x2, takes time as sigma x 1000 (no x1000 inside) and
+predicts noise - x0; its caption is UMT5-XXL's last hidden state of the prompt's tokens,
+zero-padded to 512 rows.
 
 The zero rows are not neutral (a cross-attention key of a zero row is the projection's bias), so
 the cache stores each caption's own rows (``ragged``: 8,192 bytes a token in bfloat16, at most
@@ -100,19 +102,22 @@ class _UMT5Text:
 
 
 def wan_image_encoder(vae, device: str) -> base.ImageEncoder:
-    """Latent mean and std of Wan's 3-D VAE for images (one frame each), in the transformer's
+    """Latent mean and std of Wan's 3-D VAE of images [B, 3, H, W] (one frame each) or clips
+    [B, 3, F, H, W] (F = 4n + 1), [B, 16, T, h, w] (T = n + 1; an image: 1) in the transformer's
     scale: (mean - latents_mean) / latents_std per channel, as WanPipeline decodes them."""
     vae = placement.move(vae, device).eval().requires_grad_(False)
     dtype = vae.dtype
-    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
 
     @torch.no_grad()
     def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        frames = placement.inputs(pixels, device, dtype).unsqueeze(2)  # [B, 3, 1, H, W]
+        frames = placement.inputs(pixels, device, dtype)
+        if frames.ndim == 4:  # an image: a one-frame clip [B, 3, 1, H, W]
+            frames = frames.unsqueeze(2)
         dist = vae.encode(frames).latent_dist
         m, s = (placement.inputs(t, str(dist.mean.device), dist.mean.dtype) for t in (mean, std))
-        return (dist.mean.squeeze(2) - m) / s, dist.std.squeeze(2) / s
+        return (dist.mean - m) / s, dist.std / s
 
     return encode
 
@@ -148,10 +153,14 @@ class Wan(base.DiffusersFamily):
         pipeline="diffusers.WanPipeline",
     )
 
-    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
-        """Per image of a bucket: 16-channel latents at 1/8 (one frame) and UMT5-XXL's 4096-wide
-        rows of a caption of at most 512 tokens (stored: its own tokens, 8,192 bytes each)."""
-        latent = (16, height // VAE_FACTOR, width // VAE_FACTOR)
+    def cache_shapes(
+        self, width: int, height: int, frames: int = 1
+    ) -> dict[str, tuple[int, ...]]:
+        """Per sample of a bucket: 16-channel latents at 1/8 and 1/4 of the frames (4n + 1 ->
+        n + 1; an image, one) and UMT5-XXL's 4096-wide rows of a caption of at most 512 tokens
+        (stored: its own tokens, 8,192 bytes each). 81 frames at 480x832: 16x21x60x104."""
+        t = base.latent_frames(self.geometry, frames)
+        latent = (16, t, height // VAE_FACTOR, width // VAE_FACTOR)
         return {"latent": latent, "prompt_embeds": (MAX_TOKENS, TEXT_WIDTH)}
 
     def image_encoder(self, source: parts.Source, device: str, weights: bool = True):
@@ -171,22 +180,25 @@ class Wan(base.DiffusersFamily):
             # the caption's rows, then zero rows up to the pipeline's length, as it renders
             padded = torch.nn.functional.pad(captions, (0, 0, 0, rows - captions.shape[1]))
 
-            def predict(noisy, sigmas):
-                out = denoiser(
-                    hidden_states=noisy.unsqueeze(2),
+            def predict(noisy, sigmas):  # [B, 16, T, h, w] as the transformer takes them
+                return denoiser(
+                    hidden_states=noisy,
                     timestep=sigmas.to(latents.dtype) * 1000,
                     encoder_hidden_states=padded,
                     return_dict=False,
                 )[0]
-                return out.squeeze(2)
 
             return objectives.flow_loss(objective, batch, predict, batch.get("mask"))
 
-        def tokens(shape: tuple[int, ...]) -> int:  # a token a 2x2 patch of latent pixels
-            return (shape[2] // PATCH) * (shape[3] // PATCH)
+        def tokens(shape: tuple[int, ...]) -> int:  # a token a 1x2x2 patch: T x h/2 x w/2
+            return shape[2] * (shape[3] // PATCH) * (shape[4] // PATCH)
 
         draw = objectives.flow_draw(objective, tokens, levels=self.noise_levels)
         return objectives.Objective(draw, wan_loss)
+
+    def vae_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """Cached latents [B, 16, T, h, w] are what its VAE decodes, frame axis and all."""
+        return latent
 
     def pipeline_options(self, pipe) -> dict:
         """Caption tokens as the cache kept them, one frame: an image."""

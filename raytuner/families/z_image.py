@@ -158,7 +158,9 @@ class ZImage(base.DiffusersFamily):
         pipeline="diffusers.ZImagePipeline",
     )
 
-    def cache_shapes(self, width: int, height: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(
+        self, width: int, height: int, frames: int = 1
+    ) -> dict[str, tuple[int, ...]]:
         """What Z-Image's encoders store per image of a bucket at most: Flux.1's 16-channel
         latents at 1/8 of the pixels and Qwen3-4B's 2560-wide features of a caption of the
         pipeline's 512 tokens (a caption stores only its own tokens: 5,120 bytes each)."""

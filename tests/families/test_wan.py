@@ -35,7 +35,7 @@ def pipe():
 def batch(pipe) -> dict[str, torch.Tensor]:
     pixels = torch.rand(3, 3, 64, 96, generator=torch.Generator().manual_seed(0)) * 2 - 1
     latent, std = WAN.image_encoder(TINY, "cpu")(pixels)
-    assert latent.shape == std.shape == (3, 16, 8, 12)  # 16 channels at 1/8, one frame
+    assert latent.shape == std.shape == (3, 16, 1, 8, 12)  # 16 channels at 1/8, one frame
     return {"latent": latent, "pixels": pixels, **WAN.text_encoder(TINY, "cpu")(CAPTIONS)}
 
 
@@ -62,10 +62,10 @@ def test_cached_text_is_the_pipelines_encode_prompt_without_its_zero_rows(pipe, 
 
 def test_cached_latent_is_what_the_pipeline_decodes(pipe, batch):
     """WanPipeline decodes latents / (1 / latents_std) + latents_mean (one frame: an image)."""
-    mean = pipe.vae.encode(batch["pixels"].unsqueeze(2)).latent_dist.mean.squeeze(2)
+    mean = pipe.vae.encode(batch["pixels"].unsqueeze(2)).latent_dist.mean
     config = pipe.vae.config
-    m = torch.tensor(config.latents_mean).view(1, -1, 1, 1)
-    std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1)
+    m = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+    std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
     torch.testing.assert_close(batch["latent"] / std + m, mean, rtol=1e-5, atol=1e-5)
 
 
@@ -85,12 +85,12 @@ def test_the_loss_is_a_flow_step_at_sigma_times_1000_with_512_style_zero_padding
     ours = loss(model, {"latent": x0, "prompt_embeds": cut, **drawn})
 
     noise, sigmas = drawn["noise"], drawn["sigma"]
-    s = sigmas[:, None, None, None]
+    s = sigmas[:, None, None, None, None]
     noisy = (1.0 - s) * x0 + s * noise
     with torch.no_grad():
-        pred = model(noisy.unsqueeze(2), sigmas * 1000, full, return_dict=False)[0].squeeze(2)
+        pred = model(noisy, sigmas * 1000, full, return_dict=False)[0]
         theirs = ((pred - (noise - x0)) ** 2).reshape(3, -1).mean(1)
-        short = model(noisy.unsqueeze(2), sigmas * 1000, cut, return_dict=False)[0].squeeze(2)
+        short = model(noisy, sigmas * 1000, cut, return_dict=False)[0]
     torch.testing.assert_close(ours.detach(), theirs)
     assert not torch.allclose(((short - (noise - x0)) ** 2).reshape(3, -1).mean(1), theirs)
 
@@ -107,6 +107,34 @@ def _trained(batch) -> tuple[torch.nn.Module, object]:
         loss(model, train, gens).mean().backward()
         opt.step(), opt.zero_grad()
     return model, weights
+
+
+def test_a_clip_encodes_to_n_plus_1_latent_frames_of_the_vae_and_trains(pipe):
+    """A clip of 4n + 1 frames: [B, 16, n + 1, h, w], the VAE's own latents in the
+    transformer's scale, the shape ``cache_shapes`` names; the loss runs on it with T x h/2 x
+    w/2 tokens shifting the drawn levels (more frames: a larger shift, noisier levels)."""
+    clip = torch.rand(2, 3, 9, 32, 48, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    latent, std = WAN.image_encoder(TINY, "cpu")(clip)
+    assert latent.shape == std.shape == (2, 16, 3, 4, 6)
+    assert WAN.cache_shapes(48, 32, frames=9)["latent"] == (16, 3, 4, 6)
+    assert WAN.cache_shapes(832, 480, frames=81)["latent"] == (16, 21, 60, 104)
+    assert WAN.cache_shapes(48, 32)["latent"] == (16, 1, 4, 6)
+    config = pipe.vae.config
+    m = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+    s = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+    direct = pipe.vae.encode(clip).latent_dist.mean
+    torch.testing.assert_close(latent * s + m, direct, rtol=1e-5, atol=1e-5)
+    loss = WAN.loss(TINY, FlowObjective(resolution_shift=True, timestep_sampling="uniform"))
+    # 21 latent frames of 4x6 tokens shift as one frame of 4x126: the same 504 tokens
+    clip = loss.draw((2, 16, 21, 8, 12), [torch.Generator().manual_seed(i) for i in range(2)])
+    wide = loss.draw((2, 16, 1, 8, 252), [torch.Generator().manual_seed(i) for i in range(2)])
+    frame = loss.draw((2, 16, 1, 8, 12), [torch.Generator().manual_seed(i) for i in range(2)])
+    torch.testing.assert_close(clip["sigma"], wide["sigma"])
+    assert (clip["sigma"] > frame["sigma"]).all()
+    text = WAN.text_encoder(TINY, "cpu")(CAPTIONS[:2])
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    out = loss(WAN.denoiser(TINY), {"latent": latent, **text}, gens)
+    assert out.shape == (2,) and torch.isfinite(out).all()
 
 
 def test_a_trained_lora_loads_into_wan_pipeline_in_both_layouts(batch, tmp_path):
