@@ -98,12 +98,13 @@ class Wan22TI2V(wan.Wan):
         wan.Wan.adapters, files=replace(wan.Wan.adapters.files, base_model_version="wan2.2")
     )
 
-    def cache_shapes(self, width: int, height: int, *frames: int) -> dict[str, tuple[int, ...]]:
-        """Wan's, with 48-channel latents at 1/16."""
-        shapes = super().cache_shapes(width, height, *frames)
-        latent = shapes["latent"]
+    def cache_shapes(self, width: int, height: int, frames: int = 1) -> dict[str, tuple[int, ...]]:
+        """Wan's, with 48-channel latents at 1/16: [48, T, h/16, w/16] (121 frames at 1280x704:
+        48x31x44x80)."""
+        shapes = super().cache_shapes(width, height, frames)
+        _, t, _, _ = shapes["latent"]
         side = (height // VAE22_FACTOR, width // VAE22_FACTOR)
-        return shapes | {"latent": (VAE22_CHANNELS, *latent[1:-2], *side)}
+        return shapes | {"latent": (VAE22_CHANNELS, t, *side)}
 
     def preset_pipeline(self, source: Source):
         from diffusers import WanPipeline
