@@ -193,17 +193,19 @@ def test_float8_weights_with_8bit_adamw_and_swapped_blocks_train_a_lora_that_loa
 
 
 @pytest.mark.slow
-# a UNet family, a transformer family, one whose captions are of their own lengths, and one
-# whose latents are patchified and normalised by its VAE's BatchNorm statistics
-@pytest.mark.parametrize("name", ["sdxl", "flux", "z-image", "flux2-klein"])
+# a UNet family, a transformer family, one whose captions are of their own lengths, one
+# whose latents are patchified and normalised by its VAE's BatchNorm statistics, and the
+# low-noise expert of Wan 2.2 A14B (its transformer_2 exported and rendered)
+@pytest.mark.parametrize("name", ["sdxl", "flux", "z-image", "flux2-klein", "wan22"])
 def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request, tmp_path):
-    """SDXL trains on the session's skewed job (tiny model, committed cache), Flux, Z-Image and
-    FLUX.2 [klein] on the caches the LoRA test above prepared: no extra preprocessing."""
-    family = FAMILIES[name]
+    """SDXL trains on the session's skewed job (tiny model, committed cache), Flux, Z-Image,
+    FLUX.2 [klein] and Wan 2.2 A14B (its job's low expert) on the caches the LoRA test above
+    prepared: no extra preprocessing."""
     overrides = ['train.name="full"', 'train.mode="full"', "train.ema_decay=0.5"]
     overrides += ["train.max_steps=3", "checkpoint.every_steps=3", "train.sample_log=false"]
     job_file = request.getfixturevalue("job_file") if name == "sdxl" else prepared(name)
     job = load_job(job_file, overrides)
+    family = get_family(name, job.model.expert)
     summary = train(job)
     assert summary["step"] == 3 and np.isfinite(summary["loss"])
     exported = Path(summary["model"]) / family.parts.denoiser
