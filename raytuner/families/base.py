@@ -188,6 +188,7 @@ class Family(Protocol):
     # trains); empty: one denoiser
     experts: tuple[Expert, ...]
     expert: Expert | None  # the one this family object trains (``with_expert``); None: all
+    lora_part: str  # the part its diffusers LoRA file's keys name (an expert's: "transformer")
 
     # parts from a preset or a folder/hub repo, frozen weights in ``source.dtype`` on ``device``;
     # weights=False: the architecture alone, random weights (``raytuner plan``: on "meta")
@@ -268,6 +269,12 @@ class DiffusersFamily(ABC):
     def noise_levels(self) -> tuple[float, float]:
         """The noise levels ``[low, high)`` its training draws: its expert's, or all."""
         return (self.expert.low, self.expert.high) if self.expert else (0.0, 1.0)
+
+    @property
+    def lora_part(self) -> str:
+        """The part name its diffusers LoRA file's keys carry (``<part>.blocks...``): its
+        denoiser's, unless its pipeline saves the LoRA of every expert under another."""
+        return self.parts.denoiser
 
     @property
     def lora_load(self) -> dict:

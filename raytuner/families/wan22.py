@@ -68,13 +68,17 @@ class Wan22(wan.Wan):
         classes=wan.Wan.parts.classes | {"transformer_2": "diffusers.WanTransformer3DModel"},
     )
 
+    @property
+    def lora_part(self) -> str:
+        """Either expert's LoRA under ``transformer.``: WanPipeline saves no other part's, and
+        loads the low-noise one into ``transformer_2`` by ``load_into_transformer_2``."""
+        return "transformer"
+
     def save_lora(
         self, directory: str, lora_state: dict, adapter_config: dict, text_encoders=None
     ) -> None:
-        """Either expert's LoRA under ``transformer.``: WanPipeline saves no other part's, and
-        loads the low-noise one into ``transformer_2`` by ``load_into_transformer_2``."""
         pipeline = class_of(self.parts.pipeline)
-        base.save_lora(pipeline, "transformer", directory, lora_state, adapter_config)
+        base.save_lora(pipeline, self.lora_part, directory, lora_state, adapter_config)
 
     def preset_pipeline(self, source: Source):
         from diffusers import WanPipeline

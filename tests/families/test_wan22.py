@@ -227,3 +227,27 @@ def test_full_size_presets_count_the_released_parameters():
     repos = json.loads((Path(__file__).resolve().parents[2] / "raytuner" / "families"
                         / "configs" / "wan22-5b.random.json").read_text())["_repos"]  # fmt: skip
     assert repos == ["Wan-AI/Wan2.2-TI2V-5B-Diffusers"]
+
+
+def test_init_from_reads_the_low_experts_files_back_into_transformer_2(tmp_path):
+    """lora.init_from of a low-noise run's files (its diffusers file under ``transformer.``,
+    its Wan-named file) starts transformer_2's LoRA from the same values."""
+    from safetensors.torch import load_file
+
+    from raytuner.checkpoint.layout import DIFFUSERS_FILE, KOHYA_FILE
+    from raytuner.lora.init_from import file_modules
+
+    low = get_family("wan22", "low")
+    model = low.denoiser(TINY)
+    weights = adapt(model, mode="lora", lora=LoraConfig(rank=4, alpha=4.0),
+                    targets=low.adapters.targets, ema_decay=0)  # fmt: skip
+    for p in weights.params:
+        torch.nn.init.normal_(p, std=0.1)
+    weights.export_lora(str(tmp_path), low, {"raytuner.family": "wan22"})
+    state = weights.state()
+    for name in (DIFFUSERS_FILE, KOHYA_FILE):
+        found = file_modules(load_file(tmp_path / "lora" / name), {}, low, model)
+        assert len(found) == 3 * 8, name
+        for module, (down, up, _) in found.items():
+            torch.testing.assert_close(down, state[f"{module}.lora_A.weight"].to(down.dtype))
+            torch.testing.assert_close(up, state[f"{module}.lora_B.weight"].to(up.dtype))
