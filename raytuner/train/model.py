@@ -285,4 +285,5 @@ def _sharded(denoiser: nn.Module, *, family, source, device: torch.device, amp) 
             yield name, files[key]
 
     sharding.shard(denoiser, family, device, amp or torch.float32)
-    sharding.materialize(denoiser, device, base())
+    computed = part_tensors.computed_buffers(family, source, part)  # rotary tables: not in files
+    sharding.materialize(denoiser, device, base(), computed)

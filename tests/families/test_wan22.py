@@ -251,3 +251,12 @@ def test_init_from_reads_the_low_experts_files_back_into_transformer_2(tmp_path)
         for module, (down, up, _) in found.items():
             torch.testing.assert_close(down, state[f"{module}.lora_A.weight"].to(down.dtype))
             torch.testing.assert_close(up, state[f"{module}.lora_B.weight"].to(up.dtype))
+
+
+@pytest.mark.slow
+def test_a_sharded_low_expert_lora_trains_what_one_process_trains(tmp_path):
+    """The low-noise expert (transformer_2) sharded over two gloo workers (fsdp) ends where one
+    process on the whole batch does, its noise levels drawn in its range on each rank."""
+    from sharded_lora import assert_sharded_lora_matches
+
+    assert_sharded_lora_matches("wan22:low", tmp_path)
