@@ -38,7 +38,7 @@ def check(job: JobConfig, *, runs: bool = True, reads_images: bool = True):
     from raytuner.families import get_family
     from raytuner.jobcheck import check_job
 
-    family = get_family(job.model.family)
+    family = get_family(job.model.family, job.model.expert)
     check_job(job, family, runs=runs, reads_images=reads_images)
     return family
 

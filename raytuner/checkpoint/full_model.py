@@ -128,8 +128,9 @@ def load_denoiser(
 
 def _plain_tensors(model: torch.nn.Module, like: torch.nn.Module | None) -> None:
     """Tensors a module keeps as plain attributes, neither parameters nor buffers (Qwen-Image's
-    rotary tables), which a model built on meta has on meta and no checkpoint holds: taken from
-    the same module of ``like``."""
+    rotary tables), and buffers it does not save (Wan's rotary tables: not persistent), which a
+    model built on meta has on meta and no checkpoint holds: taken from the same module of
+    ``like``."""
     if like is None:
         return
     theirs = dict(like.named_modules())
@@ -137,3 +138,6 @@ def _plain_tensors(model: torch.nn.Module, like: torch.nn.Module | None) -> None
         for attr, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and value.is_meta and name in theirs:
                 setattr(module, attr, getattr(theirs[name], attr))
+        for attr, value in list(module._buffers.items()):
+            if value is not None and value.is_meta and name in theirs:
+                module._buffers[attr] = theirs[name]._buffers[attr]

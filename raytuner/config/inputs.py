@@ -44,6 +44,9 @@ class ModelConfig:
     single_file_config: str = ""
     # adapters merged into the frozen denoiser with a weight each, in order, before training
     merge_adapters: list[MergeAdapterConfig] = field(default_factory=list)
+    # the expert a run trains, of a family that is a mixture of experts by noise level (Wan 2.2
+    # A14B: "high" or "low"); "": a family of one denoiser (checked where the family is looked up)
+    expert: str = ""
 
     def __post_init__(self) -> None:
         if not self.pretrained:

@@ -126,5 +126,12 @@ def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
         check_key(SECTIONS[section], section, key, f"--set {text}")
         set_dotted(raw, section, key, value, text)
     if isinstance(raw["train"], dict) and not raw["train"].get("name"):
-        raw["train"]["name"] = path.stem
+        raw["train"]["name"] = path.stem + _expert_suffix(raw.get("model"))
     return build_job(raw, str(path))
+
+
+def _expert_suffix(model) -> str:
+    """A run of one expert of a mixture (``model.expert``) is named after it by default: the
+    job's two runs (``<job>-high``, ``<job>-low``) and their LoRA files apart."""
+    expert = model.get("expert", "") if isinstance(model, dict) else ""
+    return f"-{expert}" if isinstance(expert, str) and expert else ""

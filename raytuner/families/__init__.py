@@ -11,6 +11,7 @@ from raytuner.families.sana import Sana
 from raytuner.families.sd15 import SD15
 from raytuner.families.sdxl import SDXL
 from raytuner.families.wan import Wan
+from raytuner.families.wan22 import Wan22, Wan22TI2V
 from raytuner.families.z_image import ZImage
 
 FAMILIES: dict[str, Family] = {
@@ -20,6 +21,8 @@ FAMILIES: dict[str, Family] = {
     "sana": Sana(),
     "z-image": ZImage(),
     "wan": Wan(),
+    "wan22": Wan22(),
+    "wan22-5b": Wan22TI2V(),
     "qwen-image": QwenImage(),
     "flux2-klein": Flux2Klein(),
     "flux2-dev": Flux2Dev(),
@@ -27,12 +30,17 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def get_family(name: str) -> Family:
-    """The family ``model.family`` names; the one lookup is ``api.check``'s (every other place
-    is handed the family object)."""
+def get_family(name: str, expert: str = "") -> Family:
+    """The family ``model.family`` names, training its ``model.expert`` (a mixture of experts
+    by noise level: ``Family.with_expert``); the one lookup is ``api.check``'s (every other
+    place is handed the family object, or the validation actor its job's names)."""
     try:
-        return FAMILIES[name]
+        family = FAMILIES[name]
     except KeyError:
         raise ConfigError(
             f"model.family = {name!r} is unknown; available: {', '.join(FAMILIES)}"
         ) from None
+    try:
+        return family.with_expert(expert)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -10,9 +10,10 @@ Its facts are a few frozen records, each one concern that generic code reads (``
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -169,6 +170,22 @@ class Parts:
     unused: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class Expert:
+    """One model of a denoiser that is a mixture of experts by noise level (Wan 2.2 A14B): the
+    pipeline component it is and the noise levels ``[low, high)`` it denoises (its pipeline
+    hands it the steps whose timestep, sigma x 1000, falls in them). ``model.expert`` names one:
+    the run trains it alone, drawing every sample's noise level in its range."""
+
+    name: str  # model.expert's value
+    part: str  # its pipeline component (its subfolder): "transformer", "transformer_2"
+    low: float  # the lowest noise level (sigma) it denoises
+    high: float  # the level it stops below (1.0: it takes pure noise too)
+    # load_lora_weights' keywords that put its LoRA on it (diffusers' load_into_transformer_2)
+    lora_load: dict = field(default_factory=dict, hash=False)
+    about: str = ""  # what a user reads where the expert is named or missing
+
+
 class Family(Protocol):
     """What generic code asks of a model family: its name, its objective's kind, six records
     and ten methods (every shipped family is a ``DiffusersFamily``)."""
@@ -181,6 +198,11 @@ class Family(Protocol):
     guidance: Guidance
     parts: Parts
     references: References
+    # a mixture of experts by noise level: its models (``model.expert`` picks the one a run
+    # trains); empty: one denoiser
+    experts: tuple[Expert, ...]
+    expert: Expert | None  # the one this family object trains (``with_expert``); None: all
+    lora_part: str  # the part its diffusers LoRA file's keys name (an expert's: "transformer")
 
     # parts from a preset or a folder/hub repo, frozen weights in ``source.dtype`` on ``device``;
     # weights=False: the architecture alone, random weights (``raytuner plan``: on "meta")
@@ -233,6 +255,46 @@ class DiffusersFamily(ABC):
     guidance: Guidance
     references: References = References()
     parts: Parts
+    experts: tuple[Expert, ...] = ()
+    expert: Expert | None = None
+
+    def with_expert(self, name: str):
+        """This family training the expert ``name`` (``model.expert``): its denoiser is that
+        expert's part, its loss draws noise levels in its range. A ValueError names the
+        experts when ``name`` is none of them, or is missing where the family has experts."""
+        if not self.experts and not name:
+            return self
+        if not self.experts:
+            raise ValueError(
+                f"model.expert = {name!r}: {self.name} has one denoiser; leave model.expert out"
+            )
+        names = {e.name: e for e in self.experts}
+        if name not in names:
+            listed = "; ".join(f"{e.name!r}: {e.about}" for e in self.experts)
+            raise ValueError(
+                f"model.expert = {name!r}: {self.name} is a mixture of experts by noise level "
+                f"and a run trains one of them; set model.expert to {listed}"
+            )
+        variant = copy.copy(self)
+        variant.expert = names[name]
+        variant.parts = replace(self.parts, denoiser=names[name].part)
+        return variant
+
+    @property
+    def noise_levels(self) -> tuple[float, float]:
+        """The noise levels ``[low, high)`` its training draws: its expert's, or all."""
+        return (self.expert.low, self.expert.high) if self.expert else (0.0, 1.0)
+
+    @property
+    def lora_part(self) -> str:
+        """The part name its diffusers LoRA file's keys carry (``<part>.blocks...``): its
+        denoiser's, unless its pipeline saves the LoRA of every expert under another."""
+        return self.parts.denoiser
+
+    @property
+    def lora_load(self) -> dict:
+        """``load_lora_weights``' keywords that put its LoRA on its denoiser."""
+        return dict(self.expert.lora_load) if self.expert else {}
 
     @abstractmethod
     def image_encoder(self, source: Source, device: str, weights: bool = True) -> ImageEncoder: ...

@@ -185,33 +185,50 @@ def flow_draw(
     objective: FlowObjective,
     image_tokens: Callable[[tuple[int, ...]], int],
     line: ShiftLine = FLUX_SHIFT,
+    levels: tuple[float, float] = (0.0, 1.0),
 ) -> Draw:
     """A flow-matching step's random inputs: each sample's noise, then its noise level in
     (0, 1) from the objective's density (``diffusers.training_utils``), shifted towards noise
     by the image's token count (``image_tokens(latent shape)``) on the family's ``line`` (its
     scheduler's resolution-dependent shift; Flux.1's by default) or by the fixed
-    ``objective.shift``."""
-    from diffusers.training_utils import compute_density_for_timestep_sampling
+    ``objective.shift``; a level outside ``levels`` (``[low, high)``: the noise levels an
+    expert of a mixture denoises) is drawn again from the same generator, so the levels are
+    the density cut to that range."""
 
     def draw(shape: tuple[int, ...], generators) -> dict[str, torch.Tensor]:
         noise = per_sample_noise(shape, generators)
-        u = torch.cat(
-            [
-                compute_density_for_timestep_sampling(
-                    objective.timestep_sampling,
-                    1,
-                    logit_mean=objective.logit_mean,
-                    logit_std=objective.logit_std,
-                    mode_scale=objective.mode_scale,
-                    generator=g,
-                )
-                for g in generators
-            ]
-        ).clamp(1e-3, 1 - 1e-3)
         shift = line.shift(image_tokens(shape)) if objective.resolution_shift else objective.shift
-        return {"noise": noise, "sigma": shift * u / (1 + (shift - 1) * u)}
+        sigmas = [_level_within(objective, shift, levels, g) for g in generators]
+        return {"noise": noise, "sigma": torch.cat(sigmas)}
 
     return draw
+
+
+MAX_REDRAWS = 10_000  # draws of a level in an expert's range before the range is refused
+
+
+def _level_within(objective: FlowObjective, shift: float, levels, generator) -> torch.Tensor:
+    """One sample's shifted noise level [1] in ``levels`` (``flow_draw``)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    low, high = levels
+    for _ in range(MAX_REDRAWS):
+        u = compute_density_for_timestep_sampling(
+            objective.timestep_sampling,
+            1,
+            logit_mean=objective.logit_mean,
+            logit_std=objective.logit_std,
+            mode_scale=objective.mode_scale,
+            generator=generator,
+        ).clamp(1e-3, 1 - 1e-3)
+        sigma = shift * u / (1 + (shift - 1) * u)
+        if (low, high) == (0.0, 1.0) or low <= float(sigma) < high:
+            return sigma
+    raise ValueError(
+        f"noise levels [{low}, {high}): {MAX_REDRAWS} draws of [objective.flow]'s density "
+        f"(timestep_sampling {objective.timestep_sampling!r}, shift {shift:.3g}) fell outside "
+        "them; widen the density (logit_std, uniform sampling) or change the shift"
+    )
 
 
 def flow_loss(objective: FlowObjective, batch: Batch, predict, mask=None):

@@ -5,6 +5,7 @@ from the part built whole by ``parts.load``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from raytuner.families import parts
 from raytuner.families.parts import Source, load
 
 
@@ -78,3 +80,60 @@ def tensors(family, source: Source, part: str, cls_path: str) -> Mapping[str, to
     if not (source.preset or source.single_file) and (files := _part_files(source, part)):
         return _Safetensors(files)
     return load(family, source, part, cls_path).state_dict()
+
+
+def computed_buffers(family, source: Source, part: str) -> dict[str, torch.Tensor]:
+    """The buffers ``part``'s constructor computes and its files lack (Wan's rotary tables: not
+    persistent), on the CPU, by name, for a model built on the meta device (a sharded worker's):
+    the architecture built on meta once to find the modules that own buffers, again with their
+    classes' constructor arguments recorded, then each of them built alone on the CPU."""
+    cls_path = family.parts.classes[part]
+    spec = parts.preset(family.name, source.preset)[part] if source.preset else {}
+    architecture = spec.get("config") or parts.config(family.name, source, part, cls_path)
+
+    def build():
+        with parts._default_dtype(source.dtype), torch.device("meta"):
+            return parts._construct(parts.class_of(cls_path), architecture)
+
+    def owners(model) -> dict[str, torch.nn.Module]:
+        return {
+            name: m
+            for name, m in model.named_modules()
+            if any(b is not None and b.is_meta for b in m._buffers.values())
+        }
+
+    classes = {type(m) for m in owners(build()).values()}
+    made: dict[int, tuple] = {}
+    with _recording_inits(classes, made):
+        model = build()
+    out = {}
+    for name, module in owners(model).items():
+        klass, args, kwargs = made[id(module)]
+        with parts._default_dtype(source.dtype):
+            fresh = klass(*args, **kwargs)
+        prefix = f"{name}." if name else ""
+        own = {n: b for n, b in module._buffers.items() if b is not None and b.is_meta}
+        out |= {prefix + n: fresh._buffers[n].to(b.dtype) for n, b in own.items()}
+    return out
+
+
+@contextlib.contextmanager
+def _recording_inits(classes, made: dict[int, tuple]):
+    """Each instance of ``classes`` made inside records its constructor's arguments in
+    ``made`` (by id); the classes' own ``__init__`` put back after."""
+    originals = {klass: klass.__dict__["__init__"] for klass in classes}
+
+    def recording(original):
+        def init(self, *args, **kwargs):
+            made[id(self)] = (type(self), args, kwargs)
+            original(self, *args, **kwargs)
+
+        return init
+
+    try:
+        for klass, original in originals.items():
+            klass.__init__ = recording(original)
+        yield
+    finally:
+        for klass, original in originals.items():
+            klass.__init__ = original

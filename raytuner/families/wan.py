@@ -204,7 +204,8 @@ class Wan(base.DiffusersFamily):
         def tokens(shape: tuple[int, ...]) -> int:  # a token a 1x2x2 patch: T x h/2 x w/2
             return shape[2] * (shape[3] // PATCH) * (shape[4] // PATCH)
 
-        return objectives.Objective(objectives.flow_draw(objective, tokens), wan_loss)
+        draw = objectives.flow_draw(objective, tokens, levels=self.noise_levels)
+        return objectives.Objective(draw, wan_loss)
 
     def vae_latent(self, latent: torch.Tensor) -> torch.Tensor:
         """Cached latents [B, 16, T, h, w] are what its VAE decodes, frame axis and all."""

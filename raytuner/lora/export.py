@@ -43,7 +43,9 @@ def metadata(
     """What a LoRA file says about itself: raytuner's keys plus kohya's ``ss_*`` ones; with
     ``merged`` (``model.merge_adapters``: path, weight and sha256 of each) the adapters that
     were merged into the base while it trained, which the file does not hold."""
-    return ({MERGED: json.dumps(list(merged))} if merged else {}) | {
+    # the expert of a mixture of experts the file's LoRA is on (model.expert)
+    expert = {"raytuner.expert": model.expert} if getattr(model, "expert", "") else {}
+    return expert | ({MERGED: json.dumps(list(merged))} if merged else {}) | {
         "raytuner.family": family,
         "raytuner.base_model": model.pretrained,
         "raytuner.revision": model.revision,

@@ -99,7 +99,7 @@ def _alpha(tensors: dict, adapter: dict, part: str, module: str, rank: int) -> f
 def file_modules(tensors: dict, meta: dict, family, denoiser, load=None) -> dict:
     """The file's LoRA per module of the denoiser: {module: (down, up, alpha)}. ``load``: a
     tensor's values when ``tensors`` are the header's (``check_file``)."""
-    dims, denoiser_part = export.out_dims(denoiser), f"{family.parts.denoiser}."
+    dims, denoiser_part = export.out_dims(denoiser), f"{family.lora_part}."
     # peft's adapter name in the keys (``lora_A.default.weight``), as ComfyUI and diffusers'
     # Qwen-Image loader read them
     tensors = {_PEFT_DEFAULT.sub(r".\1.weight", k): v for k, v in tensors.items()}
@@ -115,7 +115,7 @@ def file_modules(tensors: dict, meta: dict, family, denoiser, load=None) -> dict
         if names is not None:
             tensors = _native_as_kohya(tensors, denoiser_part, dims)
     if not any(k.endswith(".lora_down.weight") for k in tensors):
-        return from_diffusers(tensors, meta, family.parts.denoiser)
+        return from_diffusers(tensors, meta, family.lora_part)
     # a family without a kohya layout: the diffusers names, as kohya writes them
     names = names or kohya.unet_names
     table = kohya.reverse(names, dims)
@@ -285,7 +285,7 @@ def _states(tensors, meta, denoiser, path, lora, family, text, load=None) -> tup
             return lycoris_from.peft_state(tensors, current, lora, family, denoiser, load), {}
         _same_kind(meta, lora)
         if not all(".lora_A." in k or ".lora_B." in k for k in current):
-            return _kind_state(tensors, meta, current, lora, family.parts.denoiser), {}
+            return _kind_state(tensors, meta, current, lora, family.lora_part), {}
         tensors, by_part = _text_tensors(dict(tensors), family)
         found = file_modules(tensors, meta, family, denoiser, load) if tensors else {}
         shape = Shape(lora.rank, lora.alpha)

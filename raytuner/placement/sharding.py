@@ -107,12 +107,22 @@ def shard(denoiser: nn.Module, family, device: torch.device, compute: torch.dtyp
 
 
 def materialize(
-    module: nn.Module, device: torch.device, tensors: Iterable[tuple[str, torch.Tensor]]
+    module: nn.Module,
+    device: torch.device,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    computed: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Give a sharded module built on the meta device its memory on ``device``: each worker
     allocates its own rows, then ``tensors`` (parameter name, full tensor), one at a time, fill
-    them (``fill``). Buffers keep the values they were built with."""
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    them (``fill``). Buffers keep the values they were built with; one built on meta (no
+    values: Wan's rotary tables) takes its value from ``computed`` (by name)."""
+    computed = computed or {}
+    buffers = {
+        name: computed[name] if b.is_meta and name in computed else b.detach().clone()
+        for name, b in module.named_buffers()
+    }
+    if missing := [name for name, b in buffers.items() if b.is_meta]:
+        raise ValueError(f"buffers built on the meta device with no value to take: {missing}")
     module.to_empty(device=device)
     with torch.no_grad():
         for name, b in module.named_buffers():

@@ -68,10 +68,12 @@ def apply_weights(
         path = Path(weights.path)  # a .safetensors file
         if lora_apply.kind_of(str(path)) in lora_apply.PEFT_KINDS:  # LoKr, LoHa: through peft
             part = family.parts.denoiser
-            lora_apply.apply_file(getattr(pipe, part), str(path), part)
+            lora_apply.apply_file(getattr(pipe, part), str(path), family.lora_part)
         else:
             with quiet.no_loading_bars():  # a bar per text encoder the LoRA trained
-                pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+                pipe.load_lora_weights(
+                    str(path.parent), weight_name=path.name, **family.lora_load
+                )
     elif weights is not None:
         part = family.parts.denoiser
         cls = type(getattr(pipe, part))

@@ -62,6 +62,7 @@ class RenderSpec:
     guidance_scale: float = 0.0  # validation.guidance_scale; 0: the family's default
     distilled: str = "auto"  # validation.distilled
     single_file_config: str = ""  # model.single_file_config (a single-file pretrained)
+    expert: str = ""  # model.expert (a mixture of experts: the one the run trains)
     tracking: dict | None = None  # the job's [tracking] when tracking.wandb: grids to W&B too
     frames: int = 1  # a clip's frames where a line sets none (prompts.clip_frames); 1: images
     fps: float = 16.0  # validation.fps
@@ -142,7 +143,7 @@ class Validator:
         from raytuner.families import get_family, parts
 
         started, started_at, s = time.perf_counter(), time.time(), self.spec
-        family, device = get_family(s.family), sample.default_device()
+        family, device = get_family(s.family, s.expert), sample.default_device()
         if self.pipe is None:
             log.info("validation: loading the %s pipeline for the renders", s.family)
             source = parts.model_source(s, device)  # the spec carries [model]'s fields
@@ -233,6 +234,7 @@ def start(job, family, run_dir: str):
         revision=job.model.revision,
         dtype=job.model.dtype,
         single_file_config=job.model.single_file_config,
+        expert=job.model.expert,
         prompts=list(v.prompts),
         seeds=list(v.seeds),
         steps=v.steps,

@@ -299,4 +299,5 @@ def _sharded(
                 yield name, files[key]
 
     sharding.shard(denoiser, family, device, amp or torch.float32)
-    sharding.materialize(denoiser, device, base())
+    computed = part_tensors.computed_buffers(family, source, part)  # rotary tables: not in files
+    sharding.materialize(denoiser, device, base(), computed)

@@ -38,7 +38,7 @@ def lora_after_steps(rank: int, world: int, port: int, out: str, name: str) -> N
     from safetensors.torch import save_file
 
     from raytuner.config import LoraConfig, MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
-    from raytuner.families import FAMILIES
+    from raytuner.families import get_family
     from raytuner.families.parts import Source
     from raytuner.placement.strategy import SHARDED
     from raytuner.train import optim
@@ -46,14 +46,15 @@ def lora_after_steps(rank: int, world: int, port: int, out: str, name: str) -> N
     from raytuner.train.model import trainable_model
     from raytuner.train.step import train_step
 
-    family, source = FAMILIES[name], Source("tiny")
+    name, _, expert = name.partition(":")  # "wan22:low": a mixture's expert
+    family, source = get_family(name, expert), Source("tiny")
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
     rows, n = _rows(family, source), 4 // world
     ragged = getattr(family.text_encoder(source, "meta", weights=False), "ragged", ())
     mine = _trimmed({k: v[n * rank : n * (rank + 1)] for k, v in rows.items()}, ragged)
-    cpu, model = torch.device("cpu"), ModelConfig(family=name, pretrained="tiny")
+    cpu, model = torch.device("cpu"), ModelConfig(family=name, pretrained="tiny", expert=expert)
     train = TrainConfig(output="unused", global_batch_size=4, max_steps=4, learning_rate=1e-2)
     kw = {"strategy": SHARDED} if world > 1 else {}
     trained = trainable_model(model, train, LoraConfig(rank=4, alpha=4.0), family, cpu, **kw)
@@ -75,7 +76,8 @@ def lora_after_steps(rank: int, world: int, port: int, out: str, name: str) -> N
 
 
 def assert_sharded_lora_matches(name: str, out: Path) -> None:
-    """One process, then two sharded gloo workers: the same LoRA, float rounding apart."""
+    """One process, then two sharded gloo workers: the same LoRA, float rounding apart
+    (``name``: a family, or ``family:expert``)."""
     import torch.multiprocessing as mp
     from ray_head import free_ports
     from safetensors.torch import load_file

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from raytuner.api import preprocess, train
 from raytuner.cli import main
 from raytuner.config import load_job
-from raytuner.families import FAMILIES
+from raytuner.families import FAMILIES, get_family
 from raytuner.families.parts import Source
 
 TINY = Source("tiny")
@@ -30,12 +30,16 @@ TRAINED: dict[str, dict] = {}  # family -> the summary of its plain 2-worker LoR
 # sd-scripts' fused layout, which diffusers' converter splits only at Flux.1's own widths
 # (tests/lora/test_lora_files.py checks it there, and on the tiny model for the modules it splits
 # at any width; Wan's in its own names); Sana gets none
-KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl", "flux2-klein", "flux2-dev", "wan"}
+KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl", "flux2-klein", "flux2-dev", "wan", "wan22", "wan22-5b"}
+# [model] keys a family needs besides these: Wan 2.2 A14B trains one expert a run (the low-noise
+# transformer_2: its LoRA loads with load_into_transformer_2)
+MODEL_KEYS = {"wan22": 'expert = "low"'}
 
 JOB = """
 [model]
 family = "{family}"
 pretrained = "{folder}"
+{model_keys}
 [data]
 images = "{images}"
 cache = "{root}/cache"
@@ -71,7 +75,9 @@ def prepared(ray_local, tmp_path_factory):
             root = tmp_path_factory.mktemp(name)
             FAMILIES[name].pipeline(TINY).save_pretrained(root / "model")
             images = make_demo_images(root / "images", per_aspect=4)
-            text = JOB.format(family=name, folder=root / "model", images=images, root=root)
+            keys = MODEL_KEYS.get(name, "")
+            text = JOB.format(family=name, folder=root / "model", images=images, root=root,
+                              model_keys=keys)  # fmt: skip
             (root / "job.toml").write_text(text)
             job = load_job(root / "job.toml")
             report = preprocess(job)
@@ -116,8 +122,8 @@ def assert_sampling_uses_the_trained_weights(
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"sdxl"}))
 def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared, tmp_path):
-    family, job = FAMILIES[name], load_job(prepared(name))
-    folder = job.model.pretrained
+    job = load_job(prepared(name))
+    family, folder = get_family(name, job.model.expert), job.model.pretrained
     summary = TRAINED[name] = train(job)
     assert summary["step"] == 3 and np.isfinite(summary["loss"])
     lora = load_file(summary["lora"])
@@ -127,7 +133,7 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared, tmp_pat
     lora_dir = str(Path(summary["lora"]).parent)
     pipe = family.pipeline(Source(folder))
     before = pipeline_image(pipe)
-    pipe.load_lora_weights(lora_dir)
+    pipe.load_lora_weights(lora_dir, **family.lora_load)  # an expert's LoRA on its part
     after = pipeline_image(pipe)
     assert after.shape == (1, 64, 64, 3) and np.isfinite(after).all()
     assert not np.allclose(before, after)
@@ -137,10 +143,12 @@ def test_family_trains_on_two_workers_and_its_lora_loads(name, prepared, tmp_pat
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
         assert meta["raytuner.family"] == name and meta["raytuner.steps"] == "3", path
-        assert meta["raytuner.base_model"] == folder and meta["raytuner.run"] == "job"
+        assert meta["raytuner.base_model"] == folder and meta["raytuner.run"] == job.train.name
+        assert meta.get("raytuner.expert", "") == job.model.expert  # "job-low": its run
     if name in KOHYA_READ_BY_DIFFUSERS:  # the kohya file gives the same images
         pipe = family.pipeline(Source(folder))
-        pipe.load_lora_weights(lora_dir, weight_name=Path(summary["kohya"]).name)
+        kohya = Path(summary["kohya"]).name
+        pipe.load_lora_weights(lora_dir, weight_name=kohya, **family.lora_load)
         np.testing.assert_allclose(pipeline_image(pipe), after, atol=1e-5)
     # a LoRA export as --checkpoint: once (the full fine-tunes below check a model folder)
     exported = lora_dir if name == "sd15" else None
@@ -187,17 +195,19 @@ def test_float8_weights_with_8bit_adamw_and_swapped_blocks_train_a_lora_that_loa
 
 
 @pytest.mark.slow
-# a UNet family, a transformer family, one whose captions are of their own lengths, and one
-# whose latents are patchified and normalised by its VAE's BatchNorm statistics
-@pytest.mark.parametrize("name", ["sdxl", "flux", "z-image", "flux2-klein"])
+# a UNet family, a transformer family, one whose captions are of their own lengths, one
+# whose latents are patchified and normalised by its VAE's BatchNorm statistics, and the
+# low-noise expert of Wan 2.2 A14B (its transformer_2 exported and rendered)
+@pytest.mark.parametrize("name", ["sdxl", "flux", "z-image", "flux2-klein", "wan22"])
 def test_full_fine_tune_with_ema_exports_a_model_folder(name, prepared, request, tmp_path):
-    """SDXL trains on the session's skewed job (tiny model, committed cache), Flux, Z-Image and
-    FLUX.2 [klein] on the caches the LoRA test above prepared: no extra preprocessing."""
-    family = FAMILIES[name]
+    """SDXL trains on the session's skewed job (tiny model, committed cache), Flux, Z-Image,
+    FLUX.2 [klein] and Wan 2.2 A14B (its job's low expert) on the caches the LoRA test above
+    prepared: no extra preprocessing."""
     overrides = ['train.name="full"', 'train.mode="full"', "train.ema_decay=0.5"]
     overrides += ["train.max_steps=3", "checkpoint.every_steps=3", "train.sample_log=false"]
     job_file = request.getfixturevalue("job_file") if name == "sdxl" else prepared(name)
     job = load_job(job_file, overrides)
+    family = get_family(name, job.model.expert)
     summary = train(job)
     assert summary["step"] == 3 and np.isfinite(summary["loss"])
     exported = Path(summary["model"]) / family.parts.denoiser

@@ -189,3 +189,33 @@ def test_ops_answered_from_memory_count_what_their_kernels_would(monkeypatch, ch
         runs.append((result, [list(t) for t in timelines]))
     assert runs[0] == runs[1] == runs[2]
     assert sum(len(t) for t in runs[0][1]) > 1000  # every op of the step seen
+
+
+def test_a_clip_no_block_swap_fits_is_offered_its_activations_offloaded():
+    """A long clip's step is mostly the block inputs gradient checkpointing saves (Wan 14B at
+    81 frames, 720p: 52.4 GiB of them): on a card where swapping every block but the ring's
+    still does not fit, plan offers memory.activation_offload with the fewest blocks swapped
+    that fit (the tiny Wan, 81 frames)."""
+    from raytuner.tools.plan.trace import swapped_peak
+
+    wan, keys = FAMILIES["wan"], ['model.family="wan"', "preprocess.resolution=128"]
+    keys += ["data.frames=[81]", "validation.every_steps=0", "train.micro_batch_size=1"]
+    keys += ["train.gradient_checkpointing=true"]
+    job = load_job(TINY, keys)
+    large = measure(job, wan, 80 * 2**30, compare=False)
+    shapes, size = large["cache_shapes"], tuple(large["bucket"])
+    assert shapes["latent"][1] == 21  # 81 frames: 21 latent frames
+
+    def fewest(worker) -> int:  # the lowest peak block swap reaches
+        ring, blocks = job.memory.swap_ring, len(worker["block_bytes"])
+        return min(swapped_peak(worker, n, ring) for n in range(blocks))
+
+    plain = fewest(trace_step(job, wan, shapes, size, 1, True))
+    offload = load_job(TINY, [*keys, "memory.activation_offload=true"])
+    offloaded = fewest(trace_step(offload, wan, shapes, size, 1, True))
+    assert offloaded < plain
+    card = int(offloaded / (1 - MARGIN)) + 2
+    plan = measure(job, wan, card, compare=False)
+    assert not plan["fits"]
+    fitting = [s["set"] for s in plan["suggestions"] if s.get("fits")]
+    assert any("memory.activation_offload" in str(s) for s in fitting), plan["suggestions"]

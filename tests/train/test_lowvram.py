@@ -74,7 +74,9 @@ def _objective():  # the families that stream blocks (flux, sana, z-image, wan, 
     return ObjectiveConfig().flow
 
 
-@pytest.mark.parametrize("name", ["flux", "sana", "z-image", "wan", "qwen-image", "flux2-klein"])
+@pytest.mark.parametrize(
+    "name", ["flux", "sana", "z-image", "wan", "wan22", "wan22-5b", "qwen-image", "flux2-klein"]
+)
 def test_swapping_blocks_gives_the_same_loss_and_lora_gradients(name):
     loss0, grads0, plain = _loss_and_grads(name, MemoryConfig())
     blocks = len(placement.blocks(plain.denoiser, FAMILIES[name]))
@@ -240,7 +242,9 @@ def test_check_accepts_every_supported_combination(tmp_path, capsys):
         assert main(["check", str(path), *images]) == 0, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["flux", "sana", "z-image", "wan", "qwen-image", "flux2-klein"])
+@pytest.mark.parametrize(
+    "name", ["flux", "sana", "z-image", "wan", "wan22", "qwen-image", "flux2-klein"]
+)
 def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(name, tmp_path):
     """In one process, as the validation actor and `raytuner sample` do it: a streamed
     pipeline renders what a resident one renders, before and after a LoRA is loaded into it,

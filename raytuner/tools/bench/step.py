@@ -32,7 +32,7 @@ def bench_step(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = trace.largest_bucket(job, family)
     if job.model.pretrained == "random":  # the released shapes, no encoder trace needed
-        shapes = family.cache_shapes(*size)
+        shapes = family.cache_shapes(*size, trace.largest_frames(job, family))
     else:
         shapes = trace.trace_encoders(job, family, size)[1]
     micro = trace.micro_batch(job)

@@ -28,6 +28,7 @@ from raytuner.tools.plan.trace import (
     GiB,
     Traces,
     largest_bucket,
+    largest_frames,
     micro_batch,
     trace_encoders,
 )
@@ -120,7 +121,7 @@ def traces_of(job: JobConfig, family) -> Traces:
     decision and the step's settings (and by ``check`` and ``train`` in one process): the last
     job's kept."""
     size = largest_bucket(job, family)
-    key = (family.name, repr(job.model), repr(job.preprocess), size)
+    key = (family.name, repr(job.model), repr(job.preprocess), size, largest_frames(job, family))
     if _TRACES.get("key") != key:
         _TRACES.update(key=key, traces=Traces(family, trace_encoders(job, family, size)[1], size))
     return _TRACES["traces"]

@@ -75,7 +75,7 @@ def measure(job: JobConfig, family, gpu_memory: int, compare: bool = True, progr
 def _measure(job: JobConfig, family, gpu_memory: int, compare: bool, progress: Progress) -> dict:
     size = largest_bucket(job, family)
     encoder, shapes = trace_encoders(job, family, size, progress)
-    traces = Traces(family, shapes, size, progress)
+    traces = _traces(family, shapes, size, progress)
     job, choice = _decided(job, family, gpu_memory, traces)
     micro = micro_batch(job)
     checkpointing = job.train.gradient_checkpointing
@@ -126,6 +126,21 @@ def _measure(job: JobConfig, family, gpu_memory: int, compare: bool, progress: P
         "suggestions": suggestions,
     }
     return result | {"closing": suggest.closing(job, result)}
+
+
+_LAST: dict = {}  # the last plan's traces: a plan of the same model on another card reuses them
+
+
+def _traces(family, shapes: dict, size, progress: Progress) -> Traces:
+    """The traces of ``family`` (its expert) at ``size``: the last plan's when it planned the
+    same (each trace is keyed by its whole job, so another ``gpu_memory`` asks for what it
+    traced, and a plan of three cards in one process traces each setting once)."""
+    key = (family.name, getattr(family, "expert", None), repr(sorted(shapes.items())), size)
+    if _LAST.get("key") != key:
+        _LAST.update(key=key, traces=Traces(family, shapes, size, progress))
+    traces = _LAST["traces"]
+    traces.progress = progress
+    return traces
 
 
 def _decided(job: JobConfig, family, gpu_memory: int, traces: Traces):

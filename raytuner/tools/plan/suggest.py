@@ -69,22 +69,32 @@ def _remedies(job: JobConfig) -> list[JobConfig]:
 
 def _swap_suggestions(job: JobConfig, traces: Traces, usable: int) -> list[dict]:
     """The fewest ``memory.blocks_to_swap`` that make the worker fit, with gradient
-    checkpointing (which block swap needs), in the job's dtype and in float8."""
+    checkpointing (which block swap needs), in the job's dtype and in float8; when neither
+    fits, with the checkpointed activations offloaded to host memory too
+    (``memory.activation_offload``: a long clip's saved block inputs are most of its step)."""
     out = []
     if not traces.family.blocks.swap or job.train.mode != "lora":
         return out
     dtypes = [job.model.dtype] + ([parts.FLOAT8] if job.model.dtype != parts.FLOAT8 else [])
     for dtype in dtypes:
-        changed = _set(job, "model", dtype=dtype)
-        worker = traces.step(changed, micro_batch(changed), True)
-        ring = job.memory.swap_ring
-        for n in range(job.memory.blocks_to_swap + 1, len(worker["block_bytes"])):
-            if (peak := swapped_peak(worker, n, ring)) <= usable:
-                swapped = _with(changed, gradient_checkpointing=True)
-                swapped = _set(swapped, "memory", blocks_to_swap=n)
-                out.append({"set": changes(job, swapped), "peak_bytes": peak, "fits": True})
-                break
+        out += _fewest_swapped(job, _set(job, "model", dtype=dtype), traces, usable)
+    if not out and not job.memory.activation_offload:
+        offloaded = _set(job, "memory", activation_offload=True)
+        out += _fewest_swapped(job, offloaded, traces, usable)
     return out
+
+
+def _fewest_swapped(job: JobConfig, changed: JobConfig, traces: Traces, usable: int) -> list:
+    """``changed`` (the job in another dtype or with activations offloaded) with the fewest
+    blocks swapped that fit, as a suggestion for ``job``; [] when none does."""
+    worker = traces.step(changed, micro_batch(changed), True)
+    ring = job.memory.swap_ring
+    for n in range(job.memory.blocks_to_swap + 1, len(worker["block_bytes"])):
+        if (peak := swapped_peak(worker, n, ring)) <= usable:
+            swapped = _with(changed, gradient_checkpointing=True)
+            swapped = _set(swapped, "memory", blocks_to_swap=n)
+            return [{"set": changes(job, swapped), "peak_bytes": peak, "fits": True}]
+    return []
 
 
 def _shardable(job: JobConfig) -> JobConfig:

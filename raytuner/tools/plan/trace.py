@@ -57,6 +57,14 @@ def largest_bucket(job: JobConfig, family) -> tuple[int, int]:
     return max(buckets, key=lambda b: (b[0] * b[1], b[0]))
 
 
+def largest_frames(job: JobConfig, family) -> int:
+    """The frames of the job's longest sample: a video family's largest frame bucket
+    (``data.frames`` and its sources'), what its VAE and denoiser must hold; 1 for images."""
+    if not family.geometry.frame_multiple:
+        return 1
+    return max(n for source in job.data.all_sources() for n in source.frames)
+
+
 def _source(job: JobConfig) -> parts.Source:
     """The job's model on a GPU; a released repo the package knows is planned from its shipped
     architecture (the ``random`` preset), with no download."""
@@ -278,19 +286,19 @@ def _frozen(module) -> int:
 
 
 def trace_encoders(
-    job: JobConfig, family, size, progress: Progress | None = None, frames: int = 1
+    job: JobConfig, family, size, progress: Progress | None = None, frames: int = 0
 ):  # fmt: skip
     """An encoder actor (VAE encode of ``preprocess.batch_size`` images at ``size``, or clip
-    samples of ``frames`` frames, then the text encoders on as many captions) and the tensor
-    shapes it produces per image (sample)."""
+    samples of ``frames`` frames (0: the largest frame bucket of a video family), then the text
+    encoders on as many captions) and the tensor shapes it produces per image (sample)."""
     pre = job.preprocess
     source = _source(job)
-    n, (w, h) = pre.batch_size, size
-    what = f"{n} images" if frames == 1 else f"{n} clips of {frames} frames"
+    n, (w, h), frames = pre.batch_size, size, frames or largest_frames(job, family)
+    what = f"{n} clips of {frames} frames" if frames > 1 else f"{n} images"
     (progress or Progress(quiet=True)).tracing(f"the encoder actor: {what} at {w}x{h}")
     encode_image = family.image_encoder(source, "meta", weights=False)
     encode_text = family.text_encoder(source, "meta", weights=False)
-    clip = (frames,) if frames > 1 else ()  # a clip's frame axis: [B, 3, F, H, W]
+    clip = (frames,) if frames > 1 else ()  # a video family's clips [n, 3, F, h, w]
     pixels = torch.zeros(n, 3, *clip, h, w, device="meta")
     with traced() as image_live:
         latent = encode_image(pixels)[0]
