@@ -20,9 +20,7 @@ hands each sample on once its last frame is decoded)."""
 
 from __future__ import annotations
 
-import io
 import posixpath
-from collections.abc import Iterator
 
 import numpy as np
 from PIL import Image
@@ -68,42 +66,7 @@ def samples_of(data: bytes, counts: list[int], selection: str, fps: float, limit
     raise error
 
 
-def decode_samples(data: bytes, samples: list[list[int]]) -> Iterator[np.ndarray]:
-    """Each sample's frames [F, H, W, 3] uint8 RGB, in order, each handed on once its last
-    frame is decoded (the frames no later sample takes are dropped); ClipError (``corrupt``)
-    where the stream breaks or ends before a sample's frames."""
-    import av
-
-    wanted: dict[int, int] = {}  # source frame -> samples still taking it
-    for s in samples:
-        for i in s:
-            wanted[i] = wanted.get(i, 0) + 1
-    kept: dict[int, np.ndarray] = {}
-    pending, last = list(samples), max(wanted)
-    try:
-        with av.open(io.BytesIO(data)) as container:
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            for i, frame in enumerate(container.decode(stream)):
-                if i in wanted:
-                    kept[i] = frame.to_ndarray(format="rgb24")
-                while pending and max(pending[0]) <= i:
-                    yield _taken(pending.pop(0), kept, wanted)
-                if i >= last:
-                    break
-    except av.error.FFmpegError as e:
-        raise video.ClipError("corrupt", f"decoding failed at a sample's frames ({e})") from None
-    if pending:
-        raise video.ClipError("corrupt", f"the stream ends before frame {max(pending[0])}")
-
-
-def _taken(sample: list[int], kept: dict, wanted: dict) -> np.ndarray:
-    out = np.stack([kept[i] for i in sample])
-    for i in sample:
-        wanted[i] -= 1
-        if not wanted[i]:
-            kept.pop(i, None)
-    return out
+decode_samples = video.decode_samples  # the stream's decode: video.py
 
 
 def fit_clip(frames: np.ndarray, buckets, crop: str, seed: int) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,12 +131,22 @@ def _counted(container, stream) -> int:
 def decode(data: bytes, spec: FrameSpec) -> list[np.ndarray]:
     """Each sample of the clip ``data`` (file bytes) as [frames, height, width, 3] uint8 RGB;
     ClipError with its category when it gives none."""
+    info = probe(data, spec)
+    return list(decode_samples(data, frame_indices(info.frames, info.fps, spec)))
+
+
+def decode_samples(data: bytes, samples: list[list[int]]) -> Iterator[np.ndarray]:
+    """Each sample's frames [F, H, W, 3] uint8 RGB, in order, each handed on once its last
+    frame is decoded (the frames no later sample takes are dropped); ClipError (``corrupt``)
+    where the stream breaks or ends before a sample's frames."""
     import av
 
-    info = probe(data, spec)
-    samples = frame_indices(info.frames, info.fps, spec)
-    wanted = {i for s in samples for i in s}
+    wanted: dict[int, int] = {}  # source frame -> samples still taking it
+    for s in samples:
+        for i in s:
+            wanted[i] = wanted.get(i, 0) + 1
     kept: dict[int, np.ndarray] = {}
+    pending, last = list(samples), max(wanted)
     try:
         with av.open(io.BytesIO(data)) as container:
             stream = container.streams.video[0]
@@ -143,12 +154,20 @@ def decode(data: bytes, spec: FrameSpec) -> list[np.ndarray]:
             for i, frame in enumerate(container.decode(stream)):
                 if i in wanted:
                     kept[i] = frame.to_ndarray(format="rgb24")
-                if i >= max(wanted):
+                while pending and max(pending[0]) <= i:
+                    yield _taken(pending.pop(0), kept, wanted)
+                if i >= last:
                     break
     except av.error.FFmpegError as e:
-        raise ClipError("corrupt", f"decoding failed after {len(kept)} frames ({e})") from None
-    if missing := sorted(wanted - kept.keys()):
-        raise ClipError(
-            "corrupt", f"{info.frames} frames said, frame {missing[0]} not decodable"
-        )
-    return [np.stack([kept[i] for i in s]) for s in samples]
+        raise ClipError("corrupt", f"decoding failed at a sample's frames ({e})") from None
+    if pending:
+        raise ClipError("corrupt", f"the stream ends before frame {max(pending[0])}")
+
+
+def _taken(sample: list[int], kept: dict, wanted: dict) -> np.ndarray:
+    out = np.stack([kept[i] for i in sample])
+    for i in sample:
+        wanted[i] -= 1
+        if not wanted[i]:
+            kept.pop(i, None)
+    return out

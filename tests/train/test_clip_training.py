@@ -9,12 +9,12 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from clip_files import clip
 from PIL import Image
 from run_checks import committed
 from safetensors.torch import load_file
+from test_train_exact import _workers_of_this_test
 
 from raytuner.api import preprocess, train
 from raytuner.config import load_job
@@ -86,24 +86,13 @@ def _run(job_file: Path, name: str) -> tuple[dict, str]:
     return train(job), f"{job.train.output}/{name}"
 
 
-def _workers() -> list[psutil.Process]:
-    found = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "RayTrainWorker" in " ".join(p.cmdline()):
-                found.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
 def _kill_after(run_dir: str, step: int, killed: list) -> None:
     """SIGKILL a worker once the first attempt logged ``step`` and a checkpoint is committed."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not killed:
         attempts = sample_log.read_attempts(run_dir)
         if attempts and max(attempts[0], default=0) >= step and committed(run_dir):
-            workers = _workers()
+            workers = _workers_of_this_test()
             if workers:
                 at = max(sample_log.read_attempts(run_dir)[0])
                 workers[-1].kill()
