@@ -41,6 +41,13 @@ def test_the_next_test():
 """
 
 
+def _signal_masks(pid: int) -> str:
+    """A process's blocked and ignored signals, as /proc shows them (a SIGINT blocked or ignored
+    there never reaches Python's handler)."""
+    with open(f"/proc/{pid}/status") as f:
+        return " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn")))
+
+
 def test_one_ctrl_c_stops_the_run_and_the_processes_it_started(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -60,8 +67,14 @@ def test_one_ctrl_c_stops_the_run_and_the_processes_it_started(tmp_path):
             assert inner.poll() is None and time.monotonic() < deadline, inner.stdout.read()
             time.sleep(0.1)
         sleeper = psutil.Process(int((out / "sleeper").read_text()))
+        inherited = _signal_masks(inner.pid)  # what the run got from this process
         os.killpg(inner.pid, signal.SIGINT)
-        output, _ = inner.communicate(timeout=60)
+        try:
+            output, _ = inner.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            inner.kill()
+            output, _ = inner.communicate()
+            raise AssertionError(f"no exit 60 s after Ctrl-C ({inherited}): {output}") from None
         assert inner.returncode == 130, output
         assert not (out / "next ran").exists(), output
         assert "interrupted (Ctrl-C)" in output, output
