@@ -41,6 +41,12 @@ def test_the_next_test():
 """
 
 
+FOREGROUND = (
+    "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.exit(pytest.main(sys.argv[1:]))"
+)
+
+
 def _signal_masks(pid: int) -> str:
     """A process's blocked and ignored signals, as /proc shows them (a SIGINT blocked or ignored
     there never reaches Python's handler)."""
@@ -53,7 +59,9 @@ def test_one_ctrl_c_stops_the_run_and_the_processes_it_started(tmp_path):
     out.mkdir()
     shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_inner.py").write_text(INNER.format(out=str(out)))
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"]
+    # a pytest run in a terminal's foreground: Python's own Ctrl-C handler, even where this run
+    # was started in the background (a shell's `&` ignores SIGINT, and its children inherit that)
+    command = [sys.executable, "-c", FOREGROUND, "-q", "-p", "no:cacheprovider", "test_inner.py"]
     # the sleeper never exits by itself: no grace before it is stopped (default 5 s)
     env = os.environ | {"RAYTUNER_TEST_EXIT_GRACE_S": "0"}
     inner = subprocess.Popen(
