@@ -101,17 +101,24 @@ def test_the_low_expert_trains_transformer_2_and_its_loss_is_a_flow_step_on_it(a
     torch.testing.assert_close(ours.detach(), theirs)
 
 
-def test_the_low_experts_lora_loads_into_transformer_2_alone(a14b_pipe, tmp_path):
-    """Its LoRA file is diffusers' layout under ``transformer.`` (the only part WanPipeline
-    saves) and loads, with the family's ``lora_load`` (load_into_transformer_2), into the
-    low-noise transformer: transformer_2 changes, transformer stays as it was."""
+def _exported_low_expert_lora(folder):
+    """The tiny low expert with a LoRA of random values, exported to ``folder``: (its family,
+    its denoiser, the trained weights)."""
     low = get_family("wan22", "low")
     model = low.denoiser(TINY)
     weights = adapt(model, mode="lora", lora=LoraConfig(rank=4, alpha=4.0),
                     targets=low.adapters.targets, ema_decay=0)  # fmt: skip
     for p in weights.params:
         torch.nn.init.normal_(p, std=0.1)
-    weights.export_lora(str(tmp_path), low, {"raytuner.family": "wan22"})
+    weights.export_lora(str(folder), low, {"raytuner.family": "wan22"})
+    return low, model, weights
+
+
+def test_the_low_experts_lora_loads_into_transformer_2_alone(a14b_pipe, tmp_path):
+    """Its LoRA file is diffusers' layout under ``transformer.`` (the only part WanPipeline
+    saves) and loads, with the family's ``lora_load`` (load_into_transformer_2), into the
+    low-noise transformer: transformer_2 changes, transformer stays as it was."""
+    low, model, weights = _exported_low_expert_lora(tmp_path)
     from safetensors.torch import load_file
 
     keys = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
@@ -237,13 +244,7 @@ def test_init_from_reads_the_low_experts_files_back_into_transformer_2(tmp_path)
     from raytuner.checkpoint.layout import DIFFUSERS_FILE, KOHYA_FILE
     from raytuner.lora.init_from import file_modules
 
-    low = get_family("wan22", "low")
-    model = low.denoiser(TINY)
-    weights = adapt(model, mode="lora", lora=LoraConfig(rank=4, alpha=4.0),
-                    targets=low.adapters.targets, ema_decay=0)  # fmt: skip
-    for p in weights.params:
-        torch.nn.init.normal_(p, std=0.1)
-    weights.export_lora(str(tmp_path), low, {"raytuner.family": "wan22"})
+    low, model, weights = _exported_low_expert_lora(tmp_path)
     state = weights.state()
     for name in (DIFFUSERS_FILE, KOHYA_FILE):
         found = file_modules(load_file(tmp_path / "lora" / name), {}, low, model)
