@@ -94,8 +94,12 @@ def _kill_after(run_dir: str, step: int, killed: list) -> None:
         if attempts and max(attempts[0], default=0) >= step and committed(run_dir):
             workers = _workers_of_this_test()
             if workers:
+                for worker in workers:  # held still: a loaded machine would train on to the end
+                    worker.suspend()
                 at = max(sample_log.read_attempts(run_dir)[0])
                 workers[-1].kill()
+                for worker in workers[:-1]:
+                    worker.resume()
                 killed.append(at)
                 return
         time.sleep(0.02)
