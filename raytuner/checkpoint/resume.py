@@ -12,21 +12,15 @@ import ray.train
 from raytuner import storage
 from raytuner.checkpoint import layout
 from raytuner.checkpoint.layout import RUN, STATE, checkpoint_folders
-from raytuner.config import ConfigError, JobConfig, LoraConfig
+from raytuner.config import ConfigError, JobConfig, LoraConfig, ModelConfig
 
-# [lora] keys of a run's identity that checkpoints written before them lack (their defaults)
-ADDED_LORA_KEYS = (
-    "text_encoder",
-    "text_encoder_rank",
-    "text_encoder_alpha",
-    "text_encoder_target_modules",
-    "kind",
-    "dora",
-    "factor",
-    "decompose_both",
-    "rank_dropout",
-    "module_dropout",
-)
+# the sections of a run's identity whose keys grow with raytuner: a key a checkpoint lacks was
+# added after it was written, and the run trained with that key's default (asdict's value of
+# the section's default, with the family a run names: ModelConfig has no default for it)
+_GROWING = {
+    "model": lambda: asdict(ModelConfig(family="")) | {"merge_adapters": []},
+    "lora": lambda: asdict(LoraConfig()),
+}
 
 
 def run_identity(
@@ -78,9 +72,8 @@ def check_resumable(
         except (OSError, ValueError):
             continue  # unreadable: the workers skip it too
         saved.get("weights", {}).setdefault("strategy", "ddp")  # before scaling.strategy
-        saved.get("model", {}).setdefault("merge_adapters", [])  # before model.merge_adapters
-        for key in ADDED_LORA_KEYS:  # a run from before lora.text_encoder trained none
-            saved.get("lora", {}).setdefault(key, getattr(LoraConfig(), key))
+        for section, defaults in _GROWING.items():  # keys added after it was written
+            saved[section] = defaults() | saved.get(section, {})
         changes = identity_changes(saved, current)
         if changes == ["dataset.id"]:
             raise ConfigError(

@@ -19,6 +19,10 @@ import json
 from raytuner import storage
 from raytuner.data.cache import DATASETS, indexes
 
+# settings added after caches were made, and what a source had before them: a source names
+# one only when it changes it, so that the datasets committed before it keep their keys
+_ADDED = {"references": "", "frames": [81], "frame_selection": "head", "fps": 0.0}
+
 # the settings a source has by default: a source is described by the ones it changes
 # (``repeats_from_folder``, true for data.images and false for [[data.sources]], is not)
 _DEFAULTS = {
@@ -30,7 +34,7 @@ _DEFAULTS = {
     "regularization": False,
     "flip": "none",
     "mask": "none",
-    "references": "",
+    **_ADDED,
 }
 
 
@@ -41,10 +45,11 @@ def sources_record(sources) -> list[dict]:
 
 
 def _record(source) -> dict:
-    """A source's settings; ``references`` only when set (the keys made before it stay)."""
+    """A source's settings, those of ``_ADDED`` only when changed (old keys stay valid)."""
     out = dataclasses.asdict(source) | {"path": storage.absolute(source.path)}
-    if not out.get("references"):
-        out.pop("references", None)
+    for k, default in _ADDED.items():
+        if k in out and out[k] == default:
+            out.pop(k)
     return out
 
 
