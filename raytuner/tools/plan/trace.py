@@ -299,15 +299,29 @@ def trace_encoders(
     encode_image = family.image_encoder(source, "meta", weights=False)
     encode_text = family.text_encoder(source, "meta", weights=False)
     clip = (frames,) if frames > 1 else ()  # a video family's clips [n, 3, F, h, w]
-    pixels = torch.zeros(n, 3, *clip, h, w, device="meta")
-    with traced() as image_live:
-        latent = encode_image(pixels)[0]
+    image_peak, latent = _encode_peak(encode_image, (3, *clip, h, w), n)
     with traced() as text_live:
         text = encode_text(["a caption of average length for a photograph"] * n)
     shapes = {"latent": tuple(latent.shape[1:])} | {k: tuple(v.shape[1:]) for k, v in text.items()}
     weights = _part_bytes(job, family, ("vae",)) + _text_bytes(job, family)
-    peak = weights + max(image_live.peak, text_live.peak) + OVERHEAD
+    peak = weights + max(image_peak, text_live.peak) + OVERHEAD
     return {"weights_bytes": weights, "peak_bytes": peak, "batch_size": n}, shapes
+
+
+def _encode_peak(encode_image, sample: tuple[int, ...], n: int) -> tuple[int, torch.Tensor]:
+    """The peak bytes of a VAE encode of ``n`` samples of shape ``sample`` and one sample's
+    latent. An encode's bytes are affine in its batch (a batched encoder's activations grow with
+    it; a sliced one holds one sample's and the batch's inputs and outputs), so batches of 1 and
+    2 give n's: a clip's trace at full size takes minutes (Wan's 81 frames, tiled: 315 tile
+    passes a sample), and n of them as many times longer."""
+    peaks = []
+    for batch in (1, 2)[: min(n, 2)]:
+        pixels = torch.zeros(batch, *sample, device="meta")  # made before the trace, as the batch arrives
+        with traced() as live:
+            latent = encode_image(pixels)[0]
+        peaks.append(live.peak)
+    slope = peaks[-1] - peaks[0]
+    return peaks[0] + (n - 1) * slope, latent
 
 
 def _text_bytes(job: JobConfig, family) -> int:
