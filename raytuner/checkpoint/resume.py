@@ -73,7 +73,8 @@ def check_resumable(
             continue  # unreadable: the workers skip it too
         saved.get("weights", {}).setdefault("strategy", "ddp")  # before scaling.strategy
         for section, defaults in _GROWING.items():  # keys added after it was written
-            saved[section] = defaults() | saved.get(section, {})
+            added = {k: v for k, v in defaults().items() if k in current[section]}
+            saved[section] = added | saved.get(section, {})
         changes = identity_changes(saved, current)
         if changes == ["dataset.id"]:
             raise ConfigError(

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import ray
-from ray.train import UserCallback
 
 from raytuner import storage
 from raytuner.checkpoint import layout
@@ -33,10 +32,10 @@ from raytuner.lora.find import find_weights
 from raytuner.observe import metrics
 from raytuner.observe.observer import ValidationReport
 from raytuner.render import clips, prompts, sample
+from raytuner.render.callback import QUEUE_TIMEOUT_S, ValidationCallback
 
 log = logging.getLogger("raytuner.validation")
 DRAIN_TIMEOUT_S = 900.0  # after training: how long the driver waits for the last renders
-QUEUE_TIMEOUT_S = 10.0  # how long the controller waits for the actor to take a checkpoint
 CLOSE_TIMEOUT_S = 120.0  # how long the driver waits for the actor's TensorBoard/W&B files
 
 
@@ -185,31 +184,6 @@ class Validator:
         metrics.gauge("raytuner_validation_time_s", seconds, self.run)
         log.info("validation at step %d: %s/%s.png (%.1f s)", step, folder, name, seconds)
         return record | {"path": f"{folder}/{name}.png"}
-
-
-class ValidationCallback(UserCallback):
-    """On Ray Train's controller: queue each persisted validation checkpoint (a quick call)."""
-
-    def __init__(self, validator, every_steps: int, max_steps: int) -> None:
-        self.validator, self.every, self.max_steps = validator, every_steps, max_steps
-
-    def after_report(self, run_context, metrics, checkpoint) -> None:
-        step = metrics[0].get("step") if metrics else None
-        if checkpoint is None or step is None:
-            return
-        if step % self.every and step != self.max_steps:
-            return
-        queued = self.validator.enqueue.remote(step, checkpoint.path, checkpoint.filesystem)
-        try:
-            ray.get(queued, timeout=QUEUE_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:  # not started yet: the call stays queued
-            log.warning(
-                "validation at step %d: the validation actor has not started (are "
-                "validation.cpus/gpus free?); it renders once it runs",
-                step,
-            )
-        except ray.exceptions.RayError as e:  # the actor died: training goes on without it
-            log.warning("validation at step %d not queued: %s", step, e)
 
 
 def _file_lines(path: str) -> list[dict]:

@@ -27,8 +27,8 @@ from raytuner.data.reader import for_readers
 from raytuner.errors import Interrupted, TrainingStopped, WorkerDied, dead_worker
 from raytuner.lora import merge
 from raytuner.render import validation
-from raytuner.train import starting, stopping
-from raytuner.train.loop import LoopConfig, train_loop
+from raytuner.train import entry, starting, stopping
+from raytuner.train.loop import LoopConfig
 from raytuner.train.schedule import epoch_batches
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,8 @@ def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Resul
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGINT) if main else None
     trainer = _Trainer(
-        train_loop,
-        train_loop_config=vars(loop),
+        entry.train_loop,  # the controller imports neither the loop nor the model code
+        train_loop_config=entry.config(loop),
         scaling_config=_scaling(job),
         run_config=ray.train.RunConfig(
             name=name,

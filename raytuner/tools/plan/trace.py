@@ -316,7 +316,7 @@ def _encode_peak(encode_image, sample: tuple[int, ...], n: int) -> tuple[int, to
     passes a sample), and n of them as many times longer."""
     peaks = []
     for batch in (1, 2)[: min(n, 2)]:
-        pixels = torch.zeros(batch, *sample, device="meta")  # made before the trace, as the batch arrives
+        pixels = torch.zeros(batch, *sample, device="meta")  # arrives before the trace
         with traced() as live:
             latent = encode_image(pixels)[0]
         peaks.append(live.peak)
