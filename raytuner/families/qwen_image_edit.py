@@ -120,7 +120,9 @@ class _EditText(_QwenText):
         )  # fmt: skip
         self.pipe, self.tokenizer, self.device = _edit_pipeline(pipe), tokenizer, device
         self.encoders = [encoder]
-        self.max_tokens = min(MAX_TOKENS, tokenizer.model_max_length)
+        # what `raytuner plan` traces (``_every_token``): a caption of 512 tokens and one
+        # reference's vision tokens (the vision tower's own pass not counted)
+        self.max_tokens = min(MAX_TOKENS + REFERENCE_TOKENS, tokenizer.model_max_length)
 
     @torch.no_grad()
     def __call__(self, captions: list[str], references=None) -> dict[str, torch.Tensor]:

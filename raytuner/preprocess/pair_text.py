@@ -121,8 +121,9 @@ def encode(items: list[dict], spec: DecodeSpec, encoder, pre, version, run_rel: 
         encoded = ray.data.from_items(items, override_num_blocks=blocks).map_batches(
             PairTexts,
             fn_constructor_args=args,
-            compute=ray.data.ActorPoolStrategy(min_size=min(pre.min_actors, actors),
-                                               max_size=actors),  # fmt: skip
+            compute=ray.data.ActorPoolStrategy(
+                min_size=min(pre.min_actors, actors), max_size=actors
+            ),
             num_gpus=pre.gpus_per_actor or None,
             num_cpus=pre.cpus_per_actor,
             batch_size=None,
