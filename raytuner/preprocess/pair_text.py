@@ -2,7 +2,7 @@
 (``References.text``: Qwen-Image-Edit's Qwen2.5-VL). Such a row is of a caption *and* its
 references, so it cannot be encoded in the stream beside its caption (a target's references are
 rows of their own, in other blocks, known only once the stream is done): the stream leaves the
-captions of the paired sources alone (``text_sources``), and once the pairs are joined each
+captions of the paired sources alone (``pairs.text_sources``), and once the pairs are joined each
 trained pair's row is keyed by its caption and its references' content keys
 (``cache.pair_caption_key``) and the keys the cache lacks are encoded here, in an actor pool of
 their own (the encoder actors' settings), each reference decoded again to its bucket's pixels as
@@ -23,16 +23,10 @@ from raytuner import quiet
 from raytuner.data.cache import pair_caption_key
 from raytuner.preprocess.decode import DecodeSpec, decode_row
 from raytuner.preprocess.encode import Encoder
+from raytuner.preprocess.pipeline import wait_for_encoders
+from raytuner.preprocess.sink import PartSink
 
 log = logging.getLogger(__name__)
-
-
-def text_sources(listing: list[dict], family) -> frozenset[int]:
-    """The sources whose captions the stream leaves to this pass: the paired ones (a target
-    listed with references), for a family whose text encoder sees the references; else none."""
-    if not family.references.text:
-        return frozenset()
-    return frozenset(r["source"] for r in listing if r.get("references"))
 
 
 def keyed(rows: list[dict]) -> list[dict]:
@@ -108,9 +102,6 @@ class PairTexts(Encoder):
 def encode(items: list[dict], spec: DecodeSpec, encoder, pre, version, run_rel: str) -> None:
     """Encode ``items`` (``missing``) into text files of the run folder ``run_rel``:
     ``encoder``, (family, ModelConfig); the actors as the stream's (``preprocess.*``)."""
-    from raytuner.preprocess.pipeline import wait_for_encoders
-    from raytuner.preprocess.sink import PartSink
-
     log.info("preprocess: encoding %d edit pairs' text rows with their references", len(items))
     wait_for_encoders(pre)
     blocks = math.ceil(len(items) / pre.batch_size)

@@ -20,7 +20,7 @@ from raytuner.data.cache import caption_key, flip_key
 from raytuner.preprocess.clips import is_clip
 from raytuner.preprocess.decode import ENCODE, PROBE_COLUMNS, DecodeSpec, probe_decode_blocks
 from raytuner.preprocess.encode import Encoder
-from raytuner.preprocess.pair_text import text_sources
+from raytuner.preprocess.pairs import text_sources
 from raytuner.preprocess.sink import PartSink
 
 BLOCK_PIXEL_BYTES = 64 * 1024**2  # decoded pixels per stream block, at most (about)
