@@ -122,6 +122,9 @@ def sample(
         raise ConfigError("sample: give at least one prompt or a prompts file")
     try:
         prompt_lines.check_references("--reference", tuple(references), family)
+        for line in lines:
+            where = f"line {line.line}" if line.line else f"--prompt {line.prompt!r}"
+            prompt_lines.check_required(where, line.references or references, family)
     except prompt_lines.PromptsError as e:
         raise ConfigError(f"sample {e}") from None
     _sample_options(family, seeds, steps, width, height)

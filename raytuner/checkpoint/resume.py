@@ -19,7 +19,8 @@ from raytuner.config import ConfigError, JobConfig, LoraConfig, ModelConfig
 # the section's default, with the family a run names: ModelConfig has no default for it)
 _GROWING = {
     "model": lambda: asdict(ModelConfig(family="")) | {"merge_adapters": []},
-    "lora": lambda: asdict(LoraConfig()),
+    # (less its learning rate, which the identity leaves out: ``run_identity``)
+    "lora": lambda: {k: v for k, v in asdict(LoraConfig()).items() if k != "text_encoder_lr"},
 }
 
 

@@ -128,6 +128,15 @@ def caption_key(caption: str) -> str:
     return hashlib.sha256(caption.encode("utf-8")).hexdigest()
 
 
+def pair_caption_key(caption: str, reference_keys) -> str:
+    """The text row's key of a caption encoded with its edit pair's reference images (a family
+    whose text encoder sees them, ``References.text``): the caption's key and a hash of the
+    references' content keys in order. Another reference (or the same ones in another order)
+    is another row; the same pair, one row."""
+    joined = "\n".join(reference_keys).encode("utf-8")
+    return f"{caption_key(caption)}:refs:{hashlib.sha256(joined).hexdigest()[:32]}"
+
+
 def fingerprint(model: ModelConfig, pre: PreprocessConfig) -> str:
     encoding = {k: getattr(pre, k) for k in ENCODING_KEYS}
     if pre.text_storage != pre.dtype:  # text stored otherwise: another version (the default

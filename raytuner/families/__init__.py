@@ -7,6 +7,7 @@ from raytuner.families.flux import Flux
 from raytuner.families.flux2 import Flux2Dev, Flux2Klein
 from raytuner.families.flux_kontext import FluxKontext
 from raytuner.families.qwen_image import QwenImage
+from raytuner.families.qwen_image_edit import QwenImageEdit
 from raytuner.families.sana import Sana
 from raytuner.families.sd15 import SD15
 from raytuner.families.sdxl import SDXL
@@ -27,6 +28,7 @@ FAMILIES: dict[str, Family] = {
     "flux2-klein": Flux2Klein(),
     "flux2-dev": Flux2Dev(),
     "flux-kontext": FluxKontext(),
+    "qwen-image-edit": QwenImageEdit(),
 }
 
 

@@ -133,6 +133,14 @@ class References:
     # the pipeline-call keyword the rendered area is passed as (Kontext's max_area: else it
     # renders about 1024 x 1024 whatever the size asked); "": none
     area_argument: str = ""
+    # its text encoder sees a caption's reference images too (Qwen-Image-Edit's Qwen2.5-VL): an
+    # edit pair's text row is of its caption and its references (``cache.pair_caption_key``),
+    # encoded once the pairs are known (``preprocess/pair_text.py``), and its ``text_encoder``
+    # takes ``references=`` (each caption's images, bucket-sized RGB)
+    text: bool = False
+    # its pipeline renders only from a reference image (QwenImageEditPlusPipeline): a prompt
+    # line without one is refused (``render/prompts.check_references``)
+    required: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

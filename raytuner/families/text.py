@@ -15,7 +15,9 @@ from raytuner import placement
 
 
 class TextEncoder(Protocol):
-    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]: ...  # name -> [B, ...]
+    # name -> [B, ...]; a family whose text encoder sees the references (``References.text``)
+    # also takes ``references=``: each caption's reference images (PIL RGB, their bucket's size)
+    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]: ...
     def truncated(self, captions: list[str]) -> list[bool]: ...  # longer than the tokenizer limit
 
     # the text tensors [B, tokens, ...] whose trailing all-zero rows are padding after a caption

@@ -222,11 +222,18 @@ def validation_prompts(v: ValidationConfig, family) -> None:
         prompts.frame_count("validation.frames =", v.frames, family)
     except prompts.PromptsError as e:
         raise ConfigError(f"{e}; 0 renders the largest data.frames bucket") from None
+    if v.prompts and family.references.required:
+        raise ConfigError(
+            f"validation.prompts: {family.name}'s pipeline renders only from a reference image, "
+            "which a prompt of validation.prompts cannot name: put them in "
+            "validation.prompts_file, each line with --ci <image>"
+        )
     if not v.prompts_file:
         return
     try:
         for line in prompts.read_prompts_file(v.prompts_file):
             prompts.check_line(line, family)
+            prompts.check_required(f"line {line.line}", line.references, family)
     except prompts.PromptsError as e:
         raise ConfigError(f"validation.prompts_file = {v.prompts_file!r}: {e}") from None
 

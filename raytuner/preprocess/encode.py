@@ -150,7 +150,9 @@ class Encoder:
     ``own_process``: the actor has its process to itself (a Ray actor's), which then does
     without diffusers' quantization backends (``without_quantizers``); ``text_dtype``: the
     text tensors' storage dtype (None: ``dtype``); ``spread``: (offload, GPUs) the text
-    encoder is placed with (``preprocess.text_encoder_offload``, ``gpus_per_actor``)."""
+    encoder is placed with (``preprocess.text_encoder_offload``, ``gpus_per_actor``);
+    ``text_sources``: the sources whose captions it leaves alone (a paired source's, for a
+    family whose text encoder sees the references: ``preprocess/pair_text.py``)."""
 
     def __init__(
         self,
@@ -165,10 +167,11 @@ class Encoder:
         own_process: bool = False,
         text_dtype: str | None = None,
         spread: tuple[bool, int] = (False, 1),
+        text_sources: frozenset[int] = frozenset(),
     ):
         self.model, self.dtype, self.store_std, self.progress = model, dtype, store_std, progress
         self.text_dtype, self.spread = text_dtype or dtype, spread
-        self.family, self.batch_size = family, batch_size
+        self.family, self.batch_size, self.text_sources = family, batch_size, text_sources
         self.seen = set(known)  # caption keys encoded by the cache or by this actor
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="raytuner-encoder-load")
         self._loading: dict[str, Future] = {}
@@ -288,6 +291,9 @@ class Encoder:
         usable = pc.and_(
             pc.equal(block.column("reason"), ""), pc.not_equal(block.column("status"), FAILED)
         )
+        if self.text_sources:  # their captions are encoded with their references
+            paired = pc.is_in(block.column("source"), pa.array(sorted(self.text_sources)))
+            usable = pc.and_(usable, pc.invert(paired))
         rows = block.filter(usable).select(["caption_key", "caption"]).to_pydict()
         new = {}
         for key, caption in zip(rows["caption_key"], rows["caption"], strict=True):
@@ -305,8 +311,9 @@ class Encoder:
         self.seen.update(keys)
         return out
 
-    def _text(self, encode, keys: list[str], captions: dict[str, str]) -> pa.Table:
-        """The TEXT rows of the captions of ``keys``."""
+    def _text(self, encode, keys: list[str], captions: dict[str, str], references=None):
+        """The TEXT rows of the captions of ``keys`` (a table); ``references``: each one's
+        reference images, for a text encoder that sees them (``References.text``)."""
         texts = [captions[k] for k in keys]
         columns = {
             "caption_key": pa.array(keys, pa.string()),
@@ -315,7 +322,8 @@ class Encoder:
             "status": pa.array([TEXT] * len(keys), pa.string()),
         }
         ragged = getattr(encode, "ragged", ())
-        for name, tensor in encode(texts).items():
+        made = encode(texts) if references is None else encode(texts, references=references)
+        for name, tensor in made.items():
             if name in ragged:  # each caption's tokens alone, without the zero rows after them
                 cells, shapes, sums = ragged_cell_column(tensor, self.text_dtype)
             else:

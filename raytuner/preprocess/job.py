@@ -18,7 +18,7 @@ from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
 from raytuner.data import cache, index
 from raytuner.data.cache import caption_key
 from raytuner.observe import metrics
-from raytuner.preprocess import pairs, pipeline
+from raytuner.preprocess import pair_text, pairs, pipeline
 from raytuner.preprocess.buckets import make_buckets
 from raytuner.preprocess.clips import clip_report
 from raytuner.preprocess.decode import DecodeSpec, Known
@@ -221,6 +221,22 @@ def stage_report(stages: dict) -> dict:
     return {name: {k: round(v, 4) for k, v in t.items()} for name, t in stages.items()}
 
 
+def _pair_texts(job: _Pass, p, located, sources: int) -> int:
+    """For a family whose text encoder sees the references (``References.text``): the plan's
+    pairs keyed by their caption and references, and the text rows the cache lacks encoded
+    (``pair_text``; ``located`` refreshed after). Returns how many were encoded."""
+    if not job.family.references.text:
+        return 0
+    p.cached, p.new = pair_text.keyed(p.cached), pair_text.keyed(p.new)
+    todo = pair_text.missing(p.cached + p.new, located, job.family, sources)
+    if todo:
+        spec = decode_spec(job.family, job.data, job.pre)
+        encoder = (job.family, job.model)
+        pair_text.encode(todo, spec, encoder, job.pre, job.version, job.run)
+        located.refresh()
+    return len(todo)
+
+
 def _preprocess(job: _Pass) -> dict:
     """One listing, encoding and commit into the run folder ``job.run`` (kept when it retries)."""
     version, data, pre = job.version, job.data, job.pre
@@ -246,6 +262,7 @@ def _preprocess(job: _Pass) -> dict:
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
     began = clock()
     located.refresh()
+    texts = _pair_texts(job, p, located, len(sources))
     indexed = _indexed(p.cached + p.new, located, sources)
     indexed, mismatched = pairs.matched(indexed, located.latents, job.family)
     for r, why in mismatched:  # skipped, not cached or new: each file in one list
@@ -265,6 +282,8 @@ def _preprocess(job: _Pass) -> dict:
     if any(r["clip"] for r in rows):
         rep["clips"] = clip_report(rows, indexed)
     rep |= pairs.pair_report(indexed, references, encoded)
+    if job.family.references.text and "pairs" in rep:
+        rep["pairs"]["texts_encoded"] = texts
     rep["not_utf8_files"] = [
         {"source": r["source"], "path": caption_file(sources[r["source_index"]], r["path"])}
         for r in indexed

@@ -247,6 +247,15 @@ def join_references(rows: list[dict], listing: list[dict], roots: list[str]) -> 
     return targets, references
 
 
+def text_sources(listing: list[dict], family) -> frozenset[int]:
+    """The sources whose captions the stream leaves to ``pair_text`` (encoded with their
+    references): the paired ones (a target listed with references), for a family whose text
+    encoder sees the references (``References.text``); else none."""
+    if not family.references.text:
+        return frozenset()
+    return frozenset(r["source"] for r in listing if r.get("references"))
+
+
 def matched(indexed: list[dict], latents: dict, family) -> tuple[list, list[tuple[dict, str]]]:
     """The trained targets whose references share their bucket and are as many as the family
     takes (``family.references.most``), and the others with the reason they are skipped (an

@@ -20,6 +20,7 @@ from raytuner.data.cache import caption_key, flip_key
 from raytuner.preprocess.clips import is_clip
 from raytuner.preprocess.decode import ENCODE, PROBE_COLUMNS, DecodeSpec, probe_decode_blocks
 from raytuner.preprocess.encode import Encoder
+from raytuner.preprocess.pairs import text_sources
 from raytuner.preprocess.sink import PartSink
 
 BLOCK_PIXEL_BYTES = 64 * 1024**2  # decoded pixels per stream block, at most (about)
@@ -51,6 +52,7 @@ def run(
     counting actor of the files read and the images encoded (``preprocess/progress.py``).
     Returns one row per listed file: its probe columns, ``status`` and ``failure``."""
     latents, caption_keys = known
+    paired = text_sources(listing, encoder[0])  # their captions: with their references
     side = max(max(w, h) for w, h in spec.buckets)
     frames = _most_frames(listing, sources, spec)
     rows = rows_per_block(len(listing), pre.batch_size, side, pre.max_actors, frames)
@@ -58,13 +60,13 @@ def run(
     probe = {"sources": sources, "spec": spec, "known": latents, "progress": progress}
     if not preload:  # every image unchanged: probe alone, no encoder starts unless a caption is new
         probed = _probed(listing, rows, probe)
-        if _nothing_new(probed, caption_keys):
+        if _nothing_new(probed, caption_keys, paired):
             return probed
     wait_for_encoders(pre)
     sink = PartSink(version.fs, version.root, run_rel, progress)
     args = (*encoder, pre.dtype, pre.store_std, set(caption_keys), progress, preload)
     args += (pre.batch_size, True, pre.text_storage)  # own_process: a Ray actor's
-    args += ((pre.text_encoder_offload, max(1, int(pre.gpus_per_actor))),)
+    args += ((pre.text_encoder_offload, max(1, int(pre.gpus_per_actor))), paired)
     with quiet.ray_remote_args_accepted():  # max_restarts: no named parameter in Ray 2.60
         encoded = _probe_stream(listing, rows, probe).map_batches(
             Encoder,
@@ -135,7 +137,9 @@ def _probed(listing: list[dict], rows: int, probe: dict) -> list[dict]:
     return [r for ref in refs for r in ray.get(ref).to_pylist()]
 
 
-def _nothing_new(probed: list[dict], caption_keys) -> bool:
-    """No image to decode (a file changed since it was listed) and every caption cached."""
-    need = {r["caption_key"] for r in probed if not r["reason"]} | {caption_key("")}
+def _nothing_new(probed: list[dict], caption_keys, paired=frozenset()) -> bool:
+    """No image to decode (a file changed since it was listed) and every caption cached (but
+    those of the ``paired`` sources, encoded with their references: ``pair_text``)."""
+    need = {r["caption_key"] for r in probed if not r["reason"] and r["source"] not in paired}
+    need |= {caption_key("")}
     return all(r["status"] != ENCODE for r in probed) and need <= set(caption_keys)

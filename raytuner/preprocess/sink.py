@@ -58,7 +58,9 @@ class PartSink(Datasink):
             names += _cell_columns([t for t in tensors if t not in image and t != cache.MASK])
             self._write(text, cache.TEXT, names)
             appended = pc.is_in(status, pa.array([TEXT, LATENT, MASK]))
-            probed.append(table.filter(pc.invert(appended)).select(PROBE_COLUMNS))
+            rest = table.filter(pc.invert(appended))  # none from the pairs' text pass
+            if rest.num_rows:
+                probed.append(rest.select(PROBE_COLUMNS))
         timed(self.timer, "write", start)
         return pa.concat_tables(probed) if probed else STREAM_SCHEMA.empty_table()
 

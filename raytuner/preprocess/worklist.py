@@ -205,6 +205,10 @@ def _kind_lines(report: dict) -> list[str]:
         out.append(
             f"  pairs: {p['targets']} targets with {p['references']} reference images "
             f"(up to {p['per_target']} each; {p['encoded']} encoded now)"
+            + (
+                f"; {p['texts_encoded']} text rows encoded with their references now"
+                if "texts_encoded" in p else ""
+            )
         )
     if g := report.get("regularization"):
         out.append(

@@ -268,6 +268,16 @@ def check_references(where: str, references, family) -> None:
             raise PromptsError(f"{where}: --ci {path}: no such file")
 
 
+def check_required(where: str, references, family) -> None:
+    """Refuse a render without a reference image for a family whose pipeline renders only
+    from one (``References.required``: Qwen-Image-Edit's)."""
+    if family.references.required and not references:
+        raise PromptsError(
+            f"{where}: {family.name}'s pipeline renders only from a reference image: give the "
+            "line --ci <image> (or `raytuner sample --reference <image>` for every line)"
+        )
+
+
 def is_distilled(family, pipe, pretrained: str, setting: str) -> bool:
     """Whether to render as the family's step-distilled release (``validation.distilled``):
     ``auto``: the pipeline's config says ``is_distilled`` (Flux.2 [klein]'s) or ``pretrained``
@@ -325,6 +335,8 @@ def resolve(
             scale = defaults.guidance_scale or (
                 g.distilled_scale if distilled else g.default_scale
             )
+        check_required(f"line {p.line}" if p.line else repr(p.prompt),
+                       p.references or defaults.references, family)  # fmt: skip
         negative = p.negative_prompt if p.negative_prompt is not None else defaults.negative_prompt
         if not negative and scale > 1:  # a pipeline that guides only with a negative prompt
             negative = g.default_negative_prompt

@@ -391,7 +391,8 @@ def test_auto_compiles_on_gpus_where_it_was_measured_faster():
     auto = {name: compiles("auto", f, cuda) for name, f in FAMILIES.items()}
     assert auto == {"flux": True, "sdxl": True, "sd15": False, "sana": False, "z-image": False,
                     "wan": False, "wan22": False, "wan22-5b": False, "qwen-image": False,
-                    "flux2-klein": False, "flux2-dev": False, "flux-kontext": False}  # fmt: skip
+                    "flux2-klein": False, "flux2-dev": False, "flux-kontext": False,
+                    "qwen-image-edit": False}  # fmt: skip
     assert not compiles("auto", FAMILIES["flux"], cpu)
     assert not compiles("auto", FAMILIES["flux"], cuda, swapped=8)  # hooks dynamo cannot hold
     assert compiles(True, FAMILIES["sd15"], cpu) and not compiles(False, FAMILIES["flux"], cuda)

@@ -40,6 +40,7 @@ BRANCH = {
     "flux2-klein": "flux",
     "flux2-dev": "flux",
     "qwen-image": "qwen",
+    "qwen-image-edit": "qwen",  # ComfyUI loads Qwen-Image-Edit as a QwenImage model
     "wan": "native",
 }
 # the diffusers modules flux_to_diffusers maps (Flux.1's and FLUX.2's names; its q/k/v of a

@@ -37,6 +37,7 @@ PUBLISHED = {
     "wan22-a14b": (14_288_491_584, 0),  # each expert of Wan 2.2 T2V A14B
     "wan22-5b": (4_999_787_712, 0),  # Wan 2.2 TI2V-5B
     "qwen-image": (20_430_401_088, 0),
+    "qwen-image-edit": (20_430_401_088, 0),  # Qwen-Image-Edit-2509: Qwen-Image's transformer
     "flux2-klein": (3_875_544_576, 0),  # [klein] 4B
     "flux2-dev": (32_223_281_152, 0),
 }
