@@ -19,8 +19,7 @@ from raytuner.config import ConfigError, JobConfig, LoraConfig, ModelConfig
 # the section's default, with the family a run names: ModelConfig has no default for it)
 _GROWING = {
     "model": lambda: asdict(ModelConfig(family="")) | {"merge_adapters": []},
-    # (less its learning rate, which the identity leaves out: ``run_identity``)
-    "lora": lambda: {k: v for k, v in asdict(LoraConfig()).items() if k != "text_encoder_lr"},
+    "lora": lambda: asdict(LoraConfig()),
 }
 
 
