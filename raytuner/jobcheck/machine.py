@@ -145,5 +145,25 @@ def image_folders(data: DataConfig) -> None:
                 f"{first['refused']})"
             )
         counts.append((shown, usable, len(rows) - usable))
+        _references_folder(key, source)
     for shown, usable, skipped in counts:
         log.info("%s: %d images%s", shown, usable, f" ({skipped} skipped)" if skipped else "")
+
+
+def _references_folder(key: str, source) -> None:
+    """A local source's ``references`` folder (edit pairs) exists: else every pair would be
+    reported missing a reference after the whole folder was read and encoded."""
+    from raytuner.preprocess.pairs import reference_root
+
+    if not source.references or "://" in source.references:
+        return
+    root = reference_root(source)
+    fs, path = storage.resolve(root)
+    kind = fs.get_file_info(path).type
+    what = {pafs.FileType.NotFound: "no such folder", pafs.FileType.File: "not a folder"}
+    if kind in what:
+        name = key.replace(".path", ".references") if key.endswith(".path") else "data.references"
+        raise ConfigError(
+            f"{name} = {source.references!r}: {what[kind]} ({path}; a relative one is read from "
+            f"the source folder {source.path!r}); set it to the folder of the reference images"
+        )

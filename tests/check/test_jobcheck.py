@@ -257,6 +257,16 @@ def test_a_missing_image_folder_is_refused_naming_the_key_and_the_path(tmp_path,
     assert "data.sources[0].path" in (err := capsys.readouterr().err) and "not a folder" in err
 
 
+def test_a_missing_references_folder_is_refused_before_any_image_is_read(tmp_path, capsys):
+    """Edit pairs: a references folder that is not there would have every pair reported
+    missing its reference after the whole folder was encoded."""
+    err = refused(tmp_path, capsys, 'data.references="controls"', family="flux-kontext")
+    assert "data.references = 'controls': no such folder" in err
+    assert f"{tmp_path.as_posix()}/images/controls" in err and "reference images" in err
+    image_folder(tmp_path / "images" / "controls")
+    accepted(tmp_path, capsys, 'data.references="controls"', family="flux-kontext")
+
+
 def test_an_image_folder_without_an_image_is_refused(tmp_path, capsys):
     empty = tmp_path / "empty"
     (empty / "sub").mkdir(parents=True)
