@@ -178,8 +178,8 @@ def test_a_rerun_trusts_an_unchanged_clip_by_size_and_mtime_as_an_image(encoded)
     """A clip listed with the committed index's size and mtime, under the same frame settings
     and with every sample cached, is not read again (100,000 clips of 10 to 50 MB on S3 are 1 to
     5 TB a rerun would download); its caption is. Proof: other bytes of the same size with the
-    mtime put back go unnoticed, as for an image. A changed mtime, or other frame settings,
-    read the clip again (a changed one is encoded again, one become bytes reported corrupt)."""
+    mtime put back go unnoticed, as for an image. A changed mtime, or other frame settings of
+    its source, read the clip again: zeros are then found corrupt, new content encoded."""
     root, data, _ = encoded
     media, chunky = root / "media", root / "chunky"
     rerun = update_cache(MODEL, data, PRE, family=WAN)  # nothing changed: today's counts
