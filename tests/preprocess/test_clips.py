@@ -1,8 +1,8 @@
 """Video clips through the preprocess stream (issue 40) on a real local Ray, the tiny Wan: clips
 the test encodes with PyAV (mp4 and webm, several lengths, rates and sizes, one corrupt, one too
 short) beside images; every clip in one report category, each sample's latent the VAE's own of
-its decoded frames, a rerun encodes nothing and an edited clip alone is encoded again; an image
-family reports the clips as not trained."""
+its decoded frames, a rerun encodes nothing and an edited clip alone is encoded again, an
+unchanged clip is not read again; an image family reports the clips as not trained."""
 
 from __future__ import annotations
 
