@@ -53,6 +53,19 @@ def _record(source) -> dict:
     return out
 
 
+def frame_settings(record: dict) -> tuple:
+    """What a source's clips are sampled with: its frame counts, frame selection and fps, from
+    its ``sources_record`` entry (one that leaves them out has their defaults)."""
+    frames = record.get("frames", _ADDED["frames"])
+    selection = record.get("frame_selection", _ADDED["frame_selection"])
+    return tuple(int(n) for n in frames), str(selection), float(record.get("fps", _ADDED["fps"]))
+
+
+def source_frame_settings(source) -> tuple:
+    """``frame_settings`` of a ``SourceConfig``."""
+    return frame_settings(_record(source))
+
+
 def dataset_key(sources) -> str:
     """The key of a job's dataset in its cache version: a hash of ``sources_record``. Two jobs
     with the same sources share a dataset; any other folder or setting is another one."""

@@ -21,7 +21,7 @@ import time
 import pyarrow as pa
 
 from raytuner import storage
-from raytuner.data import datasets, references
+from raytuner.data import clip_rows, datasets, references
 from raytuner.data.cache import (
     CAPTIONS,
     DATASETS,
@@ -187,26 +187,34 @@ class Located:
         self._foreign: set[str] = set()  # committed files of other jobs' datasets alone
         # (source folder, path) -> (size, mtime_ns, key) of the committed indexes' rows
         self.listed: dict[tuple[str, str], tuple[int, int, str]] = {}
+        # (source folder, path, frame settings) -> (size, mtime_ns, first sample key, samples)
+        # of the committed clips, None where two indexes disagree (``clip_rows.take``)
+        self.clips: dict[tuple, tuple[int, int, str, int] | None] = {}
         if manifest is None:
             return
         self._old_entries = {e["path"]: e for e in manifest["latents"] + manifest["text"]}
         tables, foreign = datasets.sharing(manifest, roots)
         self._foreign = foreign & set(self._old_entries)
+        records = {d["index"]["path"]: d["sources"] for d in manifest.get(DATASETS, {}).values()}
         for index_entry, captions_entry in tables:
             try:
-                self._read(index_entry["path"], captions_entry["path"])
+                record = records.get(index_entry["path"])
+                self._read(index_entry["path"], captions_entry["path"], record)
             except (OSError, KeyError, pa.ArrowInvalid) as e:  # lost: its files are read again
                 log.warning("cache index unreadable (%s): reading its part files again", e)
 
-    def _read(self, index_rel: str, captions_rel: str) -> None:
+    def _read(self, index_rel: str, captions_rel: str, record: list[dict] | None) -> None:
         captions = self.version.read(captions_rel).to_pylist()
         self._take(TEXT, _by_file(captions, "text_file"), "caption_key")
+        clips: dict[tuple, tuple] = {}
         for batch in self.version.read(index_rel).to_batches(max_chunksize=SLICE):
             rows = batch.to_pylist()
             self._take(LATENTS, _latents_by_file(rows), "key")
+            clip_rows.gather(rows, record, clips)
             for r in rows:
                 self.listed[(r["source"], r["path"])] = (r["size"], r["mtime_ns"], r["key"])
                 self.listed.update(references.listed(r))
+        clip_rows.take(clips, self.clips)
 
     def _take(self, kind: str, by_file: dict[str, list[dict]], key: str) -> None:
         """Rows of committed files, each (file, key) once over every index read."""

@@ -4,9 +4,12 @@ frames), each with its own key, decoded with ``preprocess/video.py`` (PyAV) in t
 CPU tasks and cut to its bucket like an image (every frame resized and cropped alike).
 
 A sample's key is the clip's content hash, what was taken of it (frame count, selection, fps)
-and its place among the clip's samples: an edited clip, or other frame settings, make new
-keys (only that clip is encoded again). A clip's sample takes the largest of its source's
-frame counts (``data.frames``) its length gives: the frame bucket it trains in.
+and its place among the clip's samples (``data/clip_rows.py``): an edited clip, or other frame
+settings, make new keys (only that clip is encoded again). A clip's sample takes the largest of
+its source's frame counts (``data.frames``) its length gives: the frame bucket it trains in. A
+rerun trusts a clip whose size and mtime are the committed index's, under the same frame
+settings, and whose samples are all cached: its rows are made again from the index's, the clip
+is not read (its caption file is).
 
 Every listed clip ends in one report category (``CLIP_CATEGORIES``): ``trained``, one of
 ``video.CATEGORIES`` (``corrupt``, ``too_short``, ``codec``, ``bomb``, ``huge``),
@@ -25,6 +28,9 @@ import posixpath
 import numpy as np
 from PIL import Image
 
+# the sample keys' format, owned by the cache's layer (a rerun reads the committed clips)
+from raytuner.data.clip_rows import content_of as content_of
+from raytuner.data.clip_rows import sample_key as sample_key
 from raytuner.preprocess import video
 from raytuner.preprocess.buckets import fit_to_bucket, nearest_bucket
 
@@ -39,16 +45,6 @@ CLIP_CATEGORIES = (TRAINED, *video.CATEGORIES, NOT_TRAINED, SKIPPED)
 def is_clip(path: str) -> bool:
     """Whether a listed file is a video clip (by its extension)."""
     return posixpath.splitext(path)[1].lower() in VIDEO_EXTENSIONS
-
-
-def sample_key(content: str, frames: int, selection: str, fps: float, i: int) -> str:
-    """The row key of a clip's ``i``-th sample: its content hash first (hex, as an image's)."""
-    return f"{content}:clip:{frames}:{selection}:{fps:g}:{i}"
-
-
-def content_of(key: str) -> str:
-    """The clip's content hash in a sample key (an image key: itself)."""
-    return key.split(":", 1)[0]
 
 
 def samples_of(data: bytes, counts: list[int], selection: str, fps: float, limits: dict):

@@ -13,6 +13,7 @@ import pyarrow as pa
 from PIL import Image
 
 from raytuner import storage
+from raytuner.data import clip_rows
 from raytuner.data.cache import ALPHA, caption_key, flip_key, mask_key
 from raytuner.preprocess import clips, video
 from raytuner.preprocess.buckets import Size, fit_to_bucket, nearest_bucket
@@ -226,11 +227,28 @@ def _stream_row(row: dict, sources, spec: DecodeSpec, known: Known, taken: set) 
     return out | want | encode | {k: decoded[k] for k in DECODED}
 
 
+def _trusted_samples(row: dict, source, known: Known) -> list[str]:
+    """The sample keys of a listed clip the committed index holds unchanged under its source's
+    frame settings (``job._known_clip``) when each of them (and its flipped latent, where its
+    source flips) is cached: the clip need not be read. None otherwise ([])."""
+    if not row.get("known_samples"):
+        return []
+    keys = clip_rows.sample_keys(row["known_key"], row["known_samples"])
+    flips = [flip_key(k) for k in keys] if source.flip == "random" else []
+    return keys if all(k in known.keys for k in keys + flips) else []
+
+
 def _clip_rows(row: dict, sources, spec: DecodeSpec, known: Known, taken: set):
     """A listed clip's stream rows: one per sample (decoded where its key is not cached), or
-    one row with its report category when it gives none. Read and probed each run (its sample
-    count is the clip's); decoded only for a sample the cache lacks."""
-    probed, data = probe_and_read(row, sources, keep=True)
+    one row with its report category when it gives none. Read and probed (its sample count is
+    the clip's) unless the committed index holds it unchanged with every sample cached
+    (``_trusted_samples``: its rows are the index's, its caption read again); decoded only for
+    a sample the cache lacks."""
+    source = sources[row["source"]]
+    trusted = _trusted_samples(row, source, known)
+    if trusted:  # probed without reading the clip: its content hash is the samples'
+        row = row | {"known_key": clips.content_of(trusted[0])}
+    probed, data = probe_and_read(row, sources, keep=not trusted)
     out = probed | _row(probed) | {"status": PROBED, "reason": probed["reason"], "failure": ""}
     out |= {"caption_key": caption_key(probed["caption"]), "flip_key": "", "mask_key": ""}
     out |= {"original_size": [], "crop_top_left": [], "flip_crop_top_left": []}
@@ -242,7 +260,11 @@ def _clip_rows(row: dict, sources, spec: DecodeSpec, known: Known, taken: set):
         reason = "a video clip: the model family trains images only"
         yield out | {"clip": clips.NOT_TRAINED, "reason": reason}
         return
-    source, content = sources[row["source"]], probed["key"]
+    if trusted:
+        n = clip_rows.frames_of(trusted[0])
+        yield from (_clip_sample(out | {"frames": n}, k, source, known, taken) for k in trusted)
+        return
+    content = probed["key"]
     limits = {"max_pixels": spec.image.max_pixels}
     counts = list(source.frames)
     try:

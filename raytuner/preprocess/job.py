@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 from raytuner import storage
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
-from raytuner.data import cache, index
+from raytuner.data import cache, datasets, index
 from raytuner.data.cache import caption_key
 from raytuner.observe import metrics
 from raytuner.preprocess import pair_text, pairs, pipeline
 from raytuner.preprocess.buckets import make_buckets
-from raytuner.preprocess.clips import clip_report
+from raytuner.preprocess.clips import clip_report, is_clip
 from raytuner.preprocess.decode import DecodeSpec, Known
 from raytuner.preprocess.encode import FAILED
 from raytuner.preprocess.images import ImagePolicy
@@ -44,20 +44,35 @@ def bucket_sizes(family, pre: PreprocessConfig) -> list[tuple[int, int]]:
 
 
 def _listing(data: DataConfig, located: index.Located, family) -> list[dict]:
-    """Every image file of every source, with its key from a committed index if unchanged;
-    then the reference files of the paired sources (``pairs.py``: source ``n + i``), for a
-    family that takes references (another trains every image alone)."""
+    """Every image file of every source, with its key from a committed index if unchanged (a
+    clip: its first sample's, and ``known_samples``, see ``_known_clip``); then the reference
+    files of the paired sources (``pairs.py``: source ``n + i``), for a family that takes
+    references (another trains every image alone)."""
     known, rows = located.listed, []
     sources = data.all_sources()
     roots = [storage.absolute(s.path) for s in pairs.with_reference_sources(sources)]
     for i, source in enumerate(sources):
         paired = len(sources) + i if family.references.most else None
+        settings = datasets.source_frame_settings(source)
         for row in list_source(i, source, reference_index=paired):
             root = roots[row["source"]]
             size, mtime, key = known.get((root, row["path"]), (None, None, ""))
             unchanged = (size, mtime) == (row["size"], row["mtime_ns"])
-            rows.append({**row, "known_key": key if unchanged else ""})
+            row = {**row, "known_key": key if unchanged else "", "known_samples": 0}
+            if is_clip(row["path"]) and row["role"] == pairs.ROLE_TARGET:
+                row |= _known_clip(row, located.clips.get((root, row["path"], settings)))
+            rows.append(row)
     return rows
+
+
+def _known_clip(row: dict, committed) -> dict:
+    """A listed clip's first sample key and its count of samples (``known_samples``) when a
+    committed index holds it with the same size and mtime under the source's frame settings
+    (``Located.clips``): its rows are then made from the index's, the clip not read again
+    where every sample is cached (``decode._clip_rows``). Nothing otherwise: it is read."""
+    if committed is None or committed[:2] != (row["size"], row["mtime_ns"]):
+        return {}
+    return {"known_key": committed[2], "known_samples": committed[3]}
 
 
 def decode_spec(family, data: DataConfig, pre: PreprocessConfig) -> DecodeSpec:

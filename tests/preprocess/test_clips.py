@@ -1,11 +1,13 @@
 """Video clips through the preprocess stream (issue 40) on a real local Ray, the tiny Wan: clips
 the test encodes with PyAV (mp4 and webm, several lengths, rates and sizes, one corrupt, one too
 short) beside images; every clip in one report category, each sample's latent the VAE's own of
-its decoded frames, a rerun encodes nothing and an edited clip alone is encoded again; an image
-family reports the clips as not trained."""
+its decoded frames, a rerun encodes nothing and an edited clip alone is encoded again, an
+unchanged clip is not read again; an image family reports the clips as not trained."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 from pathlib import Path
 
@@ -154,3 +156,70 @@ def test_a_stream_block_holds_one_clip_where_a_sample_is_over_64_mib():
     rows = rows_per_block(1000, 8, 64, 1, frames=9)  # not rounded to 256
     assert rows * 64 * 64 * 3 * 9 <= BLOCK_PIXEL_BYTES and rows == 250  # a quarter: 2 actors + 2
     assert rows_per_block(1000, 8, 64, 1) % 8 == 0  # images: whole batches, as before
+
+
+def other_bytes_same_size_and_mtime(path: Path) -> bytes:
+    """Overwrite a file with zeros of its size and put its mtime back: what a rerun trusting
+    its size and mtime cannot notice, and one reading it reports ``corrupt``. Its old bytes."""
+    old, stat = path.read_bytes(), path.stat()
+    path.write_bytes(bytes(len(old)))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    return old
+
+
+def stable(report: dict) -> dict:
+    """A report less its times (and the text bytes, which a new caption changes)."""
+    times = {"seconds", "images_per_s", "first_encoded_s", "stages", "text"}
+    return {k: v for k, v in report.items() if k not in times}
+
+
+@pytest.mark.slow
+def test_a_rerun_trusts_an_unchanged_clip_by_size_and_mtime_as_an_image(encoded):
+    """A clip listed with the committed index's size and mtime, under the same frame settings
+    and with every sample cached, is not read again (100,000 clips of 10 to 50 MB on S3 are 1 to
+    5 TB a rerun would download); its caption is. Proof: other bytes of the same size with the
+    mtime put back go unnoticed, as for an image. A changed mtime, or other frame settings of
+    its source, read the clip again: zeros are then found corrupt, new content encoded."""
+    root, data, _ = encoded
+    media, chunky = root / "media", root / "chunky"
+    rerun = update_cache(MODEL, data, PRE, family=WAN)  # nothing changed: today's counts
+    assert (rerun["total"], rerun["encoded"], rerun["already_cached"]) == (7, 0, 6)
+    assert rerun["clips"] == {
+        "files": 5, "trained": 3, "corrupt": 1, "too_short": 1, "codec": 0, "bomb": 0,
+        "huge": 0, "not_trained": 0, "skipped": 0, "samples": 4, "frames": {"5": 1, "9": 3},
+    }  # fmt: skip
+    before = {(r["path"], r["key"]) for r in index_rows(data)}
+    long_clip = other_bytes_same_size_and_mtime(media / "long.mp4")  # a head sample
+    run_clip = other_bytes_same_size_and_mtime(chunky / "run.mp4")  # two chunks
+    (chunky / "run.txt").write_text("a clip in chunks, captioned again")
+    trusted = update_cache(MODEL, data, PRE, family=WAN)
+    assert stable(trusted) == stable(rerun)  # not read: the same report, nothing encoded
+    rows = index_rows(data)
+    assert {(r["path"], r["key"]) for r in rows} == before
+    assert {r["caption"] for r in rows if r["path"] == "run.mp4"} == {
+        "a clip in chunks, captioned again"
+    }
+
+    mid_clip = (media / "mid.webm").read_bytes()
+    os.utime(media / "long.mp4")  # its mtime changed: read, its zeros found
+    (chunky / "run.mp4").write_bytes(run_clip)  # rewritten as it was: read, nothing to encode
+    (media / "mid.webm").write_bytes(clip(7, 12, (48, 64), "webm", "libvpx-vp9", seed=5))
+    touched = update_cache(MODEL, data, PRE, family=WAN)
+    assert (touched["encoded"], touched["already_cached"]) == (1, 4)  # mid.webm's new sample
+    assert (touched["clips"]["trained"], touched["clips"]["corrupt"]) == (2, 2)
+    reasons = {s["path"]: s["reason"] for s in touched["skipped"]}
+    assert reasons["long.mp4"].startswith("corrupt: ")
+
+    (media / "long.mp4").write_bytes(long_clip)
+    other_bytes_same_size_and_mtime(media / "mid.webm")  # trusted under data.frames [5, 9] only
+    other_bytes_same_size_and_mtime(chunky / "run.mp4")  # its source's settings are the same
+    fewer = dataclasses.replace(data, frames=[5])  # long.mp4 takes 5 frames, mid.webm's read
+    try:
+        changed = update_cache(MODEL, fewer, PRE, family=WAN)
+    finally:
+        (media / "mid.webm").write_bytes(mid_clip)
+        (chunky / "run.mp4").write_bytes(run_clip)
+    assert (changed["encoded"], changed["already_cached"]) == (1, 4)  # long.mp4's 5 frames
+    assert (changed["clips"]["corrupt"], changed["clips"]["frames"]) == (2, {"5": 1, "9": 2})
+    keys = {r["path"]: r["key"] for r in index_rows(fewer)}
+    assert keys["long.mp4"].split(":")[2] == "5" and "mid.webm" not in keys
