@@ -234,6 +234,16 @@ def example_batch(shapes: dict, n: int, size: tuple[int, int], device, dtype: to
     }
 
 
+def with_one_reference(batch: Batch, device, dtype: torch.dtype) -> Batch:
+    """An example batch of an edit family: each sample with one reference latent of its
+    target's shape (``reference_latent`` [B, 1, ...], ``reference_count``), as the reader
+    hands a pair."""
+    n, shape = batch["latent"].shape[0], batch["latent"].shape[1:]
+    reference = torch.randn(n, 1, *shape, device=device, dtype=dtype)
+    count = torch.ones(n, dtype=torch.int64, device=device)
+    return batch | {"reference_latent": reference, "reference_count": count}
+
+
 def preset_pipeline(pipe):
     """A pipeline built from a preset's parts, every model in eval mode as ``from_pretrained``
     leaves them."""

@@ -32,9 +32,7 @@ class FluxKontext(Flux):
     ) -> base.Batch:
         """Flux.1's, with one reference latent of the target's shape per sample."""
         batch = super().example_batch(shapes, n, size, device, dtype)
-        reference = torch.randn(n, 1, *batch["latent"].shape[1:], device=device, dtype=dtype)
-        count = torch.ones(n, dtype=torch.int64, device=device)
-        return batch | {"reference_latent": reference, "reference_count": count}
+        return base.with_one_reference(batch, device, dtype)
 
     def pipeline_options(self, pipe) -> dict:
         """Flux.1's, and the reference image at the size asked (trained so: a pair's images

@@ -212,9 +212,7 @@ class QwenImageEdit(QwenImage):
     ) -> base.Batch:
         """Qwen-Image's, with one reference latent of the target's shape per sample."""
         batch = super().example_batch(shapes, n, size, device, dtype)
-        reference = torch.randn(n, 1, *batch["latent"].shape[1:], device=device, dtype=dtype)
-        count = torch.ones(n, dtype=torch.int64, device=device)
-        return batch | {"reference_latent": reference, "reference_count": count}
+        return base.with_one_reference(batch, device, dtype)
 
     def pipeline(self, source: parts.Source):
         pipe = base.DiffusersFamily.pipeline(self, source)

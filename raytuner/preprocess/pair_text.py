@@ -23,7 +23,7 @@ from raytuner import quiet
 from raytuner.data.cache import pair_caption_key
 from raytuner.preprocess.decode import DecodeSpec, decode_row
 from raytuner.preprocess.encode import Encoder
-from raytuner.preprocess.pipeline import wait_for_encoders
+from raytuner.preprocess.pipeline import encoder_pool, wait_for_encoders
 from raytuner.preprocess.sink import PartSink
 
 log = logging.getLogger(__name__)
@@ -112,14 +112,6 @@ def encode(items: list[dict], spec: DecodeSpec, encoder, pre, version, run_rel: 
         encoded = ray.data.from_items(items, override_num_blocks=blocks).map_batches(
             PairTexts,
             fn_constructor_args=args,
-            compute=ray.data.ActorPoolStrategy(
-                min_size=min(pre.min_actors, actors), max_size=actors
-            ),
-            num_gpus=pre.gpus_per_actor or None,
-            num_cpus=pre.cpus_per_actor,
-            batch_size=None,
-            batch_format="pyarrow",
-            max_restarts=pre.max_restarts,
-            max_task_retries=pre.max_restarts,
+            **encoder_pool(pre, min(pre.min_actors, actors), actors),
         )
     encoded.write_datasink(PartSink(version.fs, version.root, run_rel))

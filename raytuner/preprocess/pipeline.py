@@ -69,18 +69,7 @@ def run(
     args += ((pre.text_encoder_offload, max(1, int(pre.gpus_per_actor))), paired)
     with quiet.ray_remote_args_accepted():  # max_restarts: no named parameter in Ray 2.60
         encoded = _probe_stream(listing, rows, probe).map_batches(
-            Encoder,
-            fn_constructor_args=args,
-            compute=ray.data.ActorPoolStrategy(min_size=pre.min_actors, max_size=pre.max_actors),
-            num_gpus=pre.gpus_per_actor or None,
-            num_cpus=pre.cpus_per_actor,
-            # one call per block: the actor batches its encoders itself (``pre.batch_size``)
-            # and hands the block back whole, in one piece
-            batch_size=None,
-            batch_format="pyarrow",
-            # bounded: an encoder that dies each time (out of memory) fails the preprocess
-            max_restarts=pre.max_restarts,
-            max_task_retries=pre.max_restarts,
+            Encoder, fn_constructor_args=args, **encoder_pool(pre, pre.min_actors, pre.max_actors)
         )
     encoded.write_datasink(sink, ray_remote_args={"num_cpus": 0.25})
     return sink.rows
@@ -100,6 +89,24 @@ def _likely_new(row: dict, sources, keys: frozenset) -> bool:
     only once the probe hashed it)."""
     key, flips = row["known_key"], sources[row["source"]].flip == "random"
     return key not in keys or (flips and flip_key(key) not in keys)
+
+
+def encoder_pool(pre, min_size: int, max_size: int) -> dict:
+    """``map_batches``' options of an encoder actor pool of ``min_size`` to ``max_size``
+    actors, each with ``preprocess``'s GPUs, CPUs and restarts (the stream's, and the edit
+    pairs' text rows' of ``pair_text``)."""
+    return {
+        "compute": ray.data.ActorPoolStrategy(min_size=min_size, max_size=max_size),
+        "num_gpus": pre.gpus_per_actor or None,
+        "num_cpus": pre.cpus_per_actor,
+        # one call per block: the actor batches its encoders itself (``pre.batch_size``) and
+        # hands the block back whole, in one piece
+        "batch_size": None,
+        "batch_format": "pyarrow",
+        # bounded: an encoder that dies each time (out of memory) fails the preprocess
+        "max_restarts": pre.max_restarts,
+        "max_task_retries": pre.max_restarts,
+    }
 
 
 def wait_for_encoders(pre) -> None:
