@@ -150,6 +150,9 @@ def test_every_shipped_job_passes_check(job, capsys, monkeypatch, tmp_path):
         assert f"data.images = {images!r}: no such folder" in capsys.readouterr().err
         (tmp_path / "images").mkdir()
         Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
+        if references := load_job(path).data.references:  # an edit job's: refused if missing
+            (tmp_path / "images" / references).mkdir()
+            Image.new("RGB", (8, 8)).save(tmp_path / "images" / references / "a.png")
         sets = ["--set", f"data.images={tmp_path / 'images'}"]
     assert main(["check", path, *sets]) == 0
     assert '"family"' in capsys.readouterr().out

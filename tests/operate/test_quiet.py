@@ -68,10 +68,12 @@ def foreign(stderr: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
-    """One image: the GPU jobs' `/data/images` placeholder pointed at a folder that exists."""
+    """One image: the GPU jobs' `/data/images` placeholder pointed at a folder that exists,
+    with the edit jobs' references folder (`references = "control"`) holding its reference."""
     folder = tmp_path_factory.mktemp("quiet") / "images"
-    folder.mkdir()
+    (folder / "control").mkdir(parents=True)
     Image.new("RGB", (64, 64)).save(folder / "a.png")
+    Image.new("RGB", (64, 64)).save(folder / "control" / "a.png")
     return folder
 
 
