@@ -31,10 +31,9 @@ from raytuner.data.cache import (
     TEXT,
     StaleCommit,
     Version,
-    caption_key,
     checksum_column,
-    flip_key,
 )
+from raytuner.data.keys import caption_key, flip_key
 
 log = logging.getLogger(__name__)
 SLICE = 16384  # index rows made Python objects at a time when a preprocess reads an index

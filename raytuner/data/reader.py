@@ -34,7 +34,6 @@ from raytuner.data import references
 from raytuner.data.cache import (
     LENGTH_PREFIX,
     Version,
-    caption_key,
     cell_bytes,
     checksum,
     checksum_column,
@@ -44,6 +43,7 @@ from raytuner.data.cache import (
     text_dtype_of,
 )
 from raytuner.data.index import bucket_name
+from raytuner.data.keys import caption_key
 from raytuner.data.tensors import DTYPES, from_cell, stacked
 
 HOLE = 8 * 1024  # ranges of one file at most this far apart are read as one request
@@ -362,9 +362,11 @@ def for_readers(manifest: dict, dataset: dict | None = None) -> dict:
     with the dataset: what a job hands its workers."""
     dataset = manifest if dataset is None else dataset
     needed = ("format_version", "fingerprint", "dtype", "text_tensors")
-    return {k: manifest[k] for k in needed} | {"text_dtype": text_dtype_of(manifest)} | {
-        k: dataset[k] for k in ("index", "captions", "dataset")
-    }
+    return (
+        {k: manifest[k] for k in needed}
+        | {"text_dtype": text_dtype_of(manifest)}
+        | {k: dataset[k] for k in ("index", "captions", "dataset")}
+    )
 
 
 def open_dataset(
@@ -382,9 +384,7 @@ def open_dataset(
         )
     path = manifest["index"]["path"]
     names = pq.read_schema(version.path(path), filesystem=version.fs).names
-    rows = version.read(
-        path, ROW_COLUMNS + [c for c in references.READ if c in names]
-    )
+    rows = version.read(path, ROW_COLUMNS + [c for c in references.READ if c in names])
     if rows.num_rows == 0:
         raise ValueError(
             f"the cache at {version.root} holds no usable image: every input was "

@@ -9,7 +9,7 @@ pipeline does:
   the instruction in the edit template, the image resized to about 384 x 384 pixels at its aspect
   ratio (``CONDITION_IMAGE_SIZE``, multiples of 32) and then by the processor (multiples of 28),
   the template's system prefix dropped. The text row is thus of the caption *and* its references
-  (``References.text``): the cache keys it by both (``cache.pair_caption_key``) and encodes it once
+  (``References.text``): the cache keys it by both (``keys.pair_caption_key``) and encodes it once
   the pairs are known (``preprocess/pair_text.py``).
 
 raytuner's rule for the reference's latent: the target's bucket (as Flux.1 Kontext's), where the
@@ -160,9 +160,7 @@ class QwenImageEdit(QwenImage):
         unused=("processor",),
     )
 
-    def cache_shapes(
-        self, width: int, height: int, frames: int = 1
-    ) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(self, width: int, height: int, frames: int = 1) -> dict[str, tuple[int, ...]]:
         """Qwen-Image's, a caption's rows with one reference's vision tokens more."""
         latent = (16, height // VAE_FACTOR, width // VAE_FACTOR)
         return {"latent": latent, "prompt_embeds": (MAX_TOKENS + REFERENCE_TOKENS, TEXT_WIDTH)}

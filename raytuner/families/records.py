@@ -134,7 +134,7 @@ class References:
     # renders about 1024 x 1024 whatever the size asked); "": none
     area_argument: str = ""
     # its text encoder sees a caption's reference images too (Qwen-Image-Edit's Qwen2.5-VL): an
-    # edit pair's text row is of its caption and its references (``cache.pair_caption_key``),
+    # edit pair's text row is of its caption and its references (``keys.pair_caption_key``),
     # encoded once the pairs are known (``preprocess/pair_text.py``), and its ``text_encoder``
     # takes ``references=`` (each caption's images, bucket-sized RGB)
     text: bool = False

@@ -14,7 +14,7 @@ from PIL import Image
 
 from raytuner import storage
 from raytuner.data import clip_rows
-from raytuner.data.cache import ALPHA, caption_key, flip_key, mask_key
+from raytuner.data.keys import ALPHA, caption_key, flip_key, mask_key
 from raytuner.preprocess import clips, video
 from raytuner.preprocess.buckets import Size, fit_to_bucket, nearest_bucket
 from raytuner.preprocess.images import ImagePolicy, SkipImage, load_mask, load_with_alpha

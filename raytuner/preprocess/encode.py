@@ -8,8 +8,8 @@ The actor takes a whole stream block per call and runs its encoders on batches o
 ``preprocess.batch_size`` (the images of one bucket together). Rows in, their probe columns out,
 then what was encoded as rows of its own, each cell with its checksum (``<tensor>_xxh3``, made
 with its bytes): a ``LATENT`` row per latent (an image's, keyed by its content hash, and its
-mirror image's, ``cache.flip_key``), a ``MASK`` row per loss mask (the mask's pixels averaged
-over each latent pixel: [1, h, w] at the latent's h x w, ``cache.mask_key``), and a ``TEXT``
+mirror image's, ``keys.flip_key``), a ``MASK`` row per loss mask (the mask's pixels averaged
+over each latent pixel: [1, h, w] at the latent's h x w, ``keys.mask_key``), and a ``TEXT``
 row for each newly seen caption. The block goes back as one table of one piece per column:
 Ray ships a table piece by piece, and a table of many small pieces cost more to send to the
 sink (``preprocess/sink.py``, which writes each kind into the cache's files) than to encode.
@@ -27,7 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from raytuner.data.cache import caption_key, checksum_column
+from raytuner.data.cache import checksum_column
+from raytuner.data.keys import caption_key
 from raytuner.data.tensors import cell_column, ragged_cell_column
 from raytuner.families import parts, text
 from raytuner.preprocess.decode import ENCODE, FAILED, LATENT, MASK, PROBE_COLUMNS, SHAPE, TEXT

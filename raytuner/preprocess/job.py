@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from raytuner import storage
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
 from raytuner.data import cache, datasets, index
-from raytuner.data.cache import caption_key
+from raytuner.data.keys import caption_key
 from raytuner.observe import metrics
 from raytuner.preprocess import pair_text, pairs, pipeline
 from raytuner.preprocess.buckets import make_buckets

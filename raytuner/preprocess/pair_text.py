@@ -4,7 +4,7 @@ references, so it cannot be encoded in the stream beside its caption (a target's
 rows of their own, in other blocks, known only once the stream is done): the stream leaves the
 captions of the paired sources alone (``pairs.text_sources``), and once the pairs are joined each
 trained pair's row is keyed by its caption and its references' content keys
-(``cache.pair_caption_key``) and the keys the cache lacks are encoded here, in an actor pool of
+(``keys.pair_caption_key``) and the keys the cache lacks are encoded here, in an actor pool of
 their own (the encoder actors' settings), each reference decoded again to its bucket's pixels as
 the stream decoded it for its latent. A pair cached once is never encoded again; a reference
 whose bytes change makes another key, so its pair's row is encoded anew."""
@@ -20,7 +20,7 @@ import ray
 from PIL import Image
 
 from raytuner import quiet
-from raytuner.data.cache import pair_caption_key
+from raytuner.data.keys import pair_caption_key
 from raytuner.preprocess.decode import DecodeSpec, decode_row
 from raytuner.preprocess.encode import Encoder
 from raytuner.preprocess.pipeline import encoder_pool, wait_for_encoders

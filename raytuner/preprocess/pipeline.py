@@ -16,7 +16,7 @@ import math
 import ray
 
 from raytuner import quiet, runtime
-from raytuner.data.cache import caption_key, flip_key
+from raytuner.data.keys import caption_key, flip_key
 from raytuner.preprocess.clips import is_clip
 from raytuner.preprocess.decode import ENCODE, PROBE_COLUMNS, DecodeSpec, probe_decode_blocks
 from raytuner.preprocess.encode import Encoder

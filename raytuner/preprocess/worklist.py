@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from raytuner.data.cache import ALPHA, mask_key
+from raytuner.data.keys import ALPHA, mask_key
 from raytuner.preprocess.clips import report_line as clip_report_line
 from raytuner.preprocess.sources import NOT_UTF8
 
@@ -207,7 +207,8 @@ def _kind_lines(report: dict) -> list[str]:
             f"(up to {p['per_target']} each; {p['encoded']} encoded now)"
             + (
                 f"; {p['texts_encoded']} text rows encoded with their references now"
-                if "texts_encoded" in p else ""
+                if "texts_encoded" in p
+                else ""
             )
         )
     if g := report.get("regularization"):

@@ -17,7 +17,7 @@ import torch
 
 from raytuner.config import SourceConfig
 from raytuner.data import cache, index
-from raytuner.data.cache import caption_key
+from raytuner.data.keys import caption_key
 from raytuner.data.tensors import DTYPES, to_cells
 from raytuner.preprocess.decode import SHAPE
 from raytuner.preprocess.worklist import Plan, report

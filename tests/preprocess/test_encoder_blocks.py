@@ -19,7 +19,8 @@ import pyarrow.compute as pc
 import torch
 
 from raytuner.config import DataConfig, PreprocessConfig, load_job
-from raytuner.data.cache import caption_key, checksum, flip_key
+from raytuner.data.cache import checksum
+from raytuner.data.keys import caption_key, flip_key
 from raytuner.data.tensors import DTYPES, cell_column
 from raytuner.families import FAMILIES
 from raytuner.preprocess.decode import ENCODE, LATENT, PROBE_COLUMNS, TEXT, Known, probe_decode

@@ -15,7 +15,7 @@ from PIL import Image
 
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
 from raytuner.data import cache
-from raytuner.data.cache import caption_key
+from raytuner.data.keys import caption_key
 from raytuner.data.reader import CachedDataset, open_dataset
 from raytuner.families import FAMILIES
 from raytuner.preprocess.job import update_cache

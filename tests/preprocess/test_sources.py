@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from raytuner.config import SourceConfig
-from raytuner.data.cache import caption_key
+from raytuner.data.keys import caption_key
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.preprocess.sources import list_source, probe_row, read_metadata
