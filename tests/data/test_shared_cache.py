@@ -26,6 +26,9 @@ from raytuner.config import load_job
 from raytuner.data import cache
 from raytuner.train import sample_log
 
+# preprocess runs of several jobs into one cache (~20 s a fixture): the whole suite runs them
+pytestmark = pytest.mark.slow
+
 SIDE = 64  # one 64x64 bucket
 JOB = """
 [model]

@@ -142,6 +142,7 @@ def _images(name: str, weights) -> np.ndarray:
     return pipeline_image(pipe)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sd15", "sdxl"])
 def test_trained_text_encoders_export_keys_diffusers_applies_and_sd_scripts_names(name, tmp_path):
     run = Run(name, _train(), _lora())  # lora.save_dtype: float16, as every export's
@@ -184,6 +185,7 @@ def test_trained_text_encoders_export_keys_diffusers_applies_and_sd_scripts_name
     np.testing.assert_allclose(_images(name, (lora, KOHYA_FILE)), full, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_with_text_encoders_resumes_exactly(tmp_path):
     """SDXL, both encoders trained at their own learning rate under a cosine schedule, with an
     EMA, two micro-batches a step: a checkpoint of step 2 continues to the uninterrupted run's
@@ -252,6 +254,7 @@ def _two_ranks(rank: int, port: int, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_two_workers_train_the_text_encoders_as_one(tmp_path):
     """Two gloo ranks of two samples each, in micro-batches of one, against one rank of four:
     the same gradients (the global batch's mean; to float rounding, the reductions add in

@@ -41,8 +41,8 @@ PUBLISHED = {
     "flux2-klein": (3_875_544_576, 0),  # [klein] 4B
     "flux2-dev": (32_223_281_152, 0),
 }
-# 8 s and 33 s here (the full suite is over its budget); Wan's 81-frame clips: a minute each
-SLOW_PLANS = {"flux2-klein", "flux2-dev", "wan-14b", "wan22-a14b", "wan22-5b"}
+# 8 s and 33 s here (the full suite is over its budget); Wan's 81-frame clips: 25-60 s each
+SLOW_PLANS = {"flux2-klein", "flux2-dev", "wan-1.3b", "wan-14b", "wan22-a14b", "wan22-5b"}
 
 
 @pytest.mark.parametrize(

@@ -114,6 +114,7 @@ def test_the_validation_actor_is_checked_when_the_job_validates_and_left_out_whe
     assert "validation actor" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_says_what_it_traces_on_stderr_and_json_stays_one_object():
     """It was silent for minutes (SDXL 307 s): now a line as each trace starts, and a line at
     least every 10 s while one runs (here checked with a few seconds' slack for a loaded

@@ -165,6 +165,7 @@ def test_the_report_counts_pairs_and_names_a_missing_or_undecodable_reference(ed
     assert "skipped t5.png: reference 't5.png'" in lines
 
 
+@pytest.mark.slow
 def test_a_rerun_encodes_nothing_and_a_changed_reference_only_itself(edited, tmp_path):
     root, _ = edited
     again = preprocess(load_job(root / "job.toml"))

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pytest
 import torch
 
 from raytuner.config import DataConfig, PreprocessConfig, load_job
@@ -148,6 +149,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_an_encoder_process_does_without_quantization_backends(tmp_path):
     """In a process of its own (an encoder actor's), the encoders build and encode without
     bitsandbytes and torchao ever imported; a model whose encoder asks for one fails saying

@@ -89,6 +89,7 @@ def kohya(ray_local, tmp_path_factory):
     return first, manifest, rows, second, renamed_manifest, renamed
 
 
+@pytest.mark.slow
 def test_index_rows_take_their_folders_repeats(kohya):
     report, manifest, rows, *_ = kohya
     repeats = {path: r["repeats"] for path, r in rows.items()}
@@ -136,6 +137,7 @@ def test_renamed_prefix_changes_the_rows_without_encoding_again(kohya):
     assert renamed_manifest["dataset"]["id"] != manifest["dataset"]["id"]
 
 
+@pytest.mark.slow
 def test_a_kohya_tree_as_data_images_takes_its_folders(ray_local, tmp_path, capsys):
     """``data.images`` at a kohya tree: ``10_ohwx cat/`` repeats its images 10 times and
     captions them with its class tokens (before: 1 repeat, captioned by their stems "004" and

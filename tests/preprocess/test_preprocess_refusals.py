@@ -48,6 +48,7 @@ def _generation(data: DataConfig) -> int:
     return cache.Version(data.cache, cache.fingerprint(MODEL, PRE)).generation()
 
 
+@pytest.mark.slow
 def test_captions_that_are_not_utf8_are_counted_and_named(ray_local, folders, capsys):
     report = update_cache(MODEL, _data(folders), PRE, family=SDXL)
     assert report["encoded"] == 2  # replaced (caption_errors = "replace"), not skipped

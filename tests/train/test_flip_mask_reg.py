@@ -164,6 +164,7 @@ def test_kohyas_pairing_repeats_or_leaves_out_regularization_images():
     assert paired([], [1]) == [0]
 
 
+@pytest.mark.slow
 def test_a_rerun_encodes_nothing_and_an_edited_mask_only_its_image(features, tmp_path):
     job_file, first = features
     for folder in ("images", "masked", "reg", "cache"):

@@ -321,6 +321,7 @@ def _bf16_sharded_step(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_bfloat16_sharded_step_gathers_in_bfloat16_and_reduces_in_float32(tmp_path):
     """``model.dtype = "bfloat16"`` (every GPU run) reaches FSDP's mixed precision on a CPU: in
     a real sharded step of two gloo workers every all-gather moves bfloat16 (the units' rows,

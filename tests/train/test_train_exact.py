@@ -198,6 +198,7 @@ def test_three_workers_train_the_same_rows_and_weights_as_two(job_file):
     assert [len(slices[r]["ids"]) for r in (0, 1, 2)] == [2, 1, 1]
 
 
+@pytest.mark.slow
 def test_resuming_with_another_adapter_shape_or_schedule_is_refused(job_file):
     _, run_dir = reference(job_file)
     before = sorted(p.name for p in Path(run_dir).iterdir())
