@@ -48,7 +48,7 @@ def _listing(data: DataConfig, located: index.Located, family) -> list[dict]:
     clip: its first sample's, and ``known_samples``, see ``_known_clip``); then the reference
     files of the paired sources (``pairs.py``: source ``n + i``), for a family that takes
     references (another trains every image alone)."""
-    known, rows = located.listed, []
+    known, rows = located.trusted.listed, []
     sources = data.all_sources()
     roots = [storage.absolute(s.path) for s in pairs.with_reference_sources(sources)]
     for i, source in enumerate(sources):
@@ -60,7 +60,7 @@ def _listing(data: DataConfig, located: index.Located, family) -> list[dict]:
             unchanged = (size, mtime) == (row["size"], row["mtime_ns"])
             row = {**row, "known_key": key if unchanged else "", "known_samples": 0}
             if is_clip(row["path"]) and row["role"] == pairs.ROLE_TARGET:
-                row |= _known_clip(row, located.clips.get((root, row["path"], settings)))
+                row |= _known_clip(row, located.trusted.clips.get((root, row["path"], settings)))
             rows.append(row)
     return rows
 
@@ -68,7 +68,7 @@ def _listing(data: DataConfig, located: index.Located, family) -> list[dict]:
 def _known_clip(row: dict, committed) -> dict:
     """A listed clip's first sample key and its count of samples (``known_samples``) when a
     committed index holds it with the same size and mtime under the source's frame settings
-    (``Located.clips``): its rows are then made from the index's, the clip not read again
+    (``Located.trusted``): its rows are then made from the index's, the clip not read again
     where every sample is cached (``decode._clip_rows``). Nothing otherwise: it is read."""
     if committed is None or committed[:2] != (row["size"], row["mtime_ns"]):
         return {}
