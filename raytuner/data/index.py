@@ -189,13 +189,14 @@ class Located:
         self._old_entries = {e["path"]: e for e in manifest["latents"] + manifest["text"]}
         tables, foreign = datasets.sharing(manifest, roots)
         self._foreign = foreign & set(self._old_entries)
-        records = {d["index"]["path"]: d["sources"] for d in manifest.get(DATASETS, {}).values()}
+        held = {d["index"]["path"]: d for d in manifest.get(DATASETS, {}).values()}
         for index_entry, captions_entry in tables:
+            dataset = held.get(index_entry["path"], {})
             try:
-                record = records.get(index_entry["path"])
-                self._read(index_entry["path"], captions_entry["path"], record)
+                self._read(index_entry["path"], captions_entry["path"], dataset.get("sources"))
             except (OSError, KeyError, pa.ArrowInvalid) as e:  # lost: its files are read again
                 log.warning("cache index unreadable (%s): reading its part files again", e)
+            self.trusted.take_rejected(version, dataset.get("rejected"))
 
     def _read(self, index_rel: str, captions_rel: str, record: list[dict] | None) -> None:
         captions = self.version.read(captions_rel).to_pylist()
@@ -314,6 +315,7 @@ def commit(
     generation=None,
     *,
     sources: list,
+    rejected: list[dict] = (),
     **extra,
 ) -> dict:
     """Write the index of ``rows`` (the trained images, each with ``source_index``, and the
@@ -321,7 +323,8 @@ def commit(
     and the captions they use (plus the empty one, for caption dropout), then the manifest:
     last. The index is the dataset of ``sources`` (the job's ``SourceConfig`` list): the
     manifest replaces that dataset and keeps every other job's (``data/datasets.py``).
-    ``extra``: more manifest keys (family, dtype, report)."""
+    ``rejected``: its rejected files (``trust.write_rejected``'s rows), in a table beside its
+    index where it has any; ``extra``: more manifest keys (family, dtype, report)."""
     rows = sorted(rows, key=lambda r: (r["source_index"], r["path"]))
     needed = sorted({r["caption_key"] for r in rows} | {caption_key("")})
     position = {k: i for i, k in enumerate(needed)}
@@ -356,6 +359,7 @@ def commit(
         "files": {"latents": live_latents, "text": live_text},
         "committed_unix": round(time.time(), 3),
     }
+    mine |= trust.write_rejected(version, run, list(rejected))  # before the manifest
     held = (located.manifest or {}).get(DATASETS, {})
     kept, dropped = datasets.merged(held, key, mine, lambda rel: _exists(located, rel))
     for what in dropped:
