@@ -27,7 +27,7 @@ def run_identity(
     model, lora, train, fingerprint: str, dataset: str, strategy: str, merged=()
 ) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint: the cache version,
-    the dataset (its rows, in order: ``index.dataset_id``), the model (with the adapters merged
+    the dataset (its rows, in order: ``datasets.dataset_id``), the model (with the adapters merged
     into it: ``merged``, each file's path, weight and sha256: ``lora.merge.identity``), what is
     trained (mode, adapter shape, EMA, optimizer), how (``scaling.strategy``: the checkpoint's
     layout) and the schedule (the cursor means nothing under another)."""

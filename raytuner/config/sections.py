@@ -123,6 +123,20 @@ class TrainConfig:
         ``steps_per_epoch`` (the global batches of an epoch, known once the cache is read)."""
         return dataclasses.replace(self, max_steps=self.epochs * steps_per_epoch, epochs=0)
 
+    def warmup_warning(self) -> str:
+        """A warning when the warm-up does not end before the run does (``train.warmup_steps``
+        >= ``train.max_steps``): the learning rate never reaches ``train.learning_rate``. ""
+        when it does, or while the steps are not known yet (``train.epochs``: ``for_epochs``).
+        Not refused: a short test run may mean it."""
+        if not self.max_steps or self.warmup_steps < self.max_steps:
+            return ""
+        return (
+            f"train.warmup_steps = {self.warmup_steps} is not below train.max_steps = "
+            f"{self.max_steps}: the learning rate is still warming up when the run ends and "
+            "never reaches train.learning_rate. Set train.warmup_steps below train.max_steps "
+            f"(e.g. {self.max_steps // 10}, a tenth of them) or raise train.max_steps"
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class LoraConfig:

@@ -73,6 +73,21 @@ def dataset_key(sources) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def dataset_id(fingerprint: str, rows: list[dict]) -> str:
+    """The identity of the trained rows (index rows) in their order: what each row is (image
+    and caption content), how often it appears, whether it is a regularization image, flipped
+    and masked (by what). Moving the source folders keeps it; adding, removing, renaming or
+    editing an image, editing a caption or a mask, changing repeats or a source's
+    regularization, flip or mask setting does not."""
+    digest = hashlib.sha256(fingerprint.encode())
+    for r in rows:
+        fields = (r["source_index"], r["path"], r["key"], r["caption_key"], r["repeats"])
+        fields += (r["regularization"], bool(r["flip_file"]), r["mask_key"])
+        fields += tuple(r.get("reference_keys") or ())  # an edit pair's (none: as before)
+        digest.update(("\0".join(map(str, fields)) + "\n").encode())
+    return digest.hexdigest()[:16]
+
+
 def describe(record: list[dict]) -> str:
     """A ``sources_record`` for a user: each folder with the settings it changes."""
     out = []

@@ -1,12 +1,12 @@
-"""The committed index of a cache version and the dataset's identity.
+"""The committed index of a cache version: what it holds and the commit that writes it.
 
 The index (``index.parquet``) lists the trained rows in a fixed order, (source, path), with
 everything a training worker needs to read a row without opening the data files' footers: the
 bucket, the conditioning, the file, byte offset and checksum of its latent (and of its flipped
 latent and its loss mask, when its source has them), whether it is a regularization image, and
 the row of its caption in ``captions.parquet``, which holds the same for each distinct
-caption's text tensors. The dataset id, a hash of that list, is what a checkpoint records:
-resuming on other rows is refused.
+caption's text tensors. The dataset id, a hash of that list (``datasets.dataset_id``), is what
+a checkpoint records: resuming on other rows is refused.
 
 A version holds one index per job's sources (``data/datasets.py``): a commit writes its own
 job's and keeps every other job's, with the data files they read.
@@ -14,14 +14,13 @@ job's and keeps every other job's, with the data files they read.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 
 import pyarrow as pa
 
 from raytuner import storage
-from raytuner.data import clip_rows, datasets, references
+from raytuner.data import datasets, references, trust
 from raytuner.data.cache import (
     CAPTIONS,
     DATASETS,
@@ -184,36 +183,27 @@ class Located:
         self._known: dict[str, dict[str, dict]] = {LATENTS: {}, TEXT: {}}
         self._old_entries: dict[str, dict] = {}
         self._foreign: set[str] = set()  # committed files of other jobs' datasets alone
-        # (source folder, path) -> (size, mtime_ns, key) of the committed indexes' rows
-        self.listed: dict[tuple[str, str], tuple[int, int, str]] = {}
-        # (source folder, path, frame settings) -> (size, mtime_ns, first sample key, samples)
-        # of the committed clips, None where two indexes disagree (``clip_rows.take``)
-        self.clips: dict[tuple, tuple[int, int, str, int] | None] = {}
+        self.trusted = trust.Trusted()  # what the listing trusts unread (``data/trust.py``)
         if manifest is None:
             return
         self._old_entries = {e["path"]: e for e in manifest["latents"] + manifest["text"]}
         tables, foreign = datasets.sharing(manifest, roots)
         self._foreign = foreign & set(self._old_entries)
-        records = {d["index"]["path"]: d["sources"] for d in manifest.get(DATASETS, {}).values()}
+        held = {d["index"]["path"]: d for d in manifest.get(DATASETS, {}).values()}
         for index_entry, captions_entry in tables:
+            dataset = held.get(index_entry["path"], {})
             try:
-                record = records.get(index_entry["path"])
-                self._read(index_entry["path"], captions_entry["path"], record)
+                self._read(index_entry["path"], captions_entry["path"], dataset.get("sources"))
             except (OSError, KeyError, pa.ArrowInvalid) as e:  # lost: its files are read again
                 log.warning("cache index unreadable (%s): reading its part files again", e)
+            self.trusted.take_rejected(version, dataset.get("rejected"))
 
     def _read(self, index_rel: str, captions_rel: str, record: list[dict] | None) -> None:
         captions = self.version.read(captions_rel).to_pylist()
         self._take(TEXT, _by_file(captions, "text_file"), "caption_key")
-        clips: dict[tuple, tuple] = {}
-        for batch in self.version.read(index_rel).to_batches(max_chunksize=SLICE):
-            rows = batch.to_pylist()
+        batches = self.version.read(index_rel).to_batches(max_chunksize=SLICE)
+        for rows in self.trusted.index((b.to_pylist() for b in batches), record):
             self._take(LATENTS, _latents_by_file(rows), "key")
-            clip_rows.gather(rows, record, clips)
-            for r in rows:
-                self.listed[(r["source"], r["path"])] = (r["size"], r["mtime_ns"], r["key"])
-                self.listed.update(references.listed(r))
-        clip_rows.take(clips, self.clips)
 
     def _take(self, kind: str, by_file: dict[str, list[dict]], key: str) -> None:
         """Rows of committed files, each (file, key) once over every index read."""
@@ -248,21 +238,6 @@ class Located:
                         )
                 for row in rows:
                     found.setdefault(row["key" if kind == LATENTS else "caption_key"], row)
-
-
-def dataset_id(fingerprint: str, rows: list[dict]) -> str:
-    """The identity of the trained rows (index rows) in their order: what each row is (image
-    and caption content), how often it appears, whether it is a regularization image, flipped
-    and masked (by what). Moving the source folders keeps it; adding, removing, renaming or
-    editing an image, editing a caption or a mask, changing repeats or a source's
-    regularization, flip or mask setting does not."""
-    digest = hashlib.sha256(fingerprint.encode())
-    for r in rows:
-        fields = (r["source_index"], r["path"], r["key"], r["caption_key"], r["repeats"])
-        fields += (r["regularization"], bool(r["flip_file"]), r["mask_key"])
-        fields += tuple(r.get("reference_keys") or ())  # an edit pair's (none: as before)
-        digest.update(("\0".join(map(str, fields)) + "\n").encode())
-    return digest.hexdigest()[:16]
 
 
 def _flip_columns(latent: dict, flip: dict | None) -> dict:
@@ -340,6 +315,7 @@ def commit(
     generation=None,
     *,
     sources: list,
+    rejected: list[dict] = (),
     **extra,
 ) -> dict:
     """Write the index of ``rows`` (the trained images, each with ``source_index``, and the
@@ -347,7 +323,8 @@ def commit(
     and the captions they use (plus the empty one, for caption dropout), then the manifest:
     last. The index is the dataset of ``sources`` (the job's ``SourceConfig`` list): the
     manifest replaces that dataset and keeps every other job's (``data/datasets.py``).
-    ``extra``: more manifest keys (family, dtype, report)."""
+    ``rejected``: its rejected files (``trust.write_rejected``'s rows), in a table beside its
+    index where it has any; ``extra``: more manifest keys (family, dtype, report)."""
     rows = sorted(rows, key=lambda r: (r["source_index"], r["path"]))
     needed = sorted({r["caption_key"] for r in rows} | {caption_key("")})
     position = {k: i for i, k in enumerate(needed)}
@@ -378,10 +355,11 @@ def commit(
             f"{run}/{CAPTIONS}", pa.Table.from_pylist(captions, schema=captions_schema(tensors))
         ),
         "appearances": appearances(index),
-        "dataset": {"id": dataset_id(version.fp, index), "rows": len(rows)},
+        "dataset": {"id": datasets.dataset_id(version.fp, index), "rows": len(rows)},
         "files": {"latents": live_latents, "text": live_text},
         "committed_unix": round(time.time(), 3),
     }
+    mine |= trust.write_rejected(version, run, list(rejected))  # before the manifest
     held = (located.manifest or {}).get(DATASETS, {})
     kept, dropped = datasets.merged(held, key, mine, lambda rel: _exists(located, rel))
     for what in dropped:

@@ -21,17 +21,21 @@ the model, still is.
 
 from __future__ import annotations
 
+import logging
+
 from raytuner.config import JobConfig
 from raytuner.families import parts
 from raytuner.jobcheck import encoders, lora, machine, model
 
 __all__ = ["check_job"]
+log = logging.getLogger(__name__)
 
 
 def check_job(job: JobConfig, family, *, runs: bool = True, reads_images: bool = True) -> None:
     """Raise ConfigError naming the key, its value and what to change. ``runs=False`` (plan)
     leaves out the optional packages, the image folders and the outputs; ``reads_images=False``
-    the image folders (see the module's docstring for which operation passes what)."""
+    the image folders (see the module's docstring for which operation passes what). What a
+    run can do but likely does not mean is logged as a warning (stderr), not refused."""
     model.bucket_sizes(job.preprocess, family)
     model.frame_counts(job.data, family)
     model.objective_kind(job.objective, family)
@@ -57,3 +61,6 @@ def check_job(job: JobConfig, family, *, runs: bool = True, reads_images: bool =
     if runs and reads_images:  # the operations that run the encoder pool
         encoders.encoder_pool(job, family)  # builds the text encoder on meta when sized
         machine.image_folders(job.data)  # last: the slow one
+    # once the job passed: a refused job's error stays its one line
+    if warning := job.train.warmup_warning():  # known here unless train.epochs sets the steps
+        log.warning(warning)

@@ -6,6 +6,7 @@ bad mask file) becomes a row with its reason. A clip becomes a row per sample it
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,9 @@ STREAM_SCHEMA = pa.schema(
         ("alpha", pa.bool_()),  # its crop has transparency (an alpha mask can be made)
         ("clip", pa.string()),  # a clip's report category (clips.CLIP_CATEGORIES); "": an image
         ("frames", pa.int32()),  # a clip sample's frames (its frame bucket); 0: an image
+        # the decode settings a FAILED row was refused under (``refusal_settings``; "": a
+        # refusal not of its bytes, an unreadable file: read again), remembered for a rerun
+        ("settings", pa.string()),
         ("pixels", pa.binary()),
         ("width", pa.int32()),
         ("height", pa.int32()),
@@ -102,6 +106,7 @@ def _row(row: dict, status: str = "ok", reason: str = "") -> dict:
         "alpha": False,
         "clip": "",
         "frames": 0,
+        "settings": "",
         "width": 0,
         "height": 0,
         "original_size": [0, 0],
@@ -110,12 +115,29 @@ def _row(row: dict, status: str = "ok", reason: str = "") -> dict:
     }
 
 
+class Unreadable(SkipImage):
+    """A file the decode could not read (an OSError): not a refusal of its bytes."""
+
+
 def _read(row: dict, spec: DecodeSpec, path: str, what: str) -> bytes:
     fs, root = storage.resolve(spec.roots[row["source"]])
     try:
         return storage.read_bytes(fs, storage.join(root, path))
     except OSError as e:
-        raise SkipImage(f"{what}unreadable: {e}") from None
+        raise Unreadable(f"{what}unreadable: {e}") from None
+
+
+def refusal_settings(spec: DecodeSpec, source, clip: bool, mask: str = "") -> str:
+    """What the decode's refusal of a file depends on besides its bytes: an image's limits,
+    aspect policy and its mask (``mask``: its mask key, of its mask file's content); a clip's
+    frame counts, selection, fps and limit. A rerun trusts a refusal under the same
+    (``data/trust.py``), and decodes the file again under others."""
+    if clip:
+        frames = [list(source.frames), source.frame_selection, source.fps]
+        return json.dumps(["clip", spec.image.max_pixels, *frames])
+    image = [spec.image.max_pixels, spec.image.min_size]
+    aspect = [spec.aspect_policy, spec.min_aspect, spec.max_aspect]
+    return json.dumps(["image", *image, *aspect, mask])
 
 
 def _load(row: dict, spec: DecodeSpec, data: bytes | None):
@@ -158,8 +180,8 @@ def decode_row(row: dict, spec: DecodeSpec, data: bytes | None = None, mask: str
     try:
         rgb, alpha = _load(row, spec, data)
         source = _mask_file(row, spec, rgb.size) if mask == "file" else alpha
-    except SkipImage as e:
-        return _row(row, "skipped", str(e))
+    except SkipImage as e:  # ``transient``: not a refusal of its bytes (read again)
+        return _row(row, "skipped", str(e)) | {"transient": isinstance(e, Unreadable)}
     bucket = nearest_bucket(rgb.width, rgb.height, spec.buckets)
     crop_seed = int(row["key"][:8], 16) ^ spec.seed
     (rw, rh), (top, left) = fit_to_bucket(rgb.width, rgb.height, bucket, spec.crop, crop_seed)
@@ -195,8 +217,11 @@ def _wanted(probed: dict, source, known: Known) -> tuple[str, str]:
 
 def _stream_row(row: dict, sources, spec: DecodeSpec, known: Known, taken: set) -> dict:
     """Probe one listed file and, when something of it is not cached (its latent, its flipped
-    latent, its mask), decode it (from the same read when its content is new)."""
-    trusted = bool(row["known_key"]) and row["known_key"] in known.keys
+    latent, its mask), decode it (from the same read when its content is new). A file a
+    dataset holds rejected, unchanged (``job._listing``), is not hashed again, and not decoded
+    again where the decode refused it under the same settings: its refusal is repeated."""
+    rejected = row.get("known_rejected", False)  # its key trusted too (``job._listing``)
+    trusted = bool(row["known_key"]) and (rejected or row["known_key"] in known.keys)
     probed, data = probe_and_read(row, sources, keep=not trusted)
     out = probed | _row(probed) | {"status": PROBED, "reason": probed["reason"], "failure": ""}
     out |= {"caption_key": caption_key(probed["caption"]), "flip_key": "", "mask_key": ""}
@@ -212,11 +237,16 @@ def _stream_row(row: dict, sources, spec: DecodeSpec, known: Known, taken: set) 
     want["want_mask"] = bool(mask) and mask not in known.keys
     if cached and not any(want.values()):
         return out | want
+    settings = refusal_settings(spec, source, False, mask)
+    failed = {"status": FAILED, "settings": settings}
+    if rejected and row["known_failure"] and row["known_settings"] == settings:
+        return out | want | failed | {"failure": row["known_failure"]}  # unchanged: unread
     # the mask to cut beside the pixels: its mask file's, or (known once decoded) its alpha's
     kind = {"file": "file" if mask else "", "alpha": "alpha"}.get(source.mask, "")
     decoded = decode_row(probed, spec, data, kind)
     if decoded["status"] != "ok":
-        return out | want | {"status": FAILED, "failure": decoded["reason"]}
+        failed["settings"] = "" if decoded["transient"] else settings
+        return out | want | failed | {"failure": decoded["reason"]}
     taken.add(key)
     if not cached and source.mask == "alpha" and decoded["alpha"]:
         out["mask_key"], want["want_mask"] = mask_key(key, ALPHA), True
@@ -242,13 +272,15 @@ def _clip_rows(row: dict, sources, spec: DecodeSpec, known: Known, taken: set):
     """A listed clip's stream rows: one per sample (decoded where its key is not cached), or
     one row with its report category when it gives none. Read and probed (its sample count is
     the clip's) unless the committed index holds it unchanged with every sample cached
-    (``_trusted_samples``: its rows are the index's, its caption read again); decoded only for
-    a sample the cache lacks."""
+    (``_trusted_samples``: its rows are the index's, its caption read again), or a dataset
+    holds it rejected, unchanged (its key trusted; refused by the decode under the same
+    settings: that row again, unread); decoded only for a sample the cache lacks."""
     source = sources[row["source"]]
     trusted = _trusted_samples(row, source, known)
     if trusted:  # probed without reading the clip: its content hash is the samples'
         row = row | {"known_key": clips.content_of(trusted[0])}
-    probed, data = probe_and_read(row, sources, keep=not trusted)
+    rejected = bool(row.get("known_rejected")) and bool(row["known_key"])  # its key trusted
+    probed, data = probe_and_read(row, sources, keep=not (trusted or rejected))
     out = probed | _row(probed) | {"status": PROBED, "reason": probed["reason"], "failure": ""}
     out |= {"caption_key": caption_key(probed["caption"]), "flip_key": "", "mask_key": ""}
     out |= {"original_size": [], "crop_top_left": [], "flip_crop_top_left": []}
@@ -264,10 +296,16 @@ def _clip_rows(row: dict, sources, spec: DecodeSpec, known: Known, taken: set):
         n = clip_rows.frames_of(trusted[0])
         yield from (_clip_sample(out | {"frames": n}, k, source, known, taken) for k in trusted)
         return
+    settings = refusal_settings(spec, source, True)
+    failed = {"status": FAILED, "settings": settings}
+    if rejected and row["known_failure"] and row["known_settings"] == settings:
+        yield out | failed | {"clip": row["known_clip"], "failure": row["known_failure"]}
+        return  # refused before under the same settings, unchanged since: not read again
     content = probed["key"]
     limits = {"max_pixels": spec.image.max_pixels}
     counts = list(source.frames)
     try:
+        data = _read(probed, spec, probed["path"], "") if data is None else data
         _, n, samples = clips.samples_of(data, counts, source.frame_selection, source.fps, limits)
         keys = [
             clips.sample_key(content, n, source.frame_selection, source.fps, i)
@@ -281,9 +319,10 @@ def _clip_rows(row: dict, sources, spec: DecodeSpec, known: Known, taken: set):
                 seed = int(content[:8], 16) ^ spec.seed
                 r |= clips.fit_clip(next(decoded), spec.buckets, spec.crop, seed)
             yield r
+    except Unreadable as e:  # its key trusted, then not read: as the probe says it
+        yield out | {"clip": clips.SKIPPED, "reason": str(e)}
     except video.ClipError as e:
-        failure = f"{e.category}: {e}"
-        yield out | {"clip": e.category, "status": FAILED, "failure": failure}
+        yield out | failed | {"clip": e.category, "failure": f"{e.category}: {e}"}
 
 
 def _clip_sample(out: dict, key: str, source, known: Known, taken: set) -> dict:

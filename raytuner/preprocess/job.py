@@ -32,7 +32,13 @@ from raytuner.preprocess.sources import (
     image_repeats,
     list_source,
 )
-from raytuner.preprocess.worklist import pair_regularization, plan, report, unusable_sources
+from raytuner.preprocess.worklist import (
+    pair_regularization,
+    plan,
+    rejections,
+    report,
+    unusable_sources,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,7 @@ def _listing(data: DataConfig, located: index.Located, family) -> list[dict]:
     clip: its first sample's, and ``known_samples``, see ``_known_clip``); then the reference
     files of the paired sources (``pairs.py``: source ``n + i``), for a family that takes
     references (another trains every image alone)."""
-    known, rows = located.listed, []
+    known, rejected, rows = located.trusted.listed, located.trusted.rejected, []
     sources = data.all_sources()
     roots = [storage.absolute(s.path) for s in pairs.with_reference_sources(sources)]
     for i, source in enumerate(sources):
@@ -58,17 +64,39 @@ def _listing(data: DataConfig, located: index.Located, family) -> list[dict]:
             root = roots[row["source"]]
             size, mtime, key = known.get((root, row["path"]), (None, None, ""))
             unchanged = (size, mtime) == (row["size"], row["mtime_ns"])
-            row = {**row, "known_key": key if unchanged else "", "known_samples": 0}
+            row = {**row, "known_key": key if unchanged else "", "known_samples": 0} | NOT_REJECTED
+            if not unchanged:
+                row |= _known_rejected(row, rejected.get((root, row["path"])))
             if is_clip(row["path"]) and row["role"] == pairs.ROLE_TARGET:
-                row |= _known_clip(row, located.clips.get((root, row["path"], settings)))
+                row |= _known_clip(row, located.trusted.clips.get((root, row["path"], settings)))
             rows.append(row)
     return rows
+
+
+# a listed file no committed dataset holds rejected (``_known_rejected``)
+NOT_REJECTED = {"known_rejected": False, "known_failure": "", "known_settings": ""}
+NOT_REJECTED["known_clip"] = ""
+
+
+def _known_rejected(row: dict, record) -> dict:
+    """A listed file's key, and the decode's refusal of it and the settings it was refused
+    under, when a committed dataset holds it rejected with the same size and mtime
+    (``trust.Rejected``): not read again (``decode._stream_row``). Nothing otherwise."""
+    if record is None or (record.size, record.mtime_ns) != (row["size"], row["mtime_ns"]):
+        return {}
+    return {
+        "known_key": record.key,
+        "known_rejected": True,
+        "known_failure": record.failure,
+        "known_settings": record.settings,
+        "known_clip": record.clip,
+    }
 
 
 def _known_clip(row: dict, committed) -> dict:
     """A listed clip's first sample key and its count of samples (``known_samples``) when a
     committed index holds it with the same size and mtime under the source's frame settings
-    (``Located.clips``): its rows are then made from the index's, the clip not read again
+    (``Located.trusted``): its rows are then made from the index's, the clip not read again
     where every sample is cached (``decode._clip_rows``). Nothing otherwise: it is read."""
     if committed is None or committed[:2] != (row["size"], row["mtime_ns"]):
         return {}
@@ -148,7 +176,8 @@ def _stream(job: _Pass, listing, located) -> tuple[list, float, dict]:
     encode, write; each summed over its blocks)."""
     alpha = frozenset(k for k, r in located.latents.items() if r.get("alpha"))
     known = (Known(frozenset(located.latents), alpha), set(located.captions))
-    todo = sum(1 for r in listing if r["known_key"] not in known[0].keys)  # about this many new
+    new = [r for r in listing if not (r["refused"] or r["known_rejected"])]  # rejected: none
+    todo = sum(1 for r in new if r["known_key"] not in known[0].keys)  # about this many new
     line = ProgressLine(len(listing), todo, job.tag, "raytuner_images_encoded")
     with line as progress:
         spec = decode_spec(job.family, job.data, job.pre)
@@ -270,8 +299,9 @@ def _preprocess(job: _Pass) -> dict:
     available = set(located.latents)
     rows, first_at, streamed = _stream(job, listing, located)
     rows = clips_failed(rows)
-    encoded = {r["key"] for r in rows if r["status"] == pipeline.ENCODE}
     stream_roots = [storage.absolute(s.path) for s in pairs.with_reference_sources(sources)]
+    rejected = rejections(rows, stream_roots)  # remembered for the next run: data/trust.py
+    encoded = {r["key"] for r in rows if r["status"] == pipeline.ENCODE}
     rows, references = pairs.join_references(rows, listing, stream_roots)
     p = plan([{**r, "source_index": r["source"]} for r in rows], available, roots)
     p.failed({r["key"]: r["failure"] for r in rows if r["status"] == FAILED})
@@ -308,6 +338,7 @@ def _preprocess(job: _Pass) -> dict:
     rep["text"] = text_bytes(located, need, pre.text_storage)
     extra = {"family": job.family.name, "dtype": pre.dtype, "report": rep}
     extra["text_dtype"] = pre.text_storage
+    extra["rejected"] = rejected
     index.commit(version, job.run, indexed, located, generation, sources=sources, **extra)
     metrics.gauge("raytuner_cache_hits", len(p.cached), job.tag)
     metrics.gauge("raytuner_skipped_inputs", len(rep["skipped"]), job.tag)

@@ -18,7 +18,13 @@ import ray
 from raytuner import quiet, runtime
 from raytuner.data.keys import caption_key, flip_key
 from raytuner.preprocess.clips import is_clip
-from raytuner.preprocess.decode import ENCODE, PROBE_COLUMNS, DecodeSpec, probe_decode_blocks
+from raytuner.preprocess.decode import (
+    ENCODE,
+    FAILED,
+    PROBE_COLUMNS,
+    DecodeSpec,
+    probe_decode_blocks,
+)
 from raytuner.preprocess.encode import Encoder
 from raytuner.preprocess.pairs import text_sources
 from raytuner.preprocess.sink import PartSink
@@ -86,7 +92,11 @@ def _most_frames(listing: list[dict], sources, spec) -> int:
 def _likely_new(row: dict, sources, keys: frozenset) -> bool:
     """Whether a listed file has something to encode, as far as its listing tells: a changed
     file, or a flipped latent its source asks for and the cache lacks (a new mask file shows
-    only once the probe hashed it)."""
+    only once the probe hashed it). Not one the listing refused, nor an unchanged one a
+    dataset holds rejected (a new caption or other settings that make it encodable show only
+    once it is probed: the stream then runs again with the encoders)."""
+    if row.get("refused") or row.get("known_rejected"):
+        return False
     key, flips = row["known_key"], sources[row["source"]].flip == "random"
     return key not in keys or (flips and flip_key(key) not in keys)
 
@@ -146,7 +156,9 @@ def _probed(listing: list[dict], rows: int, probe: dict) -> list[dict]:
 
 def _nothing_new(probed: list[dict], caption_keys, paired=frozenset()) -> bool:
     """No image to decode (a file changed since it was listed) and every caption cached (but
-    those of the ``paired`` sources, encoded with their references: ``pair_text``)."""
-    need = {r["caption_key"] for r in probed if not r["reason"] and r["source"] not in paired}
+    those of the ``paired`` sources, encoded with their references: ``pair_text``, and those
+    of the files the decode refused, which the encoder leaves alone: ``encode_captions``)."""
+    usable = [r for r in probed if not r["reason"] and r["status"] != FAILED]
+    need = {r["caption_key"] for r in usable if r["source"] not in paired}
     need |= {caption_key("")}
     return all(r["status"] != ENCODE for r in probed) and need <= set(caption_keys)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from raytuner.data.keys import ALPHA, mask_key
 from raytuner.preprocess.clips import report_line as clip_report_line
+from raytuner.preprocess.decode import FAILED
 from raytuner.preprocess.sources import NOT_UTF8
 
 
@@ -51,6 +52,24 @@ def plan(probed: list[dict], available: set[str], sources: list[str]) -> Plan:
             wanted = (row["key"], row.get("flip_key"), row.get("mask_key"))
             cached = all(k in available for k in wanted if k)
             (out.cached if cached else out.new).append(row)
+    return out
+
+
+def rejections(rows: list[dict], roots: list[str]) -> list[dict]:
+    """The rejected files among the stream's rows (``roots``: its sources' folders), as their
+    dataset remembers them (``data/trust.py``): each file the listing or the probe skipped
+    (its key, where it was hashed) or the decode refused (also why, in which clip category,
+    under which settings), so that a rerun reads none of them again unchanged."""
+    out = []
+    for r in rows:
+        if not (r["reason"] or r["status"] == FAILED):
+            continue
+        refused = r["status"] == FAILED and not r["reason"]
+        out.append(
+            {"source": roots[r["source"]], "path": r["path"], "size": r["size"]}
+            | {"mtime_ns": r["mtime_ns"], "key": r["key"]}
+            | {k: r[k] if refused else "" for k in ("failure", "settings", "clip")}
+        )
     return out
 
 

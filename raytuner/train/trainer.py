@@ -135,6 +135,8 @@ def train(job: JobConfig, family) -> dict:
         job = dataclasses.replace(job, train=t.for_epochs(len(batches)))
         t = job.train
         log.info("train.epochs: %d steps, %d an epoch", t.max_steps, len(batches))
+        if warning := t.warmup_warning():  # the check could not tell: no steps yet
+            log.warning(warning)
     name = layout.choose_run(job.train.output, job.train.name, job.checkpoint.resume)
     part = family.parts.denoiser
     run_dir = layout.run_dir(job.train.output, name)
