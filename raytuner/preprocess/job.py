@@ -74,8 +74,12 @@ def _listing(data: DataConfig, located: index.Located, family) -> list[dict]:
 
 
 # a listed file no committed dataset holds rejected (``_known_rejected``)
-NOT_REJECTED = {"known_rejected": False, "known_failure": "", "known_settings": ""}
-NOT_REJECTED["known_clip"] = ""
+NOT_REJECTED = {
+    "known_rejected": False,
+    "known_failure": "",
+    "known_settings": "",
+    "known_clip": "",
+}
 
 
 def _known_rejected(row: dict, record) -> dict:
