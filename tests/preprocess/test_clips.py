@@ -24,6 +24,8 @@ from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.preprocess import clips
 from raytuner.preprocess.job import update_cache
+from raytuner.train import sample_log
+from raytuner.train.feed import Feed
 
 WAN = FAMILIES["wan"]
 MODEL = ModelConfig(family="wan", pretrained="tiny")
@@ -117,6 +119,36 @@ def test_each_sample_is_the_vaes_latent_of_its_decoded_frames(encoded):
             torch.testing.assert_close(cached, direct, rtol=1e-5, atol=1e-5)
     finally:
         dataset.close()
+
+
+def test_the_sample_log_names_every_sample_of_an_epoch_once_a_chunk_by_its_place(
+    encoded, tmp_path
+):
+    """An epoch's sample log (``train.sample_log``, as a worker writes it from its feed) names
+    each sample once: the two chunks of ``run.mp4`` as ``run.mp4#0`` and ``run.mp4#1`` (one
+    path for both before), an image and a one-sample clip by its path as before."""
+    _, data, _ = encoded
+    dataset = open_dataset(data.cache, cache.fingerprint(MODEL, PRE))
+    feed = Feed(
+        dataset, seed=0, global_batch_size=1, remainder="drop", rank=0, world=1, prefetch=1,
+        pin=False,
+    )  # fmt: skip
+    log = sample_log.SampleLog(str(tmp_path), "0", rank=0, world=1)
+    cursor, step = (0, 0), 0
+    feed.start(*cursor)
+    try:
+        while cursor[0] == 0:
+            batch = feed.next(*cursor)
+            step, cursor = step + 1, batch.after()
+            log.add(step, batch.epoch, batch.index, batch.ids)
+    finally:
+        feed.close()
+        dataset.close()
+    log.flush()
+    ids = [i for step_ids in sample_log.trained(str(tmp_path)).values() for i in step_ids]
+    assert sorted(ids) == [
+        "img0.png", "img1.png", "long.mp4", "mid.webm", "run.mp4#0", "run.mp4#1"
+    ]  # fmt: skip
 
 
 @pytest.mark.slow
