@@ -171,13 +171,15 @@ def _bench_parsers(sub) -> None:
 
 
 def _gpu_args(gpu: argparse.ArgumentParser) -> None:
-    families = "sd15,sdxl,flux,sana,z-image,qwen-image,flux2-klein,flux2-dev"
+    families = "sd15,sdxl,flux,sana,z-image,qwen-image,flux2-klein,flux2-dev,flux-kontext,"
+    families += "qwen-image-edit"
     gpu.add_argument("--families", default=families, help="comma-separated")
     gpu.add_argument(
         "--only",
         default="",
-        help="comma-separated groups (mfu, compile, kernels, shipped, memory, swap, swap-more, "
-        "train, train-2, preprocess) or row names; default: every row",
+        help="comma-separated groups (mfu, compile, compile-2, kernels, shipped, memory, swap, "
+        "swap-more, train, train-2 ... train-7, preprocess; `--dry-run` lists them) or row "
+        "names; default: every row",
     )
     gpu.add_argument("--jobs", default="jobs", help="the folder of the shipped job files")
     gpu.add_argument("--out", default=".", help="where the JSON and the Markdown rows go")

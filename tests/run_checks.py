@@ -37,11 +37,12 @@ def committed_folder(run_dir: str) -> Path:
     return Path(run_dir, _latest(run_dir)["checkpoint_dir_name"])
 
 
-def pipeline_image(pipe) -> np.ndarray:
+def pipeline_image(pipe, **extra) -> np.ndarray:
     """Two seeded denoising steps at 64x64. Tiny models need two settings where a pipeline has
     them: their T5 / Gemma tokenizers keep 32 tokens, and Sana's resolution binning knows only
     the real models' sizes; a video pipeline's output is its frames; Flux.1 Kontext's renders
-    about 1024 x 1024 unless its max_area says 64 x 64."""
+    about 1024 x 1024 unless its max_area says 64 x 64. ``extra``: more of the pipeline's
+    arguments (an edit pipeline's reference image)."""
     accepts = set(inspect.signature(pipe.__call__).parameters)
     # a video pipeline (Wan) renders a one-frame clip
     tiny = {"max_sequence_length": 32, "use_resolution_binning": False, "num_frames": 1}
@@ -54,6 +55,7 @@ def pipeline_image(pipe) -> np.ndarray:
         output_type="np",
         generator=torch.Generator().manual_seed(0),
         **{k: v for k, v in tiny.items() if k in accepts},
+        **extra,
     )
     return out.images if hasattr(out, "images") else out.frames[:, 0]  # each clip's frame
 

@@ -42,6 +42,7 @@ from raytuner.data.cache import (
     row_at,
     text_dtype_of,
 )
+from raytuner.data.clip_rows import CLIP, is_sample
 from raytuner.data.index import bucket_name
 from raytuner.data.keys import caption_key
 from raytuner.data.tensors import DTYPES, from_cell, stacked
@@ -162,6 +163,24 @@ def _where(rows: pa.Table, file: str, at: str, sums: str) -> _Where:
     return _Where(code, files, rows.column(at).to_numpy(), rows.column(sums).to_numpy())
 
 
+def sample_ids(paths: list[str], keys: pa.ChunkedArray) -> list[str]:
+    """Each row's id in the sample log (``train.sample_log``): its path, and for each sample of
+    a clip cut into several (``frame_selection = "chunks"``), its path, ``#`` and its place among
+    them from its key (``run.mp4#0``, ``run.mp4#1``); an image's and a one-sample clip's: its
+    path alone."""
+    at = np.flatnonzero(pc.match_substring(keys, f":{CLIP}:").to_numpy(zero_copy_only=False))
+    picked = zip(at.tolist(), keys.take(at).to_pylist(), strict=True)
+    places = [(i, *k.rsplit(":", 1)) for i, k in picked if is_sample(k)]
+    if not places:  # no clip sample: the paths are the ids
+        return paths
+    count = collections.Counter((paths[i], stem) for i, stem, _ in places)
+    ids = list(paths)
+    for i, stem, place in places:
+        if count[paths[i], stem] > 1:
+            ids[i] = f"{paths[i]}#{place}"
+    return ids
+
+
 class CachedDataset:
     """The committed rows of one cache version, in index order; ``batch`` reads rows."""
 
@@ -176,6 +195,7 @@ class CachedDataset:
         self.dtypes = (manifest["dtype"], text_dtype_of(manifest))
         self.reader = RangeReader(version.fs, version.root)
         self.paths: list[str] = rows.column("path").to_pylist()
+        self.ids = sample_ids(self.paths, rows.column("key"))  # the sample log's
         self.repeats: list[int] = rows.column("repeats").to_pylist()
         self._width = rows.column("width").to_numpy()
         self._height = rows.column("height").to_numpy()
@@ -384,7 +404,7 @@ def open_dataset(
         )
     path = manifest["index"]["path"]
     names = pq.read_schema(version.path(path), filesystem=version.fs).names
-    rows = version.read(path, ROW_COLUMNS + [c for c in references.READ if c in names])
+    rows = version.read(path, [*ROW_COLUMNS, "key", *(c for c in references.READ if c in names)])
     if rows.num_rows == 0:
         raise ValueError(
             f"the cache at {version.root} holds no usable image: every input was "

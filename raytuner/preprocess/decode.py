@@ -19,7 +19,15 @@ from raytuner.data.keys import ALPHA, caption_key, flip_key, mask_key
 from raytuner.preprocess import clips, video
 from raytuner.preprocess.buckets import Size, fit_to_bucket, nearest_bucket
 from raytuner.preprocess.images import ImagePolicy, SkipImage, load_mask, load_with_alpha
-from raytuner.preprocess.progress import CACHED, READ, SKIPPED, TO_ENCODE, clock, timed
+from raytuner.preprocess.progress import (
+    CACHED,
+    READ,
+    SAMPLES,
+    SKIPPED,
+    TO_ENCODE,
+    clock,
+    timed,
+)
 from raytuner.preprocess.sources import probe_and_read
 
 # The row kinds of the stream (its ``status`` column).
@@ -370,7 +378,7 @@ def probe_decode_blocks(batch: pa.Table, sources, spec: DecodeSpec, known: Known
                 held, size = [], 0
             held.append(sample)
             size += len(sample["pixels"])
-        more = read_counts(done)
+        more = read_counts(done, clip=True)
         counts = {k: counts[k] + more[k] for k in counts}
     if held:
         yield pa.Table.from_pylist(held, schema=STREAM_SCHEMA)
@@ -383,9 +391,15 @@ def is_clip(row: dict) -> bool:
     return clips.is_clip(row["path"])
 
 
-def read_counts(rows: list[dict]) -> dict[str, int]:
-    """What probed stream rows came to, as the progress line counts them."""
+def read_counts(rows: list[dict], clip: bool = False) -> dict[str, int]:
+    """What probed stream rows came to, as the progress line counts them: the files read,
+    cached and skipped, the images and clip samples to encode. ``rows``: an image file's
+    row each, or (``clip``) one clip's rows, a sample each: one file, skipped where a row
+    is, cached where no sample is to encode."""
     skipped = sum(1 for r in rows if r["reason"] or r["status"] == FAILED)
     encode = sum(1 for r in rows if r["status"] == ENCODE)
+    if clip:
+        counts = {READ: 1, SKIPPED: min(skipped, 1), CACHED: int(not skipped and not encode)}
+        return counts | {TO_ENCODE: encode, SAMPLES: encode}
     cached = len(rows) - skipped - encode
-    return {READ: len(rows), CACHED: cached, SKIPPED: skipped, TO_ENCODE: encode}
+    return {READ: len(rows), CACHED: cached, SKIPPED: skipped, TO_ENCODE: encode, SAMPLES: 0}

@@ -20,10 +20,11 @@ log = logging.getLogger("raytuner.preprocess")
 
 # what the stream's steps count (``Counting.add``)
 READ = "read"  # files probed (every listed file is, once)
-CACHED = "cached"  # probed: nothing new to encode (already cached, or a duplicate)
-SKIPPED = "skipped"  # probed or decoded: refused, with its reason
-TO_ENCODE = "to_encode"  # probed: decoded, for the encoders
-ENCODED = "encoded"  # images encoded (their latent, flipped latent or mask)
+CACHED = "cached"  # files probed: nothing new to encode (already cached, or a duplicate)
+SKIPPED = "skipped"  # files probed or decoded: refused, with its reason
+TO_ENCODE = "to_encode"  # images and clip samples probed: decoded, for the encoders
+SAMPLES = "samples"  # of those to encode, the clip samples (a clip in chunks has several)
+ENCODED = "encoded"  # images and clip samples encoded (their latent, flipped latent or mask)
 READY = "ready"  # encoder actors whose image encoder is loaded
 
 
@@ -135,27 +136,33 @@ class ProgressLine:
 
 
 def line(counts: dict[str, int], files: int, todo: int, seconds: float, final: bool) -> str:
-    """What the progress line says (after ``preprocess: ``): the images encoded of those to
-    encode, their rate and ETA (or that the encoders are still loading), and the files read,
-    cached and skipped, from the first second on."""
+    """What the progress line says (after ``preprocess: ``): the images (and clip samples: a
+    clip may give several) encoded of those to encode, their rate and ETA (or that the encoders
+    are still loading), and the files read, cached and skipped, from the first second on.
+    ``files``: the files listed; ``todo``: the listing's guess of those with something to
+    encode, one image each until it is read."""
     read, encoded = counts.get(READ, 0), counts.get(ENCODED, 0)
-    # every file read: how many there are to encode is known, else the listing's guess
-    total = counts.get(TO_ENCODE, 0) if read >= files else max(todo, counts.get(TO_ENCODE, 0))
+    cached, skipped = counts.get(CACHED, 0), counts.get(SKIPPED, 0)
+    to_encode, samples = counts.get(TO_ENCODE, 0), counts.get(SAMPLES, 0)
+    # every file read: how many there are to encode is known; else those of the files read
+    # and the listing's guess for the files not read yet
+    unread = max(todo - (read - cached - skipped), 0)
+    total = to_encode if read >= files else to_encode + unread
     rate = encoded / seconds if seconds > 0 else 0.0
-    files_part = (
-        f"files read {read}/{files} ({counts.get(CACHED, 0)} cached, "
-        f"{counts.get(SKIPPED, 0)} skipped)"
-    )
+    what = "images"
+    if samples:
+        what = "clip samples" if samples == to_encode else "images and clip samples"
+    files_part = f"files read {read}/{files} ({cached} cached, {skipped} skipped)"
     if final:
         if not total and not encoded:
             return f"nothing to encode; {files_part} in {seconds:.1f} s"
-        return f"images encoded {encoded}/{total} in {seconds:.1f} s ({rate:.1f}/s); {files_part}"
+        return f"{what} encoded {encoded}/{total} in {seconds:.1f} s ({rate:.1f}/s); {files_part}"
     if encoded:
         left = max(total - encoded, 0)
         eta = datetime.timedelta(seconds=round(left / rate)) if rate else "?"
-        return f"images encoded {encoded}/{total} ({rate:.1f}/s) ETA {eta}; {files_part}"
+        return f"{what} encoded {encoded}/{total} ({rate:.1f}/s) ETA {eta}; {files_part}"
     if total and not counts.get(READY):
-        return f"images encoded 0/{total} (the encoders are loading); {files_part}"
+        return f"{what} encoded 0/{total} (the encoders are loading); {files_part}"
     if total:
-        return f"images encoded 0/{total} (encoding the first batch); {files_part}"
-    return f"images encoded 0/0; {files_part}"
+        return f"{what} encoded 0/{total} (encoding the first batch); {files_part}"
+    return f"{what} encoded 0/0; {files_part}"

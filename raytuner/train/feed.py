@@ -54,7 +54,7 @@ class RankSlice:
     count: int  # global batches in the epoch
     tensors: dict[str, torch.Tensor]
     seeds: list[int]  # per-sample noise seeds, the same whatever rank trains the sample
-    ids: list[str]  # the cache rows (source path) of this rank's slice, in order
+    ids: list[str]  # the sample log's ids of this rank's slice, in order (``CachedDataset.ids``)
     flipped: tuple[bool, ...] = ()  # which samples train on their mirror image (data.flip)
 
     def after(self) -> tuple[int, int]:
@@ -96,7 +96,7 @@ class Feed:
         self.rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
         buckets = data.buckets
         self.buckets = [buckets[i] for i in self.rows]
-        self.paths = [data.paths[i] for i in self.rows]
+        self.ids = [data.ids[i] for i in self.rows]
         self._queue: queue.Queue = queue.Queue()  # futures of batches, in schedule order
         # a batch is submitted only for a free slot; ``next`` frees one as it takes a batch, so
         # at most ``prefetch`` batches are read ahead of the step (not one more in the thread)
@@ -132,7 +132,7 @@ class Feed:
             tensors |= self.draw(tuple(tensors["latent"].shape), generators)
         if self.pin:  # the rows read were stacked into pinned memory already
             tensors = {k: v if v.is_pinned() else v.pin_memory() for k, v in tensors.items()}
-        ids = [self.paths[j] for j in mine]
+        ids = [self.ids[j] for j in mine]
         return RankSlice(epoch, index, len(batches), tensors, seeds, ids, tuple(flips))
 
     def _slot(self) -> bool:

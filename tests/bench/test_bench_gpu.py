@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
 from raytuner.tools.bench import gpu, gpu_rows
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_group_fits_its_window_and_rows_name_their_commands(capsys):
@@ -125,3 +128,40 @@ def test_results_are_written_after_every_row(tmp_path, monkeypatch):
     assert "skipped" in results["long"] and results["after"] == {"samples_per_s": 1.0}
     md = (tmp_path / "bench-gpu-2026-01-01.md").read_text().splitlines()
     assert len(md) == 4 and "not measured: exit 1" in md[1]
+
+
+def test_the_edit_families_train_on_pairs_of_the_drawn_images(tmp_path):
+    """The train rows of the edit families (`bench train` of `jobs/flux-kontext.toml` and
+    `jobs/qwen-image-edit.toml`) read the work folder's pairs: every drawn image a target with
+    its caption, its mirror image the one reference its job's layout finds for it
+    (`data.references = "control"`: the same name under `control/`); the other families read the
+    drawn images alone."""
+    from PIL import Image, ImageOps
+
+    from raytuner.config import load_job
+    from raytuner.preprocess.sources import list_source
+    from raytuner.tools.demo_images import make_demo_images
+
+    make_demo_images(tmp_path / gpu_rows.IMAGES, per_aspect=1)  # small: drawn at 1024 px else
+    gpu._synthetic_images(str(tmp_path))
+    drawn = sorted(p.relative_to(tmp_path / "images").as_posix()
+                   for p in (tmp_path / "images").rglob("*.png"))  # fmt: skip
+    items = gpu_rows.rows(list(gpu_rows.FAMILIES), str(REPO / "jobs"), str(tmp_path))
+    for row in (i for i in items if i.name.startswith("train ")):
+        f = row.name.removeprefix("train ")
+        sets = [row.args[i + 1] for i, a in enumerate(row.args) if a == "--set"]
+        job = load_job(row.args[2], sets)
+        expected = gpu_rows.PAIRS if f in gpu_rows.PAIRED else gpu_rows.IMAGES
+        assert job.data.images == str(tmp_path / expected), f
+        if f not in gpu_rows.PAIRED:
+            continue
+        listed = list_source(0, job.data.all_sources()[0], reference_index=1)
+        targets = [r for r in listed if r["source"] == 0]
+        assert [(r["path"], r["references"]) for r in targets] == [(p, [p]) for p in drawn], f
+    for p in drawn:  # each target's caption beside it, its reference the mirror image
+        caption = (tmp_path / gpu_rows.PAIRS / p).with_suffix(".txt")
+        assert caption.read_text() == (tmp_path / "images" / p).with_suffix(".txt").read_text()
+        with Image.open(tmp_path / "images" / p) as image:
+            mirror = ImageOps.mirror(image.convert("RGB"))
+        with Image.open(tmp_path / gpu_rows.PAIRS / "control" / p) as reference:
+            assert reference.convert("RGB").tobytes() == mirror.tobytes()

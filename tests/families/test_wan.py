@@ -201,3 +201,53 @@ def test_plan_traces_the_encoder_actor_on_clips_of_a_frame_count():
     clip, clip_shapes = trace.trace_encoders(job, WAN, (832, 480), frames=81)
     assert shapes["latent"] == (16, 1, 60, 104) and clip_shapes["latent"] == (16, 21, 60, 104)
     assert clip["peak_bytes"] > image["peak_bytes"]
+
+
+def _normalized(vae, dist) -> tuple[torch.Tensor, torch.Tensor]:
+    """A VAE's latent distribution in the transformer's scale, as WanPipeline decodes it."""
+    m = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    s = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    return (dist.mean - m) / s, dist.std / s
+
+
+@pytest.mark.parametrize(
+    ("name", "tile", "stride", "apart"),
+    [("wan", 64, 48, 0.1), ("wan22-5b", 32, 24, 0.25)],  # 5B: tiles of its 2x2-patched pixels
+)
+def test_frames_above_the_tile_threshold_are_encoded_in_diffusers_tiles(
+    name, tile, stride, apart, monkeypatch
+):
+    """A frame of more than ``wan.TILE_ABOVE`` pixels (720p and above) is encoded with
+    diffusers' ``AutoencoderKLWan`` tiling on: the family's encoder gives exactly the VAE's own
+    tiled encode of the same frames (a clip of 5 frames, 2 x 3 tiles), which differs from the
+    whole frame's encode by the seams' blending and the tiles' borders (the tiny random VAE's
+    mid-block attention sees the whole frame: no latent is left unchanged; measured: 3 % of
+    the mean magnitude for Wan 2.1's VAE, 13 % for the 5B's at these tiny tiles); a frame at the
+    threshold is encoded whole again after it. At test sizes: the tiny VAE's tiles cut to
+    ``tile`` pixels and the threshold lowered to 96 x 96 (a 720p frame takes it ~30 s)."""
+    from raytuner.families import wan
+
+    monkeypatch.setattr(wan, "TILE_ABOVE", 96 * 96)
+    vae = FAMILIES[name].part(TINY, "vae", "cpu")
+    vae.enable_tiling(tile, tile, stride, stride)  # the tile sizes; the encoder switches it
+    vae.disable_tiling()
+    encode = wan.wan_image_encoder(vae, "cpu")  # what the family's image_encoder returns
+    g = torch.Generator().manual_seed(2)
+    clip = torch.rand(1, 3, 5, 96, 128, generator=g) * 2 - 1  # above the threshold
+    image = torch.rand(1, 3, 96, 96, generator=g) * 2 - 1  # at it
+
+    mean, std = encode(clip)
+    at = encode(image)[0]  # right after: tiling turned off again
+    vae.enable_tiling()
+    tiled = _normalized(vae, vae.encode(clip).latent_dist)
+    vae.disable_tiling()
+    whole = _normalized(vae, vae.encode(clip).latent_dist)
+    assert torch.equal(mean, tiled[0]) and torch.equal(std, tiled[1])
+    difference = ((mean - whole[0]).abs().mean() / whole[0].abs().mean()).item()
+    assert 0 < difference < apart
+
+    vae.enable_tiling()
+    at_tiled = _normalized(vae, vae.encode(image.unsqueeze(2)).latent_dist)[0]
+    vae.disable_tiling()
+    assert torch.equal(at, _normalized(vae, vae.encode(image.unsqueeze(2)).latent_dist)[0])
+    assert not torch.equal(at, at_tiled)  # the VAE would have tiled it

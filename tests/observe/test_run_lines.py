@@ -143,3 +143,22 @@ def test_the_progress_line_counts_from_the_first_second():
     assert line(cached, 12, 0, 3.0, True) == (
         "nothing to encode; files read 12/12 (12 cached, 0 skipped) in 3.0 s"
     )
+
+
+def test_the_progress_line_counts_files_as_files_and_clip_samples_as_samples():
+    """A clip in chunks is one file read and several samples to encode: the files part counts
+    files (never more read than listed), the encode part images and clip samples, the files
+    not read yet guessed one image each."""
+    from raytuner.preprocess.progress import line
+
+    # 4 files listed, 3 guessed new: an image and a clip of 3 chunks read, a cached clip read,
+    # one file not read yet
+    reading = {"read": 3, "cached": 1, "to_encode": 4, "samples": 3, "ready": 1, "encoded": 2}
+    assert line(reading, 4, 3, 10.0, False) == (
+        "images and clip samples encoded 2/5 (0.2/s) ETA 0:00:15; "
+        "files read 3/4 (1 cached, 0 skipped)"
+    )
+    clips = {"read": 2, "to_encode": 6, "samples": 6, "ready": 1, "encoded": 6}
+    assert line(clips, 2, 2, 12.0, True) == (
+        "clip samples encoded 6/6 in 12.0 s (0.5/s); files read 2/2 (0 cached, 0 skipped)"
+    )

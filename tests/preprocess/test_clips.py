@@ -7,7 +7,9 @@ unchanged clip is not read again; an image family reports the clips as not train
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -24,6 +26,8 @@ from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
 from raytuner.preprocess import clips
 from raytuner.preprocess.job import update_cache
+from raytuner.train import sample_log
+from raytuner.train.feed import Feed
 
 WAN = FAMILIES["wan"]
 MODEL = ModelConfig(family="wan", pretrained="tiny")
@@ -60,13 +64,33 @@ def data_of(root: Path, media: Path, chunky: Path) -> DataConfig:
     )
 
 
+class Said(logging.Handler):
+    """The messages a logger says, kept."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def encoded(ray_local, tmp_path_factory):
+    """The folders encoded once: (root, data, the report, the preprocess's log lines)."""
     root = tmp_path_factory.mktemp("clips")
     media, chunky = make_folder(root)
     data = data_of(root, media, chunky)
-    first = update_cache(MODEL, data, PRE, family=WAN)
-    return root, data, first
+    logger, said = logging.getLogger("raytuner.preprocess"), Said()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(said)
+    try:
+        first = update_cache(MODEL, data, PRE, family=WAN)
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+    return root, data, first, said.messages
 
 
 def index_rows(data: DataConfig, model=MODEL, pre=PRE) -> list[dict]:
@@ -75,7 +99,7 @@ def index_rows(data: DataConfig, model=MODEL, pre=PRE) -> list[dict]:
 
 
 def test_every_clip_lands_in_exactly_one_category(encoded):
-    _, _, report = encoded
+    _, _, report, said = encoded
     assert report["clips"] == {
         "files": 5, "trained": 3, "corrupt": 1, "too_short": 1, "codec": 0, "bomb": 0,
         "huge": 0, "not_trained": 0, "skipped": 0, "samples": 4, "frames": {"5": 1, "9": 3},
@@ -86,12 +110,19 @@ def test_every_clip_lands_in_exactly_one_category(encoded):
     assert report["total"] == 7 and report["encoded"] == 6  # 4 samples and 2 images
     # images and one-frame latents share "WxH"; clip samples: "WxH/T" (T latent frames)
     assert report["buckets"] == {"80x48/3": 3, "48x80/2": 1, "64x64": 2}
+    # the progress line's last: 7 files, 4 clip samples and 2 images encoded
+    last = [m for m in said if m.startswith("preprocess: ") and " files read " in m][-1]
+    assert re.fullmatch(
+        r"preprocess: images and clip samples encoded 6/6 in [\d.]+ s \([\d.]+/s\); "
+        r"files read 7/7 \(0 cached, 2 skipped\)",
+        last,
+    ), last
 
 
 def test_each_sample_is_the_vaes_latent_of_its_decoded_frames(encoded):
     """The cached latent of a clip's head sample and of a chunk: the tiny VAE run directly on
     the frames decoded and cut again here (the dataset's rows are the index's, in order)."""
-    root, data, _ = encoded
+    root, data, *_ = encoded
     rows = index_rows(data)
     chunks = sorted((r for r in rows if r["path"] == "run.mp4"), key=lambda r: r["key"])
     assert [r["key"].rsplit(":", 1)[1] for r in chunks] == ["0", "1"]
@@ -119,9 +150,37 @@ def test_each_sample_is_the_vaes_latent_of_its_decoded_frames(encoded):
         dataset.close()
 
 
+def test_the_sample_log_names_each_sample_once_a_chunk_by_its_place(encoded, tmp_path):
+    """An epoch's sample log (``train.sample_log``, as a worker writes it from its feed) names
+    each sample once: the two chunks of ``run.mp4`` as ``run.mp4#0`` and ``run.mp4#1`` (one
+    path for both before), an image and a one-sample clip by its path as before."""
+    _, data, *_ = encoded
+    dataset = open_dataset(data.cache, cache.fingerprint(MODEL, PRE))
+    feed = Feed(
+        dataset, seed=0, global_batch_size=1, remainder="drop", rank=0, world=1, prefetch=1,
+        pin=False,
+    )  # fmt: skip
+    log = sample_log.SampleLog(str(tmp_path), "0", rank=0, world=1)
+    cursor, step = (0, 0), 0
+    feed.start(*cursor)
+    try:
+        while cursor[0] == 0:
+            batch = feed.next(*cursor)
+            step, cursor = step + 1, batch.after()
+            log.add(step, batch.epoch, batch.index, batch.ids)
+    finally:
+        feed.close()
+        dataset.close()
+    log.flush()
+    ids = [i for step_ids in sample_log.trained(str(tmp_path)).values() for i in step_ids]
+    assert sorted(ids) == [
+        "img0.png", "img1.png", "long.mp4", "mid.webm", "run.mp4#0", "run.mp4#1"
+    ]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_rerun_encodes_nothing_and_an_edited_clip_alone_again(encoded):
-    root, data, _ = encoded
+    root, data, *_ = encoded
     again = update_cache(MODEL, data, PRE, family=WAN)
     assert again["encoded"] == 0 and again["already_cached"] == 6
     assert again["clips"]["trained"] == 3
@@ -135,7 +194,7 @@ def test_a_rerun_encodes_nothing_and_an_edited_clip_alone_again(encoded):
 @pytest.mark.slow
 def test_an_image_family_reports_clips_as_not_trained(encoded, tmp_path):
     """Its images are encoded, each clip reported ``not_trained`` (no decode, no crash)."""
-    root, _, _ = encoded
+    root, *_ = encoded
     media = tmp_path / "media"
     shutil.copytree(root / "media", media)
     data = DataConfig(images=str(media), cache=str(tmp_path / "cache"))
@@ -180,7 +239,7 @@ def test_a_rerun_trusts_an_unchanged_clip_by_size_and_mtime_as_an_image(encoded)
     5 TB a rerun would download); its caption is. Proof: other bytes of the same size with the
     mtime put back go unnoticed, as for an image. A changed mtime, or other frame settings of
     its source, read the clip again: zeros are then found corrupt, new content encoded."""
-    root, data, _ = encoded
+    root, data, *_ = encoded
     media, chunky = root / "media", root / "chunky"
     rerun = update_cache(MODEL, data, PRE, family=WAN)  # nothing changed: today's counts
     assert (rerun["total"], rerun["encoded"], rerun["already_cached"]) == (7, 0, 6)

@@ -112,7 +112,7 @@ def test_two_frame_buckets_train_on_every_rank_and_resume_exactly_after_a_kill(c
     assert expected["step"] == STEPS
     job = load_job(clip_job)
     data = open_dataset(job.data.cache, cache.fingerprint(job.model, job.preprocess))
-    bucket = dict(zip(data.paths, data.buckets, strict=True))  # the sample log's ids: paths
+    bucket = dict(zip(data.ids, data.buckets, strict=True))  # the sample log's ids
     data.close()
     (attempt,) = sample_log.read_attempts(reference_dir)
     seen = set()

@@ -83,6 +83,10 @@ def _close(a: dict, b: dict, tolerance: float) -> float:
         ("flux", "lora", True),
         ("sdxl", "full", False),
         ("z-image", "lora", True),
+        ("qwen-image", "lora", True),
+        ("flux2-klein", "lora", True),
+        ("flux-kontext", "lora", True),  # the example batch's reference tokens
+        ("qwen-image-edit", "lora", True),
     ],
 )
 def test_compiled_blocks_train_as_eager_and_resume_exactly(name, mode, checkpointing, tmp_path):

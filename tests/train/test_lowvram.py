@@ -38,9 +38,15 @@ def _batch(name: str, n: int = 2) -> dict[str, torch.Tensor]:
 
     g = torch.Generator().manual_seed(1)
     pixels = torch.rand(n, 3, 64, 64, generator=g) * 2 - 1
-    mean, _ = family.image_encoder(Source("tiny"), "cpu")(pixels)
+    encode = family.image_encoder(Source("tiny"), "cpu")
+    mean, _ = encode(pixels)
     text = family.text_encoder(Source("tiny"), "cpu")(["a red circle", "a blue square"][:n])
-    return {"latent": mean, **text}
+    if not family.references.most:
+        return {"latent": mean, **text}
+    # an edit family: each sample with one reference, as the reader hands a pair
+    reference, _ = encode(torch.rand(n, 3, 64, 64, generator=g) * 2 - 1)
+    pair = {"reference_latent": reference[:, None], "reference_count": torch.ones(n, dtype=int)}
+    return {"latent": mean, **text, **pair}
 
 
 class _Slice:
@@ -75,8 +81,12 @@ def _objective():  # the families that stream blocks (flux, sana, z-image, wan, 
 
 
 @pytest.mark.parametrize(
-    "name", ["flux", "sana", "z-image", "wan", "wan22", "wan22-5b", "qwen-image", "flux2-klein"]
-)
+    "name",
+    [
+        "flux", "sana", "z-image", "wan", "wan22", "wan22-5b", "qwen-image", "flux2-klein",
+        "flux-kontext", "qwen-image-edit",
+    ],
+)  # fmt: skip
 def test_swapping_blocks_gives_the_same_loss_and_lora_gradients(name):
     loss0, grads0, plain = _loss_and_grads(name, MemoryConfig())
     blocks = len(placement.blocks(plain.denoiser, FAMILIES[name]))
@@ -243,12 +253,18 @@ def test_check_accepts_every_supported_combination(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "name", ["flux", "sana", "z-image", "wan", "wan22", "qwen-image", "flux2-klein"]
-)
+    "name",
+    [
+        "flux", "sana", "z-image", "wan", "wan22", "qwen-image", "flux2-klein", "flux-kontext",
+        # its pipeline encodes the reference at 1024 x 1024 whatever its size: 80-140 s
+        pytest.param("qwen-image-edit", marks=pytest.mark.slow),
+    ],
+)  # fmt: skip
 def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(name, tmp_path):
     """In one process, as the validation actor and `raytuner sample` do it: a streamed
     pipeline renders what a resident one renders, before and after a LoRA is loaded into it,
     and training afterwards still finds every block where its plan puts it."""
+    from PIL import Image
     from run_checks import pipeline_image
 
     from raytuner.families.parts import Source
@@ -264,12 +280,15 @@ def test_sampling_with_blocks_swapped_then_training_keeps_every_tensor_in_place(
     trained.weights.export_lora(str(tmp_path), family, {})
     lora = find_weights(str(tmp_path))
 
+    extra = {}  # an edit family renders from a reference image
+    if family.references.most:
+        extra[family.references.argument] = Image.new("RGB", (64, 64), (200, 40, 40))
     images = {}
     for swap in (0, 2):
         pipe = load_pipeline(family, Source("tiny"), None, "cpu", swap)
-        base = pipeline_image(pipe)
+        base = pipeline_image(pipe, **extra)
         apply_weights(pipe, family, lora, "cpu", None, swap)
-        images[swap] = (base, pipeline_image(pipe))
+        images[swap] = (base, pipeline_image(pipe, **extra))
     assert not np.allclose(images[0][0], images[0][1])  # the LoRA changes the image
     for a, b in zip(images[0], images[2], strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)

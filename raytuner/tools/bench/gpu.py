@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from raytuner.tools.bench.gpu_rows import FAMILIES, GROUP_LIMIT_S, Row, groups, rows, select
+from raytuner.tools.bench.gpu_rows import (
+    FAMILIES,
+    GROUP_LIMIT_S,
+    IMAGES,
+    PAIRS,
+    Row,
+    groups,
+    rows,
+    select,
+)
 
 STDERR_LINES = 20
 
@@ -242,9 +252,27 @@ def bench_gpu(families: list[str], jobs: str, out: str, budget_s: float, dry_run
 
 
 def _synthetic_images(workdir: str) -> None:
-    """The images `bench train` preprocesses: the demo's drawn images, about 1024 px."""
+    """The images `bench train` preprocesses: the demo's drawn images, about 1024 px, and the
+    edit families' pairs (``gpu_rows.PAIRS``): those images as targets, with their captions,
+    each one's mirror image its reference of the same name in ``control/``."""
     from raytuner.tools.demo_images import make_demo_images
 
-    folder = Path(workdir, "images")
+    folder = Path(workdir, IMAGES)
     if not folder.exists():
         make_demo_images(folder, per_aspect=16, scale=11)
+    pairs = Path(workdir, PAIRS)
+    if pairs.exists():
+        return
+    from PIL import Image, ImageOps
+
+    building = Path(tempfile.mkdtemp(prefix=f"{PAIRS}-", dir=workdir))
+    for image in sorted(folder.rglob("*.png")):
+        rel = image.relative_to(folder)
+        for where in (building / rel, building / "control" / rel):
+            where.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(image, building / rel)
+        caption = image.with_suffix(".txt")
+        shutil.copyfile(caption, (building / rel).with_suffix(".txt"))
+        with Image.open(image) as target:
+            ImageOps.mirror(target).save(building / "control" / rel)
+    building.rename(pairs)  # whole or not at all: a run ended midway leaves a temporary folder

@@ -15,7 +15,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FAMILIES = ("sd15", "sdxl", "flux", "sana", "z-image", "qwen-image", "flux2-klein", "flux2-dev")
+FAMILIES = ("sd15", "sdxl", "flux", "sana", "z-image", "qwen-image", "flux2-klein", "flux2-dev",
+            "flux-kontext", "qwen-image-edit")  # fmt: skip
+# the edit families: `bench train` preprocesses edit pairs for them (``PAIRS``: the drawn
+# images as targets, each one's mirror image its reference in ``control/``, as their jobs' layout)
+PAIRED = ("flux-kontext", "qwen-image-edit")
+PAIRS = "edits"  # their folder in the work folder (``IMAGES``: everyone else's)
+IMAGES = "images"
 GROUP_LIMIT_S = 480  # a group's estimate at most: 8 minutes
 RANDOM = ("--set", 'model.pretrained="random"')
 START_S = 10.0  # a process: python, torch, diffusers, the job checked
@@ -35,9 +41,14 @@ BASE = {  # family: (micro-batch, samples/s eager, load s, compile s of its bloc
     # 893.2), two block classes to compile as Flux's; [dev]'s 64 GB of random weights drawn
     "flux2-klein": (1, 2.58, 8.0, 90.0),
     "flux2-dev": (1, 0.33, 40.0, 90.0),
+    # not measured yet: Flux's rate scaled by plan's TFLOP a sample with one reference (its
+    # tokens double the image's: Kontext 576.7, Qwen-Image-Edit 627.4 against Flux's 245.8)
+    "flux-kontext": (1, 0.51, 15.0, 90.0),
+    "qwen-image-edit": (1, 0.47, 25.0, 60.0),
 }
 SHIPPED_MICRO = {"sd15": 32, "sdxl": 16, "sana": 16, "flux": 1, "z-image": 1,  # the jobs' own
-                 "qwen-image": 1, "flux2-klein": 1, "flux2-dev": 2}  # fmt: skip
+                 "qwen-image": 1, "flux2-klein": 1, "flux2-dev": 2, "flux-kontext": 1,
+                 "qwen-image-edit": 1}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,15 +203,19 @@ def _train(families: list[str], jobs: str, workdir: str) -> list[Row]:
     1024 px images; a failure is not retried (``checkpoint.max_failures = 0``)."""
     out = []
     for f in families:
-        folders = (f"data.images={workdir}/images", f"data.cache={workdir}/cache-{f}",
+        images = PAIRS if f in PAIRED else IMAGES
+        folders = (f"data.images={workdir}/{images}", f"data.cache={workdir}/cache-{f}",
                    f"train.output={workdir}/runs-{f}", "scaling.workers=1",
                    "checkpoint.max_failures=0")  # fmt: skip
         micro, rate, load_s, _ = BASE[f]
         seconds = 40.0 + 90.0 + 2 * (START_S + load_s + 20 * micro / rate)
         groups = {"sd15": "train", "sdxl": "train", "flux": "train-2", "sana": "train-2"}
         # [dev] replicated on one 80 GB card (67.2 GiB by plan), after its 24 B encoder's pool
-        # (Qwen-Image's 20 B in a group of its own: 8 minutes a group)
-        group = (groups | {"flux2-dev": "train-4", "qwen-image": "train-5"}).get(f, "train-3")
+        # (Qwen-Image's 20 B in a group of its own: 8 minutes a group; the edit families each
+        # in one of their own: their pairs' reference tokens double a step's)
+        groups |= {"flux2-dev": "train-4", "qwen-image": "train-5", "flux-kontext": "train-6",
+                   "qwen-image-edit": "train-7"}  # fmt: skip
+        group = groups.get(f, "train-3")
         out.append(Row(name=f"train {f}", group=group,
                        args=("bench", "train", f"{jobs}/{f}.toml", *RANDOM,
                              *_sets(*folders, f"train.micro_batch_size={micro}",
