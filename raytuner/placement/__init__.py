@@ -166,7 +166,11 @@ class DenoiserPlacement:
         # padded bucket), and a static graph's reducer fails on a rank whose count differs
         # (tests/train/test_train_exact.py, test_fsdp.py's skewed job)
         options = {"gradient_as_bucket_view": True}
-        if _skips_modules(self.denoiser):  # lora.module_dropout: unused adapters in a step
+        # lora.module_dropout: unused adapters in a step; experts trained in turn
+        # (model.expert = "both"): the idle expert's adapter. A parameter no rank used keeps
+        # no gradient (DDP leaves it as it is), so the optimizer skips it
+        idle = getattr(self.denoiser, "leaves_parameters_unused", False)
+        if idle or _skips_modules(self.denoiser):
             options["find_unused_parameters"] = True
         return prepare(self.denoiser, move_to_device=False, parallel_strategy_kwargs=options)
 

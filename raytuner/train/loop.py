@@ -23,6 +23,7 @@ from raytuner.config import (
     TrackingConfig,
     TrainConfig,
 )
+from raytuner.families import mixture
 from raytuner.lora import export
 from raytuner.observe import flops
 from raytuner.observe.memory import PeakMemory
@@ -155,8 +156,9 @@ class Worker:
         pin = device.type == "cuda"
         where = (cfg.cache, cfg.fingerprint, cfg.manifest)
         text = trained.weights.text
-        self.feed = open_feed(t, *where, self.rank, world, pin, text, loss_fn.draw)
-        self.feed.start(self.state.epoch, self.state.index)
+        turns = mixture.turns_of(loss_fn, cfg.model.expert_switch_every)  # model.expert "both"
+        self.feed = open_feed(t, *where, self.rank, world, pin, text, loss_fn.draw, turns)
+        self.feed.start(self.state.epoch, self.state.index, self.state.step)
         run_dir = cfg.run_dir if t.sample_log else None
         self.samples = SampleLog(run_dir, attempt_id(), self.rank, world)
         self.meter = Meter(device, flops.device_peak(device, cfg.peak_tflops))
