@@ -78,6 +78,10 @@ class ExpertMixture(nn.Module):
         for part in self.parts:
             yield part, getattr(self, part)
 
+    def expert_modules(self) -> list[nn.Module]:
+        """Each expert's denoiser, in order (``placement.blocks`` reads their blocks)."""
+        return [module for _, module in self.experts()]
+
     def forward(self, *args, **kwargs):
         return getattr(self, self.parts[self.active])(*args, **kwargs)
 

@@ -76,8 +76,11 @@ def memory_format(
 
 
 def blocks(denoiser: nn.Module, family) -> list[nn.Module]:
-    """The denoiser's swappable blocks in the order they run (the family's ``blocks.swap``)."""
-    return [block for name in family.blocks.swap for block in getattr(denoiser, name)]
+    """The denoiser's swappable blocks in the order they run (the family's ``blocks.swap``);
+    of a mixture of experts trained in turn (``expert_modules``), every expert's, in turn."""
+    experts = getattr(denoiser, "expert_modules", None)
+    models = experts() if experts is not None else [denoiser]
+    return [block for m in models for name in family.blocks.swap for block in getattr(m, name)]
 
 
 class DenoiserPlacement:

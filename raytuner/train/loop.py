@@ -182,9 +182,17 @@ class Worker:
         loss = self.train_step(batch)
         self.meter.add(loss, self.train_step.flops, self.train_step.model_flops)
         st.step, (st.epoch, st.index) = st.step + 1, batch.after()
-        self.samples.add(st.step, batch.epoch, batch.index, batch.ids)
+        self.samples.add(st.step, batch.epoch, batch.index, batch.ids, self._expert(batch))
         # the step before's verdict (this one's is still on the device)
         self.went_wrong = self.guard.add(st.step, loss, self.train_step.grad_norm)
+
+    def _expert(self, batch) -> dict | None:
+        """What the sample log says of a step of experts trained in turn: its expert and its
+        samples' noise levels (the feed's draw in that expert's range)."""
+        turns = self.cfg.family.turns
+        if not turns or "sigma" not in batch.tensors:
+            return None
+        return {"expert": turns[batch.turn].name, "sigma": batch.tensors["sigma"].tolist()}
 
     def stop_reason(self, window: bool, due: bool) -> str | None:
         """Why the run must stop before it logs, checkpoints or trains on (the same on every

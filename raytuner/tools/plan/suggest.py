@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from raytuner.config import JobConfig
+from raytuner.config.inputs import BOTH_EXPERTS
 from raytuner.families import parts
 from raytuner.placement.strategy import SHARDED, UNSHARDABLE, Strategy
 from raytuner.tools.plan import fsdp
@@ -97,6 +98,21 @@ def _fewest_swapped(job: JobConfig, changed: JobConfig, traces: Traces, usable: 
     return []
 
 
+def _turn_suggestions(job: JobConfig, traces: Traces, usable: int) -> list[dict]:
+    """For a run of every expert in turn (``model.expert = "both"``: its experts replicated
+    side by side, none streamed or sharded): their frozen weights in float8, then the
+    checkpointed activations in host memory too."""
+    out, changed = [], _with(job, gradient_checkpointing=True)
+    for section, values in (("model", {"dtype": parts.FLOAT8}),
+                            ("memory", {"activation_offload": True})):  # fmt: skip
+        if all(getattr(getattr(job, section), k) == v for k, v in values.items()):
+            continue
+        changed = _set(changed, section, **values)
+        peak = traces.step(changed, micro_batch(changed), True)["peak_bytes"]
+        out.append({"set": changes(job, changed), "peak_bytes": peak, "fits": peak <= usable})
+    return out
+
+
 def _shardable(job: JobConfig) -> JobConfig:
     """``job`` sharded (``scaling.strategy = "fsdp"``), with what sharding cannot take
     (``Strategy.refusal``) changed: no block swap, no float8 storage, AdamW, no text encoders
@@ -138,6 +154,8 @@ def when_too_big(job: JobConfig, traces: Traces, usable: int, sharded) -> list[d
         micro_changed, checkpointing = micro_batch(changed), changed.train.gradient_checkpointing
         peak = traces.step(changed, micro_changed, checkpointing)["peak_bytes"]
         out.append({"set": changes(job, changed), "peak_bytes": peak, "fits": peak <= usable})
+    if job.model.expert == BOTH_EXPERTS:  # replicated, nothing streamed (jobcheck/experts.py)
+        return out + _turn_suggestions(job, traces, usable)
     out += _swap_suggestions(job, traces, usable)
     candidate = _shardable(job)
     traced = traces.sharded(candidate, micro, job.train.gradient_checkpointing)

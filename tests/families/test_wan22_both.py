@@ -1,0 +1,329 @@
+"""Wan 2.2 A14B's two experts trained in one run (``model.expert = "both"``): the experts take
+turns every ``model.expert_switch_every`` steps (the high-noise one first), the same on every
+rank and after a resume, each step's noise levels drawn in its expert's range; only the active
+expert's LoRA gets a gradient and an update; the run exports ``lora/high/`` and ``lora/low/``,
+each the files a one-expert run writes, and WanPipeline (and `raytuner sample`) render with both.
+`raytuner check` refuses what such a run does not take; `plan` counts both experts."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from run_checks import pipeline_image
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_clip_training import _kill_after
+
+from raytuner.api import preprocess, train
+from raytuner.cli import main
+from raytuner.config import FlowObjective, LoraConfig, ModelConfig, TrainConfig, load_job
+from raytuner.data import cache
+from raytuner.data.reader import open_dataset
+from raytuner.families import FAMILIES, get_family, mixture
+from raytuner.families.parts import Source
+from raytuner.tools import synthetic
+from raytuner.train import sample_log
+from raytuner.train.feed import Feed
+
+TINY = Source("tiny")
+BOUNDARY = 0.875  # WanPipeline's boundary_ratio of the T2V A14B
+RANGES = {"high": (BOUNDARY, 1.0), "low": (0.0, BOUNDARY)}
+EVERY, STEPS = 2, 8
+
+
+def _objective(sampling: str = "uniform") -> FlowObjective:
+    return FlowObjective(resolution_shift=False, shift=3.0, timestep_sampling=sampling)
+
+
+def _feed_steps(data, rank: int, world: int, turns, start=(0, 0, 0), steps: int = STEPS):
+    """(step, turn, sigmas) of each batch a rank's feed hands out from ``start`` (epoch,
+    index, steps trained before)."""
+    feed = Feed(data, seed=5, global_batch_size=4, remainder="pad", rank=rank, world=world,
+                prefetch=2, pin=False, turns=turns)  # fmt: skip
+    feed.start(*start)
+    out, cursor = [], start[:2]
+    try:
+        for _ in range(steps):
+            batch = feed.next(*cursor)
+            out.append((batch.step, batch.turn, batch.tensors["sigma"].tolist()))
+            cursor = batch.after()
+    finally:
+        feed.close()
+    return out
+
+
+def test_each_step_draws_in_its_experts_range_in_turns_alike_on_every_rank(tmp_path):
+    """Steps 1-2 train the high-noise expert, 3-4 the low one, and so on (switching every 2):
+    every sample of a step is drawn in that expert's range on both ranks of two (the pipeline
+    hands `transformer` sigma x 1000 >= 875), one rank of one draws the same levels, and a
+    feed started at a checkpoint's cursor and step goes on with the same turns and levels."""
+    family = get_family("wan22", mixture.BOTH)
+    turns = mixture.turns_of(family.loss(TINY, _objective()), EVERY)
+    assert [e.name for e in family.turns] == ["high", "low"]
+    assert [turns.of(s) for s in range(1, 9)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    version = cache.Version(str(tmp_path), "synthetic")
+    synthetic.write_cache(
+        version, buckets=[(32, 32)] * 6, captions=[0] * 6, repeats=[1] * 6,
+        shapes=lambda w, h: {"latent": (16, 1, h // 8, w // 8), "prompt_embeds": (3, 32)},
+        family="wan22", dtype="float32",
+    )  # fmt: skip
+    data = open_dataset(str(tmp_path), "synthetic")
+    ranks = [_feed_steps(data, r, 2, turns) for r in (0, 1)]
+    one = _feed_steps(data, 0, 1, turns)
+    steps = zip(*ranks, one, strict=True)
+    for step, ((s0, t0, a), (s1, t1, b), (_, t, whole)) in enumerate(steps, 1):
+        assert s0 == s1 == step and t0 == t1 == t == turns.of(step)
+        low, high = RANGES[family.turns[t].name]
+        assert all(low <= x < high for x in a + b), (step, a, b)
+        assert a + b == whole  # each sample's own draw, whichever rank trains it
+    resumed = _feed_steps(data, 0, 2, turns, start=(1, 1, 3), steps=STEPS - 3)  # 2 an epoch
+    assert resumed == ranks[0][3:]
+    data.close()
+
+
+def test_only_the_active_expert_trains_and_each_exports_its_own_files(tmp_path):
+    """In one process: a step of the high expert gives only its LoRA gradients (AdamW keeps no
+    state for the other), the low expert's next step only the low LoRA's; the export writes
+    lora/high/ and lora/low/, each diffusers' layout under ``transformer.`` and the Wan-named
+    kohya file, its ``raytuner.expert`` the expert's."""
+    from raytuner.train.model import trainable_model
+
+    family = get_family("wan22", mixture.BOTH)
+    model = ModelConfig(family="wan22", expert=mixture.BOTH)
+    t = TrainConfig(output=str(tmp_path), max_steps=2)
+    trained = trainable_model(model, t, LoraConfig(rank=4, alpha=4.0), family, torch.device("cpu"))
+    loss_fn = family.loss(trained.source, _objective())
+    names, params = trained.weights.names, trained.weights.params
+    parts = {"high": "transformer.", "low": "transformer_2."}
+    assert {n.split(".")[0] for n in names} == {"transformer", "transformer_2"}
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    for turn, expert in enumerate(("high", "low")):
+        before = [p.detach().clone() for p in params]
+        trained.denoiser.activate(turn)
+        gens = [torch.Generator().manual_seed(10 * turn + i) for i in range(2)]
+        batch = {"latent": torch.randn(2, 16, 1, 4, 4), "prompt_embeds": torch.randn(2, 5, 32)}
+        loss_fn(trained.denoiser, batch | loss_fn.draw_of(turn)((2, 16, 1, 4, 4), gens)).sum()\
+            .backward()  # fmt: skip
+        opt.step()
+        for n, p, b in zip(names, params, before, strict=True):
+            mine = n.startswith(parts[expert])
+            assert (p.grad is not None) == mine, n
+            assert (p in opt.state) == (mine or turn == 1 and n.startswith(parts["high"])), n
+            assert mine or torch.equal(p, b), n
+        opt.zero_grad(set_to_none=True)
+    trained.weights.export_lora(str(tmp_path), family, {"raytuner.expert": mixture.BOTH})
+    for expert in ("high", "low"):
+        folder = tmp_path / "lora" / expert
+        keys = load_file(folder / "pytorch_lora_weights.safetensors")
+        assert keys and all(k.startswith("transformer.blocks.") for k in keys)
+        with safe_open(folder / "lora_kohya.safetensors", framework="pt") as f:
+            assert f.metadata()["raytuner.expert"] == expert
+            assert all(k.startswith("diffusion_model.blocks.") for k in f.keys())  # noqa: SIM118
+
+
+JOB = """
+[model]
+family = "wan22"
+expert = "both"
+{more}
+[data]
+images = "{images}"
+cache = "{root}/cache"
+[train]
+output = "{root}/runs"
+"""
+
+REFUSED = [
+    ('scaling.strategy="fsdp"', 'scaling.strategy = "fsdp"'),
+    ("memory.blocks_to_swap=2 train.gradient_checkpointing=true", "memory.blocks_to_swap = 2"),
+    ('train.mode="full"', "train.mode = 'full'"),
+    ('lora.kind="lokr"', "lora.kind = 'lokr'"),
+    ("lora.dora=true", "lora.dora = true"),
+    ("train.compile=true", "train.compile = true"),
+]
+
+
+def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys):
+    """Exit 2 naming the key and what to set (or one expert a run); the plain job passes and its
+    run is named after the job; model.expert_switch_every without "both" is refused."""
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (64, 64)).save(images / "a.png")
+    job = tmp_path / "a14b.toml"
+    job.write_text(JOB.format(more="expert_switch_every = 10", images=images, root=tmp_path))
+    assert load_job(job).train.name == "a14b" and load_job(job).model.expert_switch_every == 10
+    assert main(["check", str(job)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    for setting, named in REFUSED:
+        sets = [a for one in setting.split() for a in ("--set", one)]
+        assert main(["check", str(job), *sets]) == 2, setting
+        err = capsys.readouterr().err
+        assert named in err and 'model.expert = "both"' in err, err
+        assert 'model.expert = "high", then "low"' in err, err
+    assert main(["check", str(job), "--set", 'model.expert="low"']) == 2
+    assert 'model.expert_switch_every = 10 is for a run' in capsys.readouterr().err
+
+
+def test_plan_counts_both_experts_and_offers_only_what_the_run_takes(tmp_path):
+    """The worker holds both experts (twice one expert's parameters, trained parameters and
+    weight bytes); what does not fit is offered float8 storage and activation offload, never
+    block swap or sharding."""
+    import raytuner
+
+    images = tmp_path / "images"
+    images.mkdir()
+    job = tmp_path / "a14b.toml"
+    job.write_text(JOB.format(more="", images=images, root=tmp_path))
+    small = ["preprocess.resolution=64", "preprocess.bucket_step=32"]
+    both = raytuner.plan(load_job(job, small), "80GiB")
+    one = raytuner.plan(load_job(job, [*small, 'model.expert="high"']), "80GiB")
+    assert both["denoiser_params"] == 2 * one["denoiser_params"]
+    assert both["trainable_params"] == 2 * one["trainable_params"]
+    assert both["weights_bytes"] > 1.9 * one["weights_bytes"]
+    tight = raytuner.plan(load_job(job, small), f"{(both['peak_bytes'] - 1) / 2**20:.3f}MiB")
+    offered = [s["set"] for s in tight["suggestions"]]
+    assert not tight["fits"] and any('model.dtype = "float8"' in s for s in offered), offered
+    assert not any("blocks_to_swap" in s or "fsdp" in s for s in offered), offered
+
+
+E2E = """
+[model]
+family = "wan22"
+expert = "both"
+expert_switch_every = {every}
+[data]
+images = "{images}"
+cache = "{root}/cache"
+[preprocess]
+resolution = 64
+bucket_step = 32
+[train]
+output = "{root}/runs"
+max_steps = {steps}
+global_batch_size = 4
+learning_rate = 1e-2
+log_every = 1
+sample_log = true
+[objective.flow]
+timestep_sampling = "uniform"
+resolution_shift = false
+shift = 3.0
+[lora]
+save_dtype = "float32"
+[scaling]
+workers = 2
+cpus_per_worker = 0.5
+[checkpoint]
+every_steps = 4
+keep = 2
+max_failures = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def both_job(ray_local, tmp_path_factory) -> Path:
+    from raytuner.tools.demo_images import make_demo_images
+
+    root = tmp_path_factory.mktemp("a14b-both")
+    images = make_demo_images(root / "images", per_aspect=2)
+    path = root / "job.toml"
+    path.write_text(E2E.format(every=EVERY, steps=STEPS, images=images, root=root))
+    assert preprocess(load_job(path))["encoded"] == 6
+    return path
+
+
+RUNS: dict[str, tuple[dict, str]] = {}
+
+
+def _run(job_file: Path, name: str) -> tuple[dict, str]:
+    if name not in RUNS:
+        job = load_job(job_file, [f'train.name="{name}"'])
+        RUNS[name] = train(job), f"{job.train.output}/{name}"
+    return RUNS[name]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_workers_train_both_experts_in_turn_and_resume_exactly_after_a_kill(both_job):
+    """The sample log: both ranks train the same expert at each step, high for 2 steps then
+    low, every sample's noise level in its range; both exported LoRAs trained (B no longer
+    zero). A worker SIGKILLed after the step-4 checkpoint: the run resumes there and ends with
+    the uninterrupted run's rows and both experts' weights."""
+    expected, reference_dir = _run(both_job, "reference")
+    assert expected["step"] == STEPS and set(expected["experts"]) == {"high", "low"}
+    (attempt,) = sample_log.read_attempts(reference_dir)
+    for step, ranks in sorted(attempt.items()):
+        name = ("high", "low")[(step - 1) // EVERY % 2]
+        assert [ranks[r]["expert"] for r in (0, 1)] == [name, name], step
+        low, high = RANGES[name]
+        assert all(low <= s < high for r in (0, 1) for s in ranks[r]["sigma"]), step
+    for path in expected["experts"].values():
+        ups = [v for k, v in load_file(path).items() if ".lora_B." in k]
+        assert ups and all(v.abs().max() > 0 for v in ups), path
+
+    run_dir = str(Path(load_job(both_job).train.output) / "killed")
+    killed: list = []
+    killer = threading.Thread(target=_kill_after, args=(run_dir, 5, killed))
+    killer.start()
+    summary, _ = _run(both_job, "killed")
+    killer.join()
+    assert killed, "the run finished before a worker could be killed"
+    second = sample_log.read_attempts(run_dir)[1]
+    assert min(second) - 1 == 4  # resumed at the checkpoint of step 4
+    assert sample_log.trained(run_dir) == sample_log.trained(reference_dir)
+    for expert in ("high", "low"):
+        wa, wb = load_file(summary["experts"][expert]), load_file(expected["experts"][expert])
+        assert wa.keys() == wb.keys()
+        for key in wa:
+            change = (wa[key] - wb[key]).norm() / wa[key].norm().clamp_min(1e-12)
+            assert change <= 1e-5, f"{expert} {key}: relative difference {change:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_both_exported_loras_load_into_wanpipeline_and_sample_renders_with_both(
+    both_job, tmp_path
+):
+    """lora/high/ loads into ``transformer`` (as a high-noise run's), lora/low/ with
+    load_into_transformer_2 into ``transformer_2``; each changes the render, and with both the
+    image is neither's alone. What `raytuner sample` and validation load (the run's lora/
+    folder, ``apply_weights``) is both: the image with both; `raytuner sample` of the run's
+    latest checkpoint renders another image than the base model."""
+    from raytuner.lora.find import find_weights
+    from raytuner.render.sample import apply_weights
+
+    expected, _ = _run(both_job, "reference")
+    lora = Path(expected["lora"])
+    pipe = FAMILIES["wan22"].pipeline(TINY)
+    images = {"base": pipeline_image(pipe)}
+    for name, loads in (("high", {}), ("low", {"load_into_transformer_2": True})):
+        pipe.load_lora_weights(str(lora / name), **loads)
+        part = "transformer_2" if loads else "transformer"
+        assert any("lora" in k for k in getattr(pipe, part).state_dict()), name
+        images[name] = pipeline_image(pipe)
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(str(lora / "low"), load_into_transformer_2=True)
+    images["low alone"] = pipeline_image(pipe)
+    assert not np.allclose(images["base"], images["high"])
+    assert not np.allclose(images["base"], images["low alone"])
+    assert not np.allclose(images["low"], images["high"])  # both: the low one added
+    assert not np.allclose(images["low"], images["low alone"])  # both: the high one too
+
+    family = get_family("wan22", mixture.BOTH)
+    apply_weights(pipe, family, find_weights(str(lora)), "cpu")
+    np.testing.assert_allclose(pipeline_image(pipe), images["low"], atol=1e-6)
+
+    out = {}
+    for checkpoint in ("latest", "base"):
+        folder = tmp_path / checkpoint
+        args = ["sample", str(both_job), "--checkpoint", checkpoint, "--prompt", "a red circle"]
+        args += ["--seed", "0", "--steps", "2", "--out", str(folder)]
+        assert main([*args, "--set", 'train.name="reference"']) == 0
+        (png,) = folder.glob("*.png")
+        out[checkpoint] = np.asarray(Image.open(png))
+    assert not np.array_equal(out["latest"], out["base"])
