@@ -7,6 +7,7 @@ each the files a one-expert run writes, and WanPipeline (and `raytuner sample`) 
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -222,6 +223,13 @@ cpus_per_worker = 0.5
 every_steps = 4
 keep = 2
 max_failures = 2
+[validation]
+every_steps = {steps}
+prompts = ["a red circle"]
+steps = 2
+width = 64
+height = 64
+frames = 1
 """
 
 
@@ -252,10 +260,14 @@ def _run(job_file: Path, name: str) -> tuple[dict, str]:
 def test_two_workers_train_both_experts_in_turn_and_resume_exactly_after_a_kill(both_job):
     """The sample log: both ranks train the same expert at each step, high for 2 steps then
     low, every sample's noise level in its range; both exported LoRAs trained (B no longer
-    zero). A worker SIGKILLed after the step-4 checkpoint: the run resumes there and ends with
-    the uninterrupted run's rows and both experts' weights."""
+    zero); the validation actor rendered the last checkpoint with them. A worker SIGKILLed
+    after the step-4 checkpoint: the run resumes there and ends with the uninterrupted run's
+    rows and both experts' weights."""
     expected, reference_dir = _run(both_job, "reference")
     assert expected["step"] == STEPS and set(expected["experts"]) == {"high", "low"}
+    validated = Path(reference_dir) / "validation" / f"step_{STEPS:06d}"
+    record = json.loads(validated.with_suffix(".json").read_text())
+    assert "error" not in record and validated.with_suffix(".png").is_file(), record
     (attempt,) = sample_log.read_attempts(reference_dir)
     for step, ranks in sorted(attempt.items()):
         name = ("high", "low")[(step - 1) // EVERY % 2]
