@@ -1,7 +1,8 @@
 """The job check's rule about a run of every expert of a mixture in one run (``model.expert =
 "both"``, ``raytuner.jobcheck``): the settings such a run does not take. Its experts are built
-side by side in one worker, replicated (ddp), each with its own LoRA (``families/mixture.py``);
-what would hold or load them otherwise is refused, naming the key, its value and what to set
+side by side in one worker, replicated (ddp; ``memory.blocks_to_swap`` streams the last blocks
+of each), each with its own LoRA (``families/mixture.py``); what would hold or load them
+otherwise is refused, naming the key, its value and what to set
 (one expert a run takes each of these settings)."""
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ ONE_A_RUN = 'or train one expert a run (model.expert = "high", then "low")'
 def _refused(job: JobConfig) -> tuple[str, str] | None:
     """(the key and its value, what to set instead) of the first setting a run of every
     expert does not take, or None."""
-    t, lora, memory = job.train, job.lora, job.memory
+    t, lora = job.train, job.lora
     rules = [
         (job.scaling.strategy == "fsdp", 'scaling.strategy = "fsdp"',
-         'use scaling.strategy = "ddp" (each worker holds both experts: 57 GB of bfloat16 '
-         'weights, 28.6 GB in model.dtype = "float8")'),
-        (memory.blocks_to_swap > 0, f"memory.blocks_to_swap = {memory.blocks_to_swap}",
-         "set memory.blocks_to_swap = 0"),
+         'use scaling.strategy = "ddp" (each worker holds both experts; '
+         "memory.blocks_to_swap streams the last blocks of each)"),
         (t.mode != "lora", f"train.mode = {t.mode!r}", 'set train.mode = "lora"'),
         (lora.kind != "lora", f"lora.kind = {lora.kind!r}", 'use lora.kind = "lora"'),
         (lora.dora, "lora.dora = true", "set lora.dora = false"),

@@ -12,7 +12,7 @@ from raytuner.config.inputs import BOTH_EXPERTS
 from raytuner.families import parts
 from raytuner.placement.strategy import SHARDED, UNSHARDABLE, Strategy
 from raytuner.tools.plan import fsdp
-from raytuner.tools.plan.trace import OVERHEAD, Traces, micro_batch, swapped_peak
+from raytuner.tools.plan.trace import OVERHEAD, Traces, block_sizes, micro_batch, swapped_peak
 
 # the settings a suggestion may change, and how a job TOML writes them
 SETTINGS = (
@@ -80,7 +80,8 @@ def _swap_suggestions(job: JobConfig, traces: Traces, usable: int) -> list[dict]
     for dtype in dtypes:
         out += _fewest_swapped(job, _set(job, "model", dtype=dtype), traces, usable)
     if not out and not job.memory.activation_offload:
-        offloaded = _set(job, "memory", activation_offload=True)
+        # checkpointing first: offloading its saved inputs needs it (config/rules.py)
+        offloaded = _set(_with(job, gradient_checkpointing=True), "memory", activation_offload=True)
         out += _fewest_swapped(job, offloaded, traces, usable)
     return out
 
@@ -90,27 +91,12 @@ def _fewest_swapped(job: JobConfig, changed: JobConfig, traces: Traces, usable: 
     blocks swapped that fit, as a suggestion for ``job``; [] when none does."""
     worker = traces.step(changed, micro_batch(changed), True)
     ring = job.memory.swap_ring
-    for n in range(job.memory.blocks_to_swap + 1, len(worker["block_bytes"])):
+    for n in range(job.memory.blocks_to_swap + 1, min(block_sizes(worker))):
         if (peak := swapped_peak(worker, n, ring)) <= usable:
             swapped = _with(changed, gradient_checkpointing=True)
             swapped = _set(swapped, "memory", blocks_to_swap=n)
             return [{"set": changes(job, swapped), "peak_bytes": peak, "fits": True}]
     return []
-
-
-def _turn_suggestions(job: JobConfig, traces: Traces, usable: int) -> list[dict]:
-    """For a run of every expert in turn (``model.expert = "both"``: its experts replicated
-    side by side, none streamed or sharded): their frozen weights in float8, then the
-    checkpointed activations in host memory too."""
-    out, changed = [], _with(job, gradient_checkpointing=True)
-    for section, values in (("model", {"dtype": parts.FLOAT8}),
-                            ("memory", {"activation_offload": True})):  # fmt: skip
-        if all(getattr(getattr(job, section), k) == v for k, v in values.items()):
-            continue
-        changed = _set(changed, section, **values)
-        peak = traces.step(changed, micro_batch(changed), True)["peak_bytes"]
-        out.append({"set": changes(job, changed), "peak_bytes": peak, "fits": peak <= usable})
-    return out
 
 
 def _shardable(job: JobConfig) -> JobConfig:
@@ -154,9 +140,9 @@ def when_too_big(job: JobConfig, traces: Traces, usable: int, sharded) -> list[d
         micro_changed, checkpointing = micro_batch(changed), changed.train.gradient_checkpointing
         peak = traces.step(changed, micro_changed, checkpointing)["peak_bytes"]
         out.append({"set": changes(job, changed), "peak_bytes": peak, "fits": peak <= usable})
-    if job.model.expert == BOTH_EXPERTS:  # replicated, nothing streamed (jobcheck/experts.py)
-        return out + _turn_suggestions(job, traces, usable)
     out += _swap_suggestions(job, traces, usable)
+    if job.model.expert == BOTH_EXPERTS:  # replicated, never sharded (jobcheck/experts.py)
+        return out
     candidate = _shardable(job)
     traced = traces.sharded(candidate, micro, job.train.gradient_checkpointing)
     return out + [_fsdp_suggestion(job, candidate, traced, usable)]
