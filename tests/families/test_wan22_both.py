@@ -148,6 +148,38 @@ REFUSED = [
 ]
 
 
+def test_float8_storage_and_block_swap_hold_both_experts_and_train_the_active_one():
+    """``model.dtype = "float8"`` with 2 of each expert's blocks streamed: every frozen linear
+    weight of both experts is stored in float8; a step of the low expert is finite and
+    reaches its LoRA alone."""
+    from test_lowvram import LORA, _batch, _Slice, _train
+
+    from raytuner.config import MemoryConfig
+    from raytuner.train.model import trainable_model
+    from raytuner.train.step import forward_backward
+
+    family = get_family("wan22", mixture.BOTH)
+    model = ModelConfig(family="wan22", expert=mixture.BOTH, dtype="float8")
+    memory = MemoryConfig(blocks_to_swap=2)
+    trained = trainable_model(model, _train(), LORA, family, torch.device("cpu"), memory)
+    for part, expert in trained.denoiser.experts():
+        stored = [m.parametrizations.weight.original0.dtype for m in expert.modules()
+                  if isinstance(m, torch.nn.Linear) and hasattr(m, "parametrizations")]  # fmt: skip
+        assert stored and set(stored) == {torch.float8_e4m3fn}, part
+    trained.denoiser.activate(1)
+    loss_fn = family.loss(trained.source, _objective())
+    tensors = _batch("wan22")
+    gens = [torch.Generator().manual_seed(s) for s in (3, 4)]
+    tensors = tensors | loss_fn.draw_of(1)(tuple(tensors["latent"].shape), gens)
+    loss = forward_backward(trained.denoiser, loss_fn, _Slice(tensors, [3, 4]),
+                            torch.device("cpu"), 0, 0.5, trained.amp)  # fmt: skip
+    assert torch.isfinite(loss)
+    named = zip(trained.weights.names, trained.weights.params, strict=True)
+    reached = {n.split(".")[0] for n, p in named if p.grad is not None and p.grad.abs().sum() > 0}
+    assert reached == {"transformer_2"}
+    trained.placement.check()
+
+
 def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys):
     """Exit 2 naming the key and what to set (or one expert a run); the plain job passes and its
     run is named after the job; model.expert_switch_every without "both" is refused."""
@@ -177,7 +209,8 @@ def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys
 @pytest.mark.parametrize("turn", [0, 1])
 def test_block_swap_streams_each_experts_last_blocks_and_changes_no_gradient(turn):
     """``memory.blocks_to_swap = 2`` streams the last 2 blocks of each expert; a step of one
-    expert uploads only its own (never the idle expert's), and gives the loss and LoRA gradients of the resident model."""
+    expert uploads only its own (never the idle expert's), and gives the loss and LoRA
+    gradients of the resident model."""
     from test_lowvram import LORA, _batch, _Slice, _train
 
     from raytuner import placement
