@@ -204,6 +204,12 @@ def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys
     capsys.readouterr()
     assert main(["check", str(job), *swap[:-1], swap[-1] + "3"]) == 2
     assert "has 3 blocks (each expert)" in capsys.readouterr().err
+    # scaling.strategy = "auto" (the default) shards no run of both: where a replica does
+    # not fit the worker's memory, check says so rather than sharding it
+    small = ["--set", "preprocess.resolution=64", "--set", "preprocess.bucket_step=32"]
+    assert main(["check", str(job), *small, "--set", 'scaling.worker_memory="100MiB"']) == 2
+    err = capsys.readouterr().err
+    assert 'sharded weights cannot take model.expert = "both"' in err, err
 
 
 @pytest.mark.parametrize("turn", [0, 1])
