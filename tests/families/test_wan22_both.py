@@ -190,7 +190,7 @@ def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys
         assert named in err and 'model.expert = "both"' in err, err
         assert 'model.expert = "high", then "low"' in err, err
     assert main(["check", str(job), "--set", 'model.expert="low"']) == 2
-    assert 'model.expert_switch_every = 10 is for a run' in capsys.readouterr().err
+    assert "model.expert_switch_every = 10 is for a run" in capsys.readouterr().err
     swap = ["--set", "train.gradient_checkpointing=true", "--set", "memory.blocks_to_swap="]
     assert main(["check", str(job), *swap[:-1], swap[-1] + "2"]) == 0  # of each expert's 3
     capsys.readouterr()
