@@ -50,11 +50,21 @@ def final(checkpoint: ray.train.Checkpoint, output: str, name: str, part: str) -
                 storage.copy_stream(source, path, fs, target)
             else:
                 sums.copy(source, path, fs, target)
-    lora = storage.join(uri, LORA_DIR)
+    return _lora_paths(storage.join(uri, LORA_DIR), [p[len(root) + 1 :] for p in files]) | state
+
+
+def _lora_paths(lora: str, names: list[str]) -> dict:
+    """The summary's paths of an exported ``lora/`` holding ``names``: its diffusers file and
+    its kohya file where the family has one; for a run of every expert of a mixture, the
+    folder and each expert's diffusers file (``experts``: ``lora/<expert>/``)."""
+    if DIFFUSERS_FILE not in names:
+        experts = sorted(n.split("/")[0] for n in names if n.endswith(f"/{DIFFUSERS_FILE}"))
+        files = {e: storage.join(lora, e, DIFFUSERS_FILE) for e in experts}
+        return {"lora": lora, "experts": files}
     paths = {"lora": storage.join(lora, DIFFUSERS_FILE)}
-    if any(p.endswith(f"/{LORA_DIR}/{KOHYA_FILE}") for p in files):  # not every family's
+    if KOHYA_FILE in names:  # not every family's
         paths["kohya"] = storage.join(lora, KOHYA_FILE)
-    return paths | state
+    return paths
 
 
 def _export_model(checkpoint: ray.train.Checkpoint, out: str) -> None:

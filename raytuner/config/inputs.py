@@ -12,6 +12,7 @@ from raytuner.config.loader import ConfigError, one_of
 from raytuner.config.ranges import RESOURCE_STEP, SEED_MAX, ranged
 
 RESOURCE_HINT = f"Ray counts resources in steps of {RESOURCE_STEP}"
+BOTH_EXPERTS = "both"  # model.expert: every expert of a mixture in one run, in turn
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,8 +46,13 @@ class ModelConfig:
     # adapters merged into the frozen denoiser with a weight each, in order, before training
     merge_adapters: list[MergeAdapterConfig] = field(default_factory=list)
     # the expert a run trains, of a family that is a mixture of experts by noise level (Wan 2.2
-    # A14B: "high" or "low"); "": a family of one denoiser (checked where the family is looked up)
+    # A14B: "high" or "low"; "both": every expert in one run, in turn); "": a family of one
+    # denoiser (checked where the family is looked up)
     expert: str = ""
+    # model.expert = "both": steps each expert trains before the next takes its turn
+    expert_switch_every: int = ranged(
+        1, 1, 1_000_000, hint='1: the experts alternate every step (model.expert = "both")'
+    )
 
     def __post_init__(self) -> None:
         if not self.pretrained:
@@ -56,6 +62,12 @@ class ModelConfig:
         allowed = ("auto", "bfloat16", "float16", "float32", "float8")
         one_of("model.dtype", self.dtype, allowed)
         one_of("model.trainable_dtype", self.trainable_dtype, ("float32", "bfloat16"))
+        if self.expert_switch_every != 1 and self.expert != BOTH_EXPERTS:
+            raise ConfigError(
+                f"model.expert_switch_every = {self.expert_switch_every} is for a run that "
+                f'trains every expert in turn: set model.expert = "{BOTH_EXPERTS}" or remove '
+                "the key"
+            )
 
 
 FLIPS = ("none", "random")  # data.flip

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from raytuner.config import rules
-from raytuner.config.inputs import DataConfig, ModelConfig, PreprocessConfig
+from raytuner.config.inputs import BOTH_EXPERTS, DataConfig, ModelConfig, PreprocessConfig
 from raytuner.config.loader import (
     ConfigError,
     build_section,
@@ -132,6 +132,8 @@ def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
 
 def _expert_suffix(model) -> str:
     """A run of one expert of a mixture (``model.expert``) is named after it by default: the
-    job's two runs (``<job>-high``, ``<job>-low``) and their LoRA files apart."""
+    job's two runs (``<job>-high``, ``<job>-low``) and their LoRA files apart; a run of every
+    expert (``"both"``) is the job's (its files are named after their experts inside it)."""
     expert = model.get("expert", "") if isinstance(model, dict) else ""
-    return f"-{expert}" if isinstance(expert, str) and expert else ""
+    named = isinstance(expert, str) and expert and expert != BOTH_EXPERTS
+    return f"-{expert}" if named else ""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from raytuner import placement
+from raytuner.families import mixture
 from raytuner.families.objectives import Batch, Loss
 from raytuner.families.parts import Source, class_of, load
 from raytuner.families.records import (  # noqa: F401 (re-exported: base.Geometry ...)
@@ -57,6 +58,7 @@ class Family(Protocol):
     # trains); empty: one denoiser
     experts: tuple[Expert, ...]
     expert: Expert | None  # the one this family object trains (``with_expert``); None: all
+    turns: tuple[Expert, ...]  # model.expert = "both": the experts trained in turn; else empty
     lora_part: str  # the part its diffusers LoRA file's keys name (an expert's: "transformer")
 
     # parts from a preset or a folder/hub repo, frozen weights in ``source.dtype`` on ``device``;
@@ -112,11 +114,14 @@ class DiffusersFamily(ABC):
     parts: Parts
     experts: tuple[Expert, ...] = ()
     expert: Expert | None = None
+    turns: tuple[Expert, ...] = ()
 
     def with_expert(self, name: str):
         """This family training the expert ``name`` (``model.expert``): its denoiser is that
-        expert's part, its loss draws noise levels in its range. A ValueError names the
-        experts when ``name`` is none of them, or is missing where the family has experts."""
+        expert's part, its loss draws noise levels in its range; ``"both"``: every expert in
+        one run, in turn (``turns``; its denoiser a ``mixture.ExpertMixture``). A ValueError
+        names the experts when ``name`` is none of them, or is missing where the family has
+        experts."""
         if not self.experts and not name:
             return self
         if not self.experts:
@@ -124,14 +129,19 @@ class DiffusersFamily(ABC):
                 f"model.expert = {name!r}: {self.name} has one denoiser; leave model.expert out"
             )
         names = {e.name: e for e in self.experts}
+        variant = copy.copy(self)
+        if name == mixture.BOTH:
+            variant.expert, variant.turns = None, self.experts
+            variant.parts = replace(self.parts, denoiser=self.experts[0].part)
+            return variant
         if name not in names:
             listed = "; ".join(f"{e.name!r}: {e.about}" for e in self.experts)
             raise ValueError(
-                f"model.expert = {name!r}: {self.name} is a mixture of experts by noise level "
-                f"and a run trains one of them; set model.expert to {listed}"
+                f"model.expert = {name!r}: {self.name} is a mixture of experts by noise level; "
+                f"set model.expert to {listed}; or {mixture.BOTH!r}: all of them in one run, "
+                "in turn (model.expert_switch_every steps each)"
             )
-        variant = copy.copy(self)
-        variant.expert = names[name]
+        variant.expert, variant.turns = names[name], ()
         variant.parts = replace(self.parts, denoiser=names[name].part)
         return variant
 
@@ -139,6 +149,12 @@ class DiffusersFamily(ABC):
     def noise_levels(self) -> tuple[float, float]:
         """The noise levels ``[low, high)`` its training draws: its expert's, or all."""
         return (self.expert.low, self.expert.high) if self.expert else (0.0, 1.0)
+
+    @property
+    def level_turns(self) -> tuple[tuple[float, float], ...]:
+        """The noise levels each expert of ``turns`` draws at its steps, in turn; empty for a
+        family that trains one denoiser."""
+        return tuple((e.low, e.high) for e in self.turns)
 
     @property
     def lora_part(self) -> str:
@@ -178,6 +194,10 @@ class DiffusersFamily(ABC):
         return {name: self.part(source, name) for name in self.parts.classes}
 
     def denoiser(self, source: Source, device: str = "cpu", weights: bool = True) -> nn.Module:
+        """Its denoiser's part; every expert of ``turns`` in one ``ExpertMixture``."""
+        if self.turns:
+            built = {e.part: self.part(source, e.part, device, weights) for e in self.turns}
+            return mixture.ExpertMixture(built)
         return self.part(source, self.parts.denoiser, device, weights)
 
     def save_lora(

@@ -37,8 +37,17 @@ class Objective:
     the draws over pinned, so the step never waits on a host-to-device copy; called with
     generators and a batch without them, the loss draws them itself, the same way."""
 
-    def __init__(self, draw: Draw, loss: Callable[[nn.Module, Batch], torch.Tensor]) -> None:
-        self.draw, self._loss = draw, loss
+    def __init__(
+        self, draw: Draw, loss: Callable[[nn.Module, Batch], torch.Tensor], turns=()
+    ) -> None:
+        """``turns``: a draw for each expert of a mixture trained in turn (``model.expert =
+        "both"``: each its expert's noise levels), ``draw`` the first's; empty: ``draw``."""
+        self.draw, self._loss, self.turns = draw, loss, tuple(turns)
+
+    def draw_of(self, turn: int) -> Draw:
+        """The draw of a step that trains expert ``turn`` (``mixture.phase``): its own noise
+        levels; ``draw`` where the objective has no turns."""
+        return self.turns[turn] if self.turns else self.draw
 
     def __call__(self, denoiser: nn.Module, batch: Batch, generators=None) -> torch.Tensor:
         if not any(k in batch for k in DRAWN):

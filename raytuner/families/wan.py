@@ -205,7 +205,9 @@ class Wan(base.DiffusersFamily):
             return shape[2] * (shape[3] // PATCH) * (shape[4] // PATCH)
 
         draw = objectives.flow_draw(objective, tokens, levels=self.noise_levels)
-        return objectives.Objective(draw, wan_loss)
+        # model.expert = "both": each expert's steps draw in its own range
+        turns = [objectives.flow_draw(objective, tokens, levels=lv) for lv in self.level_turns]
+        return objectives.Objective(turns[0] if turns else draw, wan_loss, turns)
 
     def vae_latent(self, latent: torch.Tensor) -> torch.Tensor:
         """Cached latents [B, 16, T, h, w] are what its VAE decodes, frame axis and all."""

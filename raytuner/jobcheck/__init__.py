@@ -4,7 +4,8 @@ so `raytuner check` and every command refuse the same jobs. A job's own sections
 values and each other when it was loaded (``config/``); the rules here need the family, this
 installation or this machine. docs/architecture.md's table of the job check lists each rule,
 what it refuses and where it lives: ``model.py`` (the family's denoiser, pipeline and
-objective), ``lora.py`` (the LoRA), ``machine.py`` (packages, outputs, image folders).
+objective), ``lora.py`` (the LoRA), ``machine.py`` (packages, outputs, image folders),
+``experts.py`` (a run of every expert of a mixture).
 
 What each operation asks for (its keywords): every rule for `raytuner check`, ``preprocess``
 and ``run``, and for ``cache verify --repair``, ``bench train`` and ``bench preprocess
@@ -25,7 +26,7 @@ import logging
 
 from raytuner.config import JobConfig
 from raytuner.families import parts
-from raytuner.jobcheck import encoders, lora, machine, model
+from raytuner.jobcheck import encoders, experts, lora, machine, model
 
 __all__ = ["check_job"]
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ def check_job(job: JobConfig, family, *, runs: bool = True, reads_images: bool =
     model.bucket_sizes(job.preprocess, family)
     model.frame_counts(job.data, family)
     model.objective_kind(job.objective, family)
+    experts.turns(job, family)  # before the rules its refusals would trip otherwise
     model.sharding(job)
     model.compiling(job, family)
     model.float8_matmul(job, family)

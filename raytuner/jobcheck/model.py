@@ -250,10 +250,12 @@ def blocks_to_swap(memory, family, source) -> None:
             f"memory.blocks_to_swap = {n}: the {family.name} family's denoiser does not stream "
             "blocks (block swap is for the transformer families); set it to 0"
         )
-    count = len(placement.blocks(family.denoiser(source, "meta", weights=False), family))
+    groups = placement.block_groups(family.denoiser(source, "meta", weights=False), family)
+    count = min(len(group) for group in groups)  # of each expert of a mixture trained in turn
     if n >= count:
+        each = " (each expert)" if len(groups) > 1 else ""
         raise ConfigError(
-            f"memory.blocks_to_swap = {n}: the {family.name} denoiser has {count} blocks "
+            f"memory.blocks_to_swap = {n}: the {family.name} denoiser has {count} blocks{each} "
             f"({' + '.join(family.blocks.swap)}); allowed: 0 to {count - 1}"
         )
 

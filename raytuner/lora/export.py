@@ -45,6 +45,8 @@ def metadata(
     were merged into the base while it trained, which the file does not hold."""
     # the expert of a mixture of experts the file's LoRA is on (model.expert)
     expert = {"raytuner.expert": model.expert} if getattr(model, "expert", "") else {}
+    if getattr(model, "expert", "") == "both":  # each file names its own expert over this
+        expert["raytuner.expert_switch_every"] = str(model.expert_switch_every)
     return expert | ({MERGED: json.dumps(list(merged))} if merged else {}) | {
         "raytuner.family": family,
         "raytuner.base_model": model.pretrained,

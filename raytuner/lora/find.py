@@ -25,11 +25,21 @@ class ExportedWeights:
 
     kind: str  # "lora" | "model" | "checkpoint" (a full fine-tune's checkpoint folder)
     path: str
+    # a run of every expert of a mixture (model.expert = "both"): (expert, its LoRA file) of
+    # each, from lora/<expert>/; ``path`` is the first's
+    experts: tuple[tuple[str, str], ...] = ()
+
+
+def _experts(lora: Path) -> ExportedWeights | None:
+    """The LoRA of each expert in ``lora``'s sub-folders (``lora/<expert>/``), or None."""
+    found = sorted((f.parent.name, str(f)) for f in lora.glob(f"*/{DIFFUSERS_FILE}"))
+    return ExportedWeights("lora", found[0][1], tuple(found)) if found else None
 
 
 def find_weights(path: str) -> ExportedWeights:
     """What a user may point at: a checkpoint folder, its ``export/``, the run's ``lora/`` or
-    ``model/`` folder, a LoRA safetensors file (diffusers or kohya keys)."""
+    ``model/`` folder (a run of every expert: ``lora/<expert>/`` each), a LoRA safetensors file
+    (diffusers or kohya keys)."""
     p = Path(path)
     if p.is_file():
         if p.suffix != ".safetensors":
@@ -40,6 +50,8 @@ def find_weights(path: str) -> ExportedWeights:
     for folder in (p / EXPORT, p):
         if (folder / LORA_DIR / DIFFUSERS_FILE).is_file():
             return ExportedWeights("lora", str(folder / LORA_DIR / DIFFUSERS_FILE))
+        if (experts := _experts(folder / LORA_DIR)) is not None:
+            return experts
         if (folder / MODEL_DIR).is_dir():
             return ExportedWeights("model", str(folder / MODEL_DIR))
     if (p / DENOISER).is_file():  # a full fine-tune's checkpoint
@@ -47,6 +59,8 @@ def find_weights(path: str) -> ExportedWeights:
     for name in (DIFFUSERS_FILE, KOHYA_FILE):
         if (p / name).is_file():
             return ExportedWeights("lora", str(p / name))
+    if (experts := _experts(p)) is not None:  # a run's lora/ of every expert
+        return experts
     if any(p.glob("*/config.json")):  # model/: the denoiser folder inside
         return ExportedWeights("model", str(p))
     if (p / "config.json").is_file():  # model/<part>/

@@ -24,9 +24,11 @@ __all__ = [
     "PlacementError",
     "activations",
     "batch",
+    "block_groups",
     "blocks",
     "check",
     "inputs",
+    "last_of_each",
     "load_device",
     "memory_format",
     "move",
@@ -75,9 +77,29 @@ def memory_format(
         denoiser.to(memory_format=torch.channels_last)
 
 
+def block_groups(denoiser: nn.Module, family) -> list[list[nn.Module]]:
+    """The swappable blocks of each model the denoiser runs, each in the order they run (the
+    family's ``blocks.swap``): one list, or one an expert of a mixture trained in turn
+    (``expert_modules``), in turn."""
+    experts = getattr(denoiser, "expert_modules", None)
+    models = experts() if experts is not None else [denoiser]
+    return [[block for name in family.blocks.swap for block in getattr(m, name)] for m in models]
+
+
 def blocks(denoiser: nn.Module, family) -> list[nn.Module]:
-    """The denoiser's swappable blocks in the order they run (the family's ``blocks.swap``)."""
-    return [block for name in family.blocks.swap for block in getattr(denoiser, name)]
+    """The denoiser's swappable blocks in the order they run (``block_groups``, one after the
+    other)."""
+    return [block for group in block_groups(denoiser, family) for block in group]
+
+
+def last_of_each(sizes: list[int], n: int) -> list[int]:
+    """The indices, in the groups of ``sizes`` laid one after the other, of each group's last
+    ``n`` blocks: what ``memory.blocks_to_swap = n`` streams (of every expert of a mixture)."""
+    out, start = [], 0
+    for size in sizes:
+        out += list(range(start + size - n, start + size)) if n else []
+        start += size
+    return out
 
 
 class DenoiserPlacement:
@@ -86,14 +108,17 @@ class DenoiserPlacement:
 
     def __init__(self, denoiser: nn.Module, family, device, blocks_to_swap: int = 0, ring=2):
         self.denoiser, self.device = denoiser, torch.device(device)
-        self.blocks = blocks(denoiser, family) if blocks_to_swap else []
-        if blocks_to_swap >= max(len(self.blocks), 1):
+        groups = block_groups(denoiser, family) if blocks_to_swap else []
+        self.blocks = [block for group in groups for block in group]
+        sizes = [len(group) for group in groups]
+        if blocks_to_swap >= max(min(sizes, default=0), 1):
             raise PlacementError(
                 f"memory.blocks_to_swap = {blocks_to_swap}: the denoiser has "
-                f"{len(self.blocks)} swappable blocks; swap at most {len(self.blocks) - 1}"
+                f"{min(sizes, default=0)} swappable blocks; swap at most "
+                f"{min(sizes, default=0) - 1}"
             )
-        first = len(self.blocks) - blocks_to_swap
-        self.swapped = list(range(first, len(self.blocks))) if blocks_to_swap else []
+        # the last blocks_to_swap of each (of every expert of a mixture)
+        self.swapped = last_of_each(sizes, blocks_to_swap)
         streamed = self._streamed_ids()
         for p in denoiser.parameters():
             if id(p) not in streamed and p.device != self.device:
@@ -104,7 +129,8 @@ class DenoiserPlacement:
                     module._buffers[name] = b.to(self.device)
         self.streamer = None
         if self.swapped:
-            self.streamer = BlockStreamer(self.blocks, self.swapped, self.device, ring)
+            group_of = [g for g, size in enumerate(sizes) for _ in range(size)]
+            self.streamer = BlockStreamer(self.blocks, self.swapped, self.device, ring, group_of)
 
     def average(self, ema) -> None:
         """An EMA of the trained weights (``diffusers``' EMAModel) beside them."""
@@ -166,7 +192,11 @@ class DenoiserPlacement:
         # padded bucket), and a static graph's reducer fails on a rank whose count differs
         # (tests/train/test_train_exact.py, test_fsdp.py's skewed job)
         options = {"gradient_as_bucket_view": True}
-        if _skips_modules(self.denoiser):  # lora.module_dropout: unused adapters in a step
+        # lora.module_dropout: unused adapters in a step; experts trained in turn
+        # (model.expert = "both"): the idle expert's adapter. A parameter no rank used keeps
+        # no gradient (DDP leaves it as it is), so the optimizer skips it
+        idle = getattr(self.denoiser, "leaves_parameters_unused", False)
+        if idle or _skips_modules(self.denoiser):
             options["find_unused_parameters"] = True
         return prepare(self.denoiser, move_to_device=False, parallel_strategy_kwargs=options)
 

@@ -93,12 +93,17 @@ class BlockStreamer:
     """Streams the frozen weights of ``blocks[i]`` for every i in ``swapped``; the other blocks
     are left where they are. Forward pre-hooks on every block keep the running block in place
     and the next swapped one (in the direction the pass travels: backward recomputes in
-    reverse) uploading; the least recently used resident block makes room."""
+    reverse) uploading; the least recently used resident block makes room. ``group_of``: each
+    block's model (an expert of a mixture: a pass runs one of them), looked ahead in alone;
+    None: one model."""
 
-    def __init__(self, blocks: list[nn.Module], swapped: list[int], device, ring: int = 2):
+    def __init__(
+        self, blocks: list[nn.Module], swapped: list[int], device, ring: int = 2, group_of=None
+    ):
         if not swapped:
             raise ValueError("no block to swap")
         self.blocks, self.ring = blocks, max(ring, 1)
+        self.group_of = list(group_of) if group_of is not None else [0] * len(blocks)
         self.copier = Copier(torch.device(device))
         self.units = {i: _Unit(blocks[i], self.copier) for i in swapped}
         self.order = sorted(swapped)
@@ -116,7 +121,10 @@ class BlockStreamer:
         backward = torch._C._current_graph_task_id() != -1
         if i in self.units:
             self._bring(i)
-        ahead = [j for j in self.order if (j < i if backward else j > i)]
+        group = self.group_of[i]
+        ahead = [
+            j for j in self.order if self.group_of[j] == group and (j < i if backward else j > i)
+        ]
         if ahead:
             self._prefetch(ahead[-1] if backward else ahead[0], keep=i)
 

@@ -65,15 +65,8 @@ def apply_weights(
     placement.unplace_pipeline(pipe)  # streamed blocks back whole before weights change
     if weights is not None and weights.kind == "lora":
         pipe.unload_lora_weights()
-        path = Path(weights.path)  # a .safetensors file
-        if lora_apply.kind_of(str(path)) in lora_apply.PEFT_KINDS:  # LoKr, LoHa: through peft
-            part = family.parts.denoiser
-            lora_apply.apply_file(getattr(pipe, part), str(path), family.lora_part)
-        else:
-            with quiet.no_loading_bars():  # a bar per text encoder the LoRA trained
-                pipe.load_lora_weights(
-                    str(path.parent), weight_name=path.name, **family.lora_load
-                )
+        for on, path in lora_files(family, weights):
+            _load_lora(pipe, on, path)
     elif weights is not None:
         part = family.parts.denoiser
         cls = type(getattr(pipe, part))
@@ -85,6 +78,33 @@ def apply_weights(
             denoiser = cls.from_pretrained(os.path.join(weights.path, part), torch_dtype=dtype)
         pipe.register_modules(**{part: denoiser})
     placement.place_pipeline(pipe, family, device, blocks_to_swap)
+
+
+def lora_files(family, weights: ExportedWeights) -> list[tuple[object, Path]]:
+    """(the family training its expert, the file) of each LoRA file of ``weights``: every
+    expert's of a run of them all (``lora/<expert>/``); a file of one expert of a mixture
+    (its ``raytuner.expert`` metadata) onto that expert; any other onto the denoiser."""
+    if weights.experts:
+        return [(family.with_expert(name), Path(path)) for name, path in weights.experts]
+    path = Path(weights.path)
+    if family.experts:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            named = (f.metadata() or {}).get("raytuner.expert", "")
+        if named in {e.name for e in family.experts}:
+            return [(family.with_expert(named), path)]
+    return [(family, path)]
+
+
+def _load_lora(pipe, family, path: Path) -> None:
+    """One LoRA file into ``pipe``'s denoiser (``family``'s: an expert's where it trains one)."""
+    if lora_apply.kind_of(str(path)) in lora_apply.PEFT_KINDS:  # LoKr, LoHa: through peft
+        part = family.parts.denoiser
+        lora_apply.apply_file(getattr(pipe, part), str(path), family.lora_part)
+        return
+    with quiet.no_loading_bars():  # a bar per text encoder the LoRA trained
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name, **family.lora_load)
 
 
 def render(pipe, options: dict, renders: list[Render]) -> list[list[Image.Image | np.ndarray]]:

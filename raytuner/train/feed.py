@@ -56,6 +56,8 @@ class RankSlice:
     seeds: list[int]  # per-sample noise seeds, the same whatever rank trains the sample
     ids: list[str]  # the sample log's ids of this rank's slice, in order (``CachedDataset.ids``)
     flipped: tuple[bool, ...] = ()  # which samples train on their mirror image (data.flip)
+    step: int = 0  # the step it trains (1-based; 0: a feed started without the run's step)
+    turn: int = 0  # the expert that step trains (model.expert = "both": mixture.phase)
 
     def after(self) -> tuple[int, int]:
         """The cursor after this batch: the next global batch, or the next epoch's first."""
@@ -82,16 +84,19 @@ class Feed:
         prior_loss_weight: float = 1.0,
         tokenize=None,
         draw=None,
+        turns=None,
     ) -> None:
         """``tokenize``: captions -> token ids (``text_lora.TextLora.tokens``), for a step that
         encodes them itself (``lora.text_encoder``; ``data`` opened with its captions): each
         batch then carries its rows' token ids, a dropped caption the empty one's. ``draw``:
         the objective's (``families.objectives.Objective.draw``): each batch then carries its
-        samples' noise and timesteps, drawn from their seeds as the loss would draw them."""
+        samples' noise and timesteps, drawn from their seeds as the loss would draw them;
+        ``turns`` (``mixture.Turns``, experts trained in turn): each batch's step picks its
+        expert and that expert's draw."""
         self.data, self.seed, self.gbs, self.remainder = data, seed, global_batch_size, remainder
         self.caption_dropout, self.prior_loss_weight = caption_dropout, prior_loss_weight
         self.rank, self.world, self.pin, self.tokenize = rank, world, pin, tokenize
-        self.draw = draw
+        self.draw, self.turns = draw, turns
         # a source's repeats are repeated appearances of its rows in the schedule
         self.rows = [i for i, n in enumerate(data.repeats) for _ in range(n)]
         buckets = data.buckets
@@ -109,7 +114,10 @@ class Feed:
     def epoch(self, epoch: int) -> list[list[int]]:
         return epoch_batches(self.buckets, self.seed, epoch, self.gbs, self.remainder)
 
-    def assemble(self, epoch: int, index: int, batches: list[list[int]]) -> RankSlice:
+    def assemble(
+        self, epoch: int, index: int, batches: list[list[int]], step: int = 0
+    ) -> RankSlice:
+        """This rank's slice of global batch ``index`` of ``epoch``, trained at ``step``."""
         global_batch = batches[index]
         start, stop = rank_slice(global_batch, self.rank, self.world)
         mine = global_batch[start:stop]
@@ -127,13 +135,16 @@ class Feed:
             reg = self.data.regularization[rows]
             weights = [self.prior_loss_weight if r else 1.0 for r in reg]
             tensors["loss_weight"] = torch.tensor(weights, dtype=torch.float32)
-        if self.draw is not None:  # from each sample's own generator, as the loss would
+        turn = self.turns.of(step) if self.turns is not None else 0
+        draw = self.turns.draws[turn] if self.turns is not None else self.draw
+        if draw is not None:  # from each sample's own generator, as the loss would
             generators = [torch.Generator().manual_seed(s) for s in seeds]
-            tensors |= self.draw(tuple(tensors["latent"].shape), generators)
+            tensors |= draw(tuple(tensors["latent"].shape), generators)
         if self.pin:  # the rows read were stacked into pinned memory already
             tensors = {k: v if v.is_pinned() else v.pin_memory() for k, v in tensors.items()}
         ids = [self.ids[j] for j in mine]
-        return RankSlice(epoch, index, len(batches), tensors, seeds, ids, tuple(flips))
+        flips = tuple(flips)
+        return RankSlice(epoch, index, len(batches), tensors, seeds, ids, flips, step, turn)
 
     def _slot(self) -> bool:
         """Waits for a free slot; False once the feed is closing."""
@@ -142,23 +153,28 @@ class Feed:
                 return True
         return False
 
-    def _produce(self, epoch: int, index: int) -> None:
+    def _produce(self, epoch: int, index: int, step: int) -> None:
         """Hands out the batches in schedule order, assembled up to ``prefetch`` at once (their
-        reads overlap: more requests in flight, on a disk or an object store)."""
+        reads overlap: more requests in flight, on a disk or an object store); ``step``: the
+        one trained before the first."""
         try:
             while not self._stop.is_set():
                 batches = self.epoch(epoch)
                 for i in range(index, len(batches)):
                     if not self._slot():
                         return
-                    self._queue.put(self._assemblers.submit(self.assemble, epoch, i, batches))
+                    step += 1
+                    work = self._assemblers.submit(self.assemble, epoch, i, batches, step)
+                    self._queue.put(work)
                 epoch, index = epoch + 1, 0
         except BaseException as e:  # handed to the training thread, which raises it
             self._queue.put(e)
 
-    def start(self, epoch: int, index: int) -> Feed:
+    def start(self, epoch: int, index: int, step: int = 0) -> Feed:
+        """Hand out batches from the cursor (``epoch``, ``index``), the first at ``step + 1``
+        (``step``: the run's steps trained so far)."""
         self._thread = threading.Thread(
-            target=self._produce, args=(epoch, index), name="raytuner-feed", daemon=True
+            target=self._produce, args=(epoch, index, step), name="raytuner-feed", daemon=True
         )
         self._thread.start()
         return self
@@ -208,12 +224,14 @@ def open_feed(
     pin: bool,
     text=None,
     draw=None,
+    turns=None,
 ) -> Feed:
     """The feed of one rank over the committed version ``fp`` as ``manifest`` describes it (the
     one the job started with); the caller starts it at its cursor and closes it and its data.
     ``text``: the trained text encoders' LoRA (``text_lora.TextLora``): the batches carry token
     ids of the captions in place of the cached text tensors it computes; ``draw``: the
-    objective's, the batches carry each sample's noise and timesteps."""
+    objective's, the batches carry each sample's noise and timesteps; ``turns``: experts
+    trained in turn (``mixture.Turns``)."""
     computed = text.outputs if text is not None else ()
     return Feed(
         open_dataset(cache, fp, manifest, computed),
@@ -228,4 +246,5 @@ def open_feed(
         prior_loss_weight=train.prior_loss_weight,
         tokenize=text.tokens if text is not None else None,
         draw=draw,
+        turns=turns,
     )

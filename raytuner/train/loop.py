@@ -23,6 +23,7 @@ from raytuner.config import (
     TrackingConfig,
     TrainConfig,
 )
+from raytuner.families import mixture
 from raytuner.lora import export
 from raytuner.observe import flops
 from raytuner.observe.memory import PeakMemory
@@ -155,8 +156,9 @@ class Worker:
         pin = device.type == "cuda"
         where = (cfg.cache, cfg.fingerprint, cfg.manifest)
         text = trained.weights.text
-        self.feed = open_feed(t, *where, self.rank, world, pin, text, loss_fn.draw)
-        self.feed.start(self.state.epoch, self.state.index)
+        turns = mixture.turns_of(loss_fn, cfg.model.expert_switch_every)  # model.expert "both"
+        self.feed = open_feed(t, *where, self.rank, world, pin, text, loss_fn.draw, turns)
+        self.feed.start(self.state.epoch, self.state.index, self.state.step)
         run_dir = cfg.run_dir if t.sample_log else None
         self.samples = SampleLog(run_dir, attempt_id(), self.rank, world)
         self.meter = Meter(device, flops.device_peak(device, cfg.peak_tflops))
@@ -180,9 +182,17 @@ class Worker:
         loss = self.train_step(batch)
         self.meter.add(loss, self.train_step.flops, self.train_step.model_flops)
         st.step, (st.epoch, st.index) = st.step + 1, batch.after()
-        self.samples.add(st.step, batch.epoch, batch.index, batch.ids)
+        self.samples.add(st.step, batch.epoch, batch.index, batch.ids, self._expert(batch))
         # the step before's verdict (this one's is still on the device)
         self.went_wrong = self.guard.add(st.step, loss, self.train_step.grad_norm)
+
+    def _expert(self, batch) -> dict | None:
+        """What the sample log says of a step of experts trained in turn: its expert and its
+        samples' noise levels (the feed's draw in that expert's range)."""
+        turns = self.cfg.family.turns
+        if not turns or "sigma" not in batch.tensors:
+            return None
+        return {"expert": turns[batch.turn].name, "sigma": batch.tensors["sigma"].tolist()}
 
     def stop_reason(self, window: bool, due: bool) -> str | None:
         """Why the run must stop before it logs, checkpoints or trains on (the same on every

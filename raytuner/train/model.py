@@ -22,6 +22,7 @@ from torch import nn
 
 from raytuner.checkpoint.layout import KOHYA_FILE
 from raytuner.config import ConfigError
+from raytuner.families import mixture
 from raytuner.lora import export, kinds, kohya, merge
 from raytuner.lora.init_from import start_from
 from raytuner.placement import sharding
@@ -128,15 +129,8 @@ def adapt(
 def _lora_files(denoiser: nn.Module, names: list[str], family, lora, text) -> dict:
     """Refuse targets the family's kohya layout has no name for (before training, not at the
     first checkpoint); read ``lora.init_from`` into the fresh adapter; return its provenance."""
-    kohya_names = export.kohya_names(family, denoiser)
-    if kohya_names is not None:
-        modules = kohya.modules_of(get_peft_model_state_dict(denoiser))
-        if missing := [m for m in modules if not kohya_names(m)]:
-            raise ConfigError(
-                f"lora.target_modules reaches {', '.join(missing[:3])}, which "
-                f"{family.name}'s kohya layout ({KOHYA_FILE}) has no name for: "
-                "leave it out of lora.target_modules"
-            )
+    for _, expert in mixture.experts_of(denoiser):  # each expert of a mixture: its own file
+        _kohya_named(expert, family)
     if not lora.init_from:
         return {}
     texts = text.start() if text is not None else []
@@ -148,6 +142,19 @@ def _lora_files(denoiser: nn.Module, names: list[str], family, lora, text) -> di
     if text is not None:
         text.load(text_state)
     return provenance
+
+
+def _kohya_named(denoiser: nn.Module, family) -> None:
+    """Refuse LoRA targets of ``denoiser`` the family's kohya layout has no name for."""
+    kohya_names = export.kohya_names(family, denoiser)
+    if kohya_names is not None:
+        modules = kohya.modules_of(get_peft_model_state_dict(denoiser))
+        if missing := [m for m in modules if not kohya_names(m)]:
+            raise ConfigError(
+                f"lora.target_modules reaches {', '.join(missing[:3])}, which "
+                f"{family.name}'s kohya layout ({KOHYA_FILE}) has no name for: "
+                "leave it out of lora.target_modules"
+            )
 
 
 def trainable_model(

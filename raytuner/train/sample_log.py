@@ -33,9 +33,11 @@ class SampleLog:
         self.run_dir, self.attempt, self.rank, self.world = run_dir, attempt, rank, world
         self.records: list[dict] = []
 
-    def add(self, step: int, epoch: int, index: int, ids: list[str]) -> None:
+    def add(self, step: int, epoch: int, index: int, ids: list[str], more=None) -> None:
+        """A step's record; ``more``: what else it says (a run of experts in turn: the
+        step's ``expert`` and its samples' noise levels, ``sigma``)."""
         if self.run_dir is not None:
-            record = {"step": step, "epoch": epoch, "index": index, "ids": ids}
+            record = {"step": step, "epoch": epoch, "index": index, "ids": ids} | (more or {})
             self.records.append(record | {"rank": self.rank, "world": self.world})
 
     def flush(self) -> None:

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from raytuner import placement
+from raytuner.families.mixture import ExpertMixture
 from raytuner.observe import flops
 
 
@@ -86,6 +87,8 @@ class TrainStep:
     amp: torch.dtype | None = None  # autocast dtype
     offload: bool = False  # memory.activation_offload
     text: object = None  # train.text_lora.TextLora (lora.text_encoder), else None
+    # model.expert = "both": the experts (mixture.ExpertMixture), each step's own activated
+    mixture: object = None
     # FLOPs of one sample, per latent shape: the hardware's (forward, backward and the forward
     # gradient checkpointing recomputes) and the model's (without the recompute)
     per_sample: dict = field(default_factory=dict)
@@ -95,6 +98,8 @@ class TrainStep:
     grad_norm: torch.Tensor | None = None  # of the last step, before clipping (on the device)
 
     def __call__(self, batch: Slice) -> torch.Tensor:
+        if self.mixture is not None:  # the step's expert (the feed drew its noise levels)
+            self.mixture.activate(getattr(batch, "turn", 0))
         shape = tuple(batch.tensors["latent"].shape[1:])
         counting = shape not in self.per_sample
         with flops.counted() if counting else contextlib.nullcontext() as counter:
@@ -135,4 +140,5 @@ def train_step(trained, model, loss_fn, opt, sched, train, memory, device, world
         amp=trained.amp,
         offload=memory.activation_offload,
         text=trained.weights.text,
+        mixture=trained.denoiser if isinstance(trained.denoiser, ExpertMixture) else None,
     )

@@ -16,6 +16,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
 from raytuner.checkpoint.layout import LORA_DIR
+from raytuner.families import mixture
 from raytuner.lora import export, kinds, lycoris
 from raytuner.placement import sharding
 
@@ -148,16 +149,36 @@ class Weights:
         dora = self.dora_scales(state)
         if directory is None:
             return
+        root, config = os.path.join(directory, LORA_DIR), self.denoiser.peft_config["default"]
+        if family.turns:  # every expert of a mixture: each its own LoRA in lora/<expert>/
+            self._export_experts(root, state, family, meta | self.provenance)
+            return
         export.write_lora(
-            os.path.join(directory, LORA_DIR),
+            root,
             state,
             family=family,
-            adapter_config=self.denoiser.peft_config["default"].to_dict(),
+            adapter_config=config.to_dict(),
             meta=meta | self.provenance,
             denoiser=self.denoiser,
             text_encoders=self.text.split(state) if self.text is not None else (),
             dora_scale=dora,
         )
+
+    def _export_experts(self, root: str, state: dict, family, meta: dict) -> None:
+        """Each expert's LoRA (its tensors of ``state``, without its part's prefix) into
+        ``<root>/<expert>/``, the files a run of that expert alone writes into ``<root>/``,
+        their ``raytuner.expert`` its name."""
+        config = self.denoiser.peft_config["default"].to_dict()
+        experts = mixture.experts_of(self.denoiser)
+        for expert, (part, module) in zip(family.turns, experts, strict=True):
+            export.write_lora(
+                os.path.join(root, expert.name),
+                mixture.split_state(state, part),
+                family=family.with_expert(expert.name),
+                adapter_config=config,
+                meta=meta | {"raytuner.expert": expert.name},
+                denoiser=module,
+            )
 
     def dora_scales(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The DoRA modules' ComfyUI scales (``lycoris.dora_scales``) of the exported ``state``,

@@ -101,6 +101,7 @@ BAD: dict[str, list[str]] = {
     "memory.blocks_to_swap": ["-1"],
     "memory.swap_ring": ["0"],
     "model.merge_adapters.weight": ["-17", "17"],
+    "model.expert_switch_every": ["0", "1000001"],
 }
 
 

@@ -81,8 +81,10 @@ def _print_replicated(result: dict) -> None:
     w = result["worker"]
     dtypes = ", ".join(f"{k} {_gib(v)}" for k, v in w["weights_by_dtype"].items())
     if w["blocks_to_swap"]:
+        sizes = w.get("block_groups") or [len(w["block_bytes"])]  # experts in turn: each's
+        each = " of each expert" if len(sizes) > 1 else ""
         dtypes += (
-            f" ({w['blocks_to_swap']} of {len(w['block_bytes'])} blocks streamed: "
+            f" ({w['blocks_to_swap']} of {min(sizes)} blocks{each} streamed: "
             f"{_gib(w['resident_weights_bytes'])} resident)"
         )
     print(

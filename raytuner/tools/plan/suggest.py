@@ -8,10 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 from raytuner.config import JobConfig
+from raytuner.config.inputs import BOTH_EXPERTS
 from raytuner.families import parts
 from raytuner.placement.strategy import SHARDED, UNSHARDABLE, Strategy
 from raytuner.tools.plan import fsdp
-from raytuner.tools.plan.trace import OVERHEAD, Traces, micro_batch, swapped_peak
+from raytuner.tools.plan.trace import OVERHEAD, Traces, block_sizes, micro_batch, swapped_peak
 
 # the settings a suggestion may change, and how a job TOML writes them
 SETTINGS = (
@@ -79,7 +80,8 @@ def _swap_suggestions(job: JobConfig, traces: Traces, usable: int) -> list[dict]
     for dtype in dtypes:
         out += _fewest_swapped(job, _set(job, "model", dtype=dtype), traces, usable)
     if not out and not job.memory.activation_offload:
-        offloaded = _set(job, "memory", activation_offload=True)
+        # checkpointing first: offloading its saved inputs needs it (config/rules.py)
+        offloaded = _set(_with(job, gradient_checkpointing=True), "memory", activation_offload=True)
         out += _fewest_swapped(job, offloaded, traces, usable)
     return out
 
@@ -89,7 +91,7 @@ def _fewest_swapped(job: JobConfig, changed: JobConfig, traces: Traces, usable: 
     blocks swapped that fit, as a suggestion for ``job``; [] when none does."""
     worker = traces.step(changed, micro_batch(changed), True)
     ring = job.memory.swap_ring
-    for n in range(job.memory.blocks_to_swap + 1, len(worker["block_bytes"])):
+    for n in range(job.memory.blocks_to_swap + 1, min(block_sizes(worker))):
         if (peak := swapped_peak(worker, n, ring)) <= usable:
             swapped = _with(changed, gradient_checkpointing=True)
             swapped = _set(swapped, "memory", blocks_to_swap=n)
@@ -139,6 +141,8 @@ def when_too_big(job: JobConfig, traces: Traces, usable: int, sharded) -> list[d
         peak = traces.step(changed, micro_changed, checkpointing)["peak_bytes"]
         out.append({"set": changes(job, changed), "peak_bytes": peak, "fits": peak <= usable})
     out += _swap_suggestions(job, traces, usable)
+    if job.model.expert == BOTH_EXPERTS:  # replicated, never sharded (jobcheck/experts.py)
+        return out
     candidate = _shardable(job)
     traced = traces.sharded(candidate, micro, job.train.gradient_checkpointing)
     return out + [_fsdp_suggestion(job, candidate, traced, usable)]

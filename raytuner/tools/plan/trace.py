@@ -82,9 +82,16 @@ def _block_bytes(denoiser, family) -> list[int]:
     ]
 
 
+def block_sizes(worker: dict) -> list[int]:
+    """How many of the worker's ``block_bytes`` each model it runs has (an expert of a mixture
+    trained in turn: one each), in order."""
+    return worker.get("block_groups") or [len(worker["block_bytes"])]
+
+
 def swapped_peak(worker: dict, n: int, ring: int) -> int:
-    """The worker's peak with the last ``n`` blocks streamed through a ring of ``ring``."""
-    streamed = worker["block_bytes"][len(worker["block_bytes"]) - n :] if n else []
+    """The worker's peak with the last ``n`` blocks (of each expert of a mixture) streamed
+    through a ring of ``ring``."""
+    streamed = [worker["block_bytes"][i] for i in placement.last_of_each(block_sizes(worker), n)]
     resident = sorted(streamed)[-ring:] if streamed else []
     return worker["peak_bytes_unswapped"] - sum(streamed) + sum(resident)
 
@@ -251,6 +258,9 @@ def _worker(job: JobConfig, family, trained: Trainable, micro: int, counted: dic
     step_peak = max(backward_peak + state, counted["peak"] - counted["adamw"] + state)
     unswapped = sum(by_dtype.values()) + ema + ddp_buckets + step_peak + OVERHEAD
     result = {"peak_bytes_unswapped": unswapped, "block_bytes": _block_bytes(denoiser, family)}
+    groups = [len(group) for group in placement.block_groups(denoiser, family)]
+    if len(groups) > 1:  # experts trained in turn: each streams its last blocks
+        result["block_groups"] = groups
     n = memory.blocks_to_swap if t.gradient_checkpointing and t.mode == "lora" else 0
     peak = swapped_peak(result, n, memory.swap_ring)
     return result | {

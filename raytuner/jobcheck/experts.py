@@ -1,0 +1,45 @@
+"""The job check's rule about a run of every expert of a mixture in one run (``model.expert =
+"both"``, ``raytuner.jobcheck``): the settings such a run does not take. Its experts are built
+side by side in one worker, replicated (ddp; ``memory.blocks_to_swap`` streams the last blocks
+of each), each with its own LoRA (``families/mixture.py``); what would hold or load them
+otherwise is refused, naming the key, its value and what to set
+(one expert a run takes each of these settings)."""
+
+from __future__ import annotations
+
+from raytuner.config import ConfigError, JobConfig
+from raytuner.config.inputs import BOTH_EXPERTS
+
+ONE_A_RUN = 'or train one expert a run (model.expert = "high", then "low")'
+
+
+def _refused(job: JobConfig) -> tuple[str, str] | None:
+    """(the key and its value, what to set instead) of the first setting a run of every
+    expert does not take, or None."""
+    t, lora = job.train, job.lora
+    rules = [
+        (job.scaling.strategy == "fsdp", 'scaling.strategy = "fsdp"',
+         'use scaling.strategy = "ddp" (each worker holds both experts; '
+         "memory.blocks_to_swap streams the last blocks of each)"),
+        (t.mode != "lora", f"train.mode = {t.mode!r}", 'set train.mode = "lora"'),
+        (lora.kind != "lora", f"lora.kind = {lora.kind!r}", 'use lora.kind = "lora"'),
+        (lora.dora, "lora.dora = true", "set lora.dora = false"),
+        (bool(lora.init_from), f"lora.init_from = {lora.init_from!r}", "remove lora.init_from"),
+        (bool(job.model.merge_adapters), "model.merge_adapters", "remove model.merge_adapters"),
+        (t.compile is True, "train.compile = true", 'leave train.compile = "auto"'),
+    ]  # fmt: skip
+    return next(((key, fix) for refused, key, fix in rules if refused), None)
+
+
+def turns(job: JobConfig, family) -> None:
+    """Refuse what a run of every expert in turn does not take (its experts in one replicated
+    worker, a plain LoRA on each); nothing for another run."""
+    if job.model.expert != BOTH_EXPERTS or not family.turns:
+        return
+    if (found := _refused(job)) is not None:
+        key, fix = found
+        raise ConfigError(
+            f'{key} with model.expert = "{BOTH_EXPERTS}": a run of every expert holds them '
+            f"side by side in each worker with a plain LoRA on each, and is built only so; "
+            f"{fix}, {ONE_A_RUN}"
+        )
