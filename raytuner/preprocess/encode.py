@@ -31,8 +31,16 @@ from raytuner.data.cache import checksum_column
 from raytuner.data.keys import caption_key
 from raytuner.data.tensors import cell_column, ragged_cell_column
 from raytuner.families import parts, text
-from raytuner.preprocess.decode import ENCODE, FAILED, LATENT, MASK, PROBE_COLUMNS, SHAPE, TEXT
 from raytuner.preprocess.progress import ENCODED, READY, clock, since
+from raytuner.preprocess.stream_rows import (
+    ENCODE,
+    FAILED,
+    LATENT,
+    MASK,
+    PROBE_COLUMNS,
+    SHAPE,
+    TEXT,
+)
 
 # the rows the encoder appends: the columns they share with the stream's rows, then their cells
 ROW_FIELDS = [

@@ -18,16 +18,11 @@ import ray
 from raytuner import quiet, runtime
 from raytuner.data.keys import caption_key, flip_key
 from raytuner.preprocess.clips import is_clip
-from raytuner.preprocess.decode import (
-    ENCODE,
-    FAILED,
-    PROBE_COLUMNS,
-    DecodeSpec,
-    probe_decode_blocks,
-)
+from raytuner.preprocess.decode import DecodeSpec, probe_decode_blocks
 from raytuner.preprocess.encode import Encoder
 from raytuner.preprocess.pairs import text_sources
 from raytuner.preprocess.sink import PartSink
+from raytuner.preprocess.stream_rows import ENCODE, FAILED, PROBE_COLUMNS
 
 BLOCK_PIXEL_BYTES = 64 * 1024**2  # decoded pixels per stream block, at most (about)
 BLOCK_ROWS = 512  # rows per stream block, at most

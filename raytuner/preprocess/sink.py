@@ -14,8 +14,8 @@ from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from raytuner.data import cache
-from raytuner.preprocess.decode import LATENT, MASK, PROBE_COLUMNS, STREAM_SCHEMA, TEXT
 from raytuner.preprocess.progress import clock, timed
+from raytuner.preprocess.stream_rows import LATENT, MASK, PROBE_COLUMNS, STREAM_SCHEMA, TEXT
 
 ROW_COLUMNS = ["key", "path", "width", "height", "original_size", "crop_top_left"]
 

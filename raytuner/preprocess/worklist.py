@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from raytuner.data.keys import ALPHA, mask_key
 from raytuner.preprocess.clips import report_line as clip_report_line
-from raytuner.preprocess.decode import FAILED
 from raytuner.preprocess.sources import NOT_UTF8
+from raytuner.preprocess.stream_rows import FAILED
 
 
 @dataclass

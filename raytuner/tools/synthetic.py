@@ -19,7 +19,7 @@ from raytuner.config import SourceConfig
 from raytuner.data import cache, index
 from raytuner.data.keys import caption_key
 from raytuner.data.tensors import DTYPES, to_cells
-from raytuner.preprocess.decode import SHAPE
+from raytuner.preprocess.stream_rows import SHAPE
 from raytuner.preprocess.worklist import Plan, report
 
 # Latent rows as the cache stores them: plain Arrow types, readable without Ray.

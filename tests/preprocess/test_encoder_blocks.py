@@ -24,10 +24,11 @@ from raytuner.data.cache import checksum
 from raytuner.data.keys import caption_key, flip_key
 from raytuner.data.tensors import DTYPES, cell_column
 from raytuner.families import FAMILIES
-from raytuner.preprocess.decode import ENCODE, LATENT, PROBE_COLUMNS, TEXT, Known, probe_decode
+from raytuner.preprocess.decode import Known, probe_decode
 from raytuner.preprocess.encode import Encoder
 from raytuner.preprocess.job import decode_spec
 from raytuner.preprocess.sources import list_source
+from raytuner.preprocess.stream_rows import ENCODE, LATENT, PROBE_COLUMNS, TEXT
 from raytuner.tools.bench.preprocess import _stage_figures
 from raytuner.tools.demo_images import make_demo_images
 

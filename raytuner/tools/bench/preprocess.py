@@ -19,12 +19,13 @@ import pyarrow.parquet as pq
 from raytuner import runtime
 from raytuner.config import DataConfig, JobConfig
 from raytuner.data import cache
-from raytuner.preprocess.decode import ENCODE, Known, probe_decode
+from raytuner.preprocess.decode import Known, probe_decode
 from raytuner.preprocess.encode import Encoder
 from raytuner.preprocess.job import decode_spec, update_cache
 from raytuner.preprocess.pipeline import rows_per_block
 from raytuner.preprocess.progress import clock, since
 from raytuner.preprocess.sources import list_source
+from raytuner.preprocess.stream_rows import ENCODE
 from raytuner.tools.bench.common import (
     alternate,
     load_average,
