@@ -190,8 +190,8 @@ class Worker:
         """What the sample log says of a step of experts trained in turn: its expert and its
         samples' noise levels (the feed's draw in that expert's range)."""
         turns = self.cfg.family.turns
-        if not turns or "sigma" not in batch.tensors:
-            return None
+        if self.samples.run_dir is None or not turns or "sigma" not in batch.tensors:
+            return None  # no sample log, or one expert: nothing more (no sync for sigma)
         return {"expert": turns[batch.turn].name, "sigma": batch.tensors["sigma"].tolist()}
 
     def stop_reason(self, window: bool, due: bool) -> str | None:
