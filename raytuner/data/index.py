@@ -255,9 +255,13 @@ def _flip_columns(latent: dict, flip: dict | None) -> dict:
     }
 
 
-def _index_row(row: dict, latent: dict, caption_row: int, flip=None, mask=None, cells=None):
-    """The index row of ``row`` (a listed image): its ``latent`` row, its caption's row in the
-    captions table, and the rows of its flipped latent and its mask (None: it has none)."""
+def _index_row(row: dict, cells: dict[str, dict], caption_row: int) -> dict:
+    """The index row of ``row`` (a listed image): from ``cells`` (located rows by key) its
+    latent's, its flipped latent's and its mask's (where it has them), and its caption's row in
+    the captions table."""
+    latent = cells[row["key"]]
+    flip = cells[row["flip_key"]] if row.get("flip_key") else None
+    mask = cells[row["mask_key"]] if row.get("mask_key") else None
     return (
         {k: row[k] for k in LISTED}
         | {k: latent[k] for k in LOCATION}
@@ -275,7 +279,7 @@ def _index_row(row: dict, latent: dict, caption_row: int, flip=None, mask=None, 
             "mask_at": mask["mask_at"] if mask else -1,
             "mask_xxh3": mask["mask_xxh3"] if mask else 0,
         }
-        | references.index_columns(row, cells or {})
+        | references.index_columns(row, cells)
     )
 
 
@@ -329,22 +333,8 @@ def commit(
     needed = sorted({r["caption_key"] for r in rows} | {caption_key("")})
     position = {k: i for i, k in enumerate(needed)}
     tensors, cells = located.text_tensors, located.latents
-    index = [
-        _index_row(
-            r,
-            cells[r["key"]],
-            position[r["caption_key"]],
-            cells[r["flip_key"]] if r.get("flip_key") else None,
-            cells[r["mask_key"]] if r.get("mask_key") else None,
-            cells,
-        )
-        for r in rows
-    ]
+    index = [_index_row(r, cells, position[r["caption_key"]]) for r in rows]
     captions = [_caption_row(located.captions[k], tensors) for k in needed]
-    live_latents = {r["latent_file"] for r in index} | {r["flip_file"] for r in index}
-    live_latents |= references.files(index)  # the latents files of the pairs' references
-    live_latents = sorted((live_latents | {r["mask_file"] for r in index}) - {""})
-    live_text = sorted({c["text_file"] for c in captions})
     key = datasets.dataset_key(sources)
     mine = {
         "sources": datasets.sources_record(sources),
@@ -356,7 +346,7 @@ def commit(
         ),
         "appearances": appearances(index),
         "dataset": {"id": datasets.dataset_id(version.fp, index), "rows": len(rows)},
-        "files": {"latents": live_latents, "text": live_text},
+        "files": _live_files(index, captions),
         "committed_unix": round(time.time(), 3),
     }
     mine |= trust.write_rejected(version, run, list(rejected))  # before the manifest
@@ -388,6 +378,15 @@ def commit(
     if now.get("index") != mine["index"]:  # a commit at the same moment replaced this one
         raise StaleCommit(f"{version.root}: another run's commit replaced this one's")
     return committed
+
+
+def _live_files(index: list[dict], captions: list[dict]) -> dict[str, list[str]]:
+    """The data files a dataset's index and captions rows read: its latents files (of its
+    images, their flips, masks and the pairs' references) and its text files."""
+    latents = {r["latent_file"] for r in index} | {r["flip_file"] for r in index}
+    latents |= references.files(index)  # the latents files of the pairs' references
+    latents = sorted((latents | {r["mask_file"] for r in index}) - {""})
+    return {"latents": latents, "text": sorted({c["text_file"] for c in captions})}
 
 
 def _exists(located: Located, rel: str) -> bool:
