@@ -1,6 +1,6 @@
 """The encoded dataset: its format on disk, versioned by fingerprint, committed by a manifest
-written last. This module owns the format; nothing else builds these paths or knows where a
-tensor lies in a file.
+written last. This module owns the format; nothing else builds these paths. Where a tensor
+lies in a file is found by ``data/cells.py`` alone.
 
 Layout under ``data.cache``::
 
@@ -44,7 +44,6 @@ import hashlib
 import json
 import math
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -71,7 +70,6 @@ PARQUET = {
     "write_statistics": False,
     "row_group_size": 1,
 }
-LENGTH_PREFIX = 4  # PLAIN byte arrays: a little-endian uint32 length before the bytes
 CHECKSUM = "_xxh3"  # a tensor column's checksum column: its name plus this
 # What repairs a cache whose bytes changed after they were written (named by every error that
 # finds such a change).
@@ -180,20 +178,6 @@ def damaged(path: str, row: int | None, column: str, detail: str = "") -> Checks
     )
 
 
-def row_at(meta: pq.FileMetaData, column: str, offset: int) -> int | None:
-    """The row (= row group) of a data file whose ``column`` chunk holds byte ``offset``."""
-    leaf = [meta.row_group(0).column(j).path_in_schema for j in range(meta.num_columns)]
-    if column not in leaf:
-        return None
-    j = leaf.index(column)
-    for g in range(meta.num_row_groups):
-        chunk = meta.row_group(g).column(j)
-        start = chunk.dictionary_page_offset or chunk.data_page_offset
-        if start <= offset < start + chunk.total_compressed_size:
-            return g
-    return None
-
-
 def itemsize(dtype: str) -> int:
     return ITEMSIZE[dtype]
 
@@ -237,52 +221,6 @@ def write_part(fs: pafs.FileSystem, path: str, table: pa.Table) -> None:
     storage.write_atomic(fs, path, sink.getvalue().to_pybytes())
 
 
-def read_parquet(data: pa.Buffer, columns: list[str] | None = None) -> pa.Table:
-    """A data file held in memory (``storage.read_buffer``), read in the calling thread.
-
-    ``pq.read_table`` scans on Arrow's worker threads, which may drop their last reference to
-    the file's memory after the call returns; when that memory was Python's and the interpreter
-    was exiting, the thread could not take the GIL and the process aborted (exit code 134 of
-    ``raytuner cache verify``). Here no worker thread is started and none holds the memory."""
-    reader = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False)
-    return reader.read(columns=columns, use_threads=False)
-
-
-def locate(data: pa.Buffer, dtype: str, text_dtype: str | None = None):
-    """The file's small columns (with ``<tensor>_xxh3``, every cell's checksum) plus
-    ``<tensor>_at``, the byte offset of every tensor cell, checked against its length prefix
-    and its checksum; and the tensor column names."""
-    meta = pq.read_metadata(pa.BufferReader(data))
-    schema = meta.schema.to_arrow_schema()
-    tensors = tensor_columns(schema)
-    small = [n for n in schema.names if n not in tensors]
-    missing = [checksum_column(n) for n in tensors if checksum_column(n) not in small]
-    if missing:
-        raise ValueError(f"no checksum column {missing[0]} (written before format 4?)")
-    table = read_parquet(data, small)
-    leaf = {meta.row_group(0).column(j).path_in_schema: j for j in range(meta.num_columns)}
-    view = memoryview(data)
-    for name in tensors:
-        stored = column_dtype(name, dtype, text_dtype)
-        shapes = table.column(shape_column(name)).to_pylist()
-        sums = table.column(checksum_column(name)).to_pylist()
-        offsets = np.empty(meta.num_rows, np.int64)
-        if meta.num_row_groups != meta.num_rows:
-            raise ValueError(f"{meta.num_rows} rows in {meta.num_row_groups} row groups")
-        for g in range(meta.num_row_groups):
-            chunk = meta.row_group(g).column(leaf[name])
-            end = chunk.dictionary_page_offset or chunk.data_page_offset
-            end += chunk.total_compressed_size
-            n = cell_bytes(shapes[g], stored)
-            offsets[g] = at = end - n
-            if int.from_bytes(bytes(data[at - LENGTH_PREFIX : at]), "little") != n:
-                raise ValueError(f"row {g}: the {name} cell is not the tail of its column chunk")
-            if checksum(view[at : at + n]) != sums[g]:
-                raise ValueError(f"row {g}, column {name}: the cell's checksum differs")
-        table = table.append_column(f"{name}_at", pa.array(offsets))
-    return table, tensors
-
-
 def indexes(manifest: dict) -> list[tuple[dict, dict]]:
     """The (index, captions) entries of every dataset a manifest holds, each once: every job's
     (``datasets``), and the top-level one of a manifest written before datasets were kept
@@ -317,22 +255,6 @@ class Version:
     def manifest(self) -> dict | None:
         path = self.path(MANIFEST)
         return storage.read_json(self.fs, path) if storage.exists(self.fs, path) else None
-
-    def describe(self, rel: str, dtype: str, text_dtype: str | None = None):
-        """A data file's manifest entry (rows, bytes, sha256 of its content) and its located
-        rows (``locate``, with ``file`` = ``rel``), from one read of the file."""
-        data = storage.read_buffer(self.fs, self.path(rel))
-        try:
-            located, _ = locate(data, dtype, text_dtype)
-        except (OSError, ValueError, pa.ArrowInvalid) as e:
-            raise ValueError(f"{self.path(rel)} is not in the cache's layout: {e}") from e
-        entry = {
-            "path": rel,
-            "rows": located.num_rows,
-            "bytes": data.size,
-            "sha256": hashlib.sha256(data).hexdigest(),
-        }
-        return entry, located.append_column("file", pa.array([rel] * located.num_rows))
 
     def part_files(self, kind: str, trusted: set[str] = frozenset()) -> list[str]:
         """Every complete Parquet file of ``kind`` (``latents`` or ``text``) under parts/.

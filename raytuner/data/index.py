@@ -20,7 +20,7 @@ import time
 import pyarrow as pa
 
 from raytuner import storage
-from raytuner.data import datasets, references, trust
+from raytuner.data import cells, datasets, references, trust
 from raytuner.data.cache import (
     CAPTIONS,
     DATASETS,
@@ -227,7 +227,7 @@ class Located:
                 else:
                     try:
                         dtypes = (self.dtype, self.text_dtype)
-                        self.entries[rel], table = self.version.describe(rel, *dtypes)
+                        self.entries[rel], table = cells.describe(self.version, rel, *dtypes)
                     except ValueError as e:  # its rows are encoded again, into a new file
                         log.warning("ignoring a damaged part file: %s", e)
                         continue

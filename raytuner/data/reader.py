@@ -30,16 +30,15 @@ import torch
 from raytuner import storage
 from raytuner.data import references
 from raytuner.data.cache import (
-    LENGTH_PREFIX,
     Version,
     cell_bytes,
     checksum,
     checksum_column,
     column_dtype,
     damaged,
-    row_at,
     text_dtype_of,
 )
+from raytuner.data.cells import LENGTH_PREFIX, row_at
 from raytuner.data.clip_rows import CLIP, is_sample
 from raytuner.data.index import bucket_name
 from raytuner.data.keys import caption_key

@@ -23,10 +23,10 @@ from raytuner.data.cache import (
     column_dtype,
     committed_files,
     indexes,
-    read_parquet,
     shape_column,
     text_dtype_of,
 )
+from raytuner.data.cells import read_parquet
 from raytuner.data.tensors import from_cell
 
 FLOAT = torch.float32

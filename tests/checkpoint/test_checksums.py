@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytuner.config import load_job
-from raytuner.data import cache
+from raytuner.data import cache, cells
 from raytuner.data.reader import open_dataset
 from raytuner.tools import synthetic
 from raytuner.train.schedule import epoch_batches
@@ -220,4 +220,4 @@ def test_a_part_file_damaged_before_its_commit_is_not_committed(tmp_path):
     row = index[0]
     flip_byte(Path(version.path(row["latent_file"])), row["latent_at"] + 1)
     with pytest.raises(ValueError, match="row 0, column latent: the cell's checksum differs"):
-        version.describe(row["latent_file"], "float32")
+        cells.describe(version, row["latent_file"], "float32")

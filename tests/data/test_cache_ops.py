@@ -542,12 +542,12 @@ def test_verify_names_a_deleted_index(committed, tmp_path):
 # (exit 134, about 1 run in 30 under load). The readers now start no worker thread at all.
 ARROW_THREADS = """
 import os, sys
-from raytuner.data import cache, verify
+from raytuner.data import cache, cells, verify
 version = cache.Version(sys.argv[1], sys.argv[2])
 before = len(os.listdir("/proc/self/task"))
 bad = verify.verify(version)
 for rel in version.part_files(cache.LATENTS) + version.part_files(cache.TEXT):
-    version.describe(rel, version.manifest()["dtype"])
+    cells.describe(version, rel, version.manifest()["dtype"])
 print(before, len(os.listdir("/proc/self/task")), len(bad))
 """
 

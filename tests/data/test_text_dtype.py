@@ -20,7 +20,7 @@ import torch
 
 from raytuner import api
 from raytuner.config import ConfigError, FlowObjective, load_job
-from raytuner.data import cache
+from raytuner.data import cache, cells
 from raytuner.data.reader import open_dataset
 from raytuner.data.verify import verify
 from raytuner.families import get_family, parts
@@ -84,15 +84,15 @@ def test_text_dtype_is_part_of_the_cache_identity_and_the_default_keeps_it(tmp_p
 
 def _cells_file(tmp_path, tensor: torch.Tensor, dtype: str):
     """A text data file of ``tensor``'s rows in ``dtype``, written and located as the cache
-    does (``cache.write_part``, ``cache.locate``): its bytes and located rows."""
+    does (``cache.write_part``, ``cells.locate``): its bytes and located rows."""
     from raytuner.data.tensors import cell_column
 
-    cells, shape, sums = cell_column(tensor, dtype)
-    n = len(cells)
+    column, shape, sums = cell_column(tensor, dtype)
+    n = len(column)
     table = pa.table(
         {
             "caption_key": [str(i) for i in range(n)],
-            "prompt_embeds": cells,
+            "prompt_embeds": column,
             "prompt_embeds_shape": pa.array([shape] * n, pa.list_(pa.int32())),
             "prompt_embeds_xxh3": sums,
         }
@@ -100,7 +100,7 @@ def _cells_file(tmp_path, tensor: torch.Tensor, dtype: str):
     path = tmp_path / f"{dtype}.parquet"
     cache.write_part(pafs.LocalFileSystem(), str(path), table)
     data = path.read_bytes()
-    located, _ = cache.locate(pa.py_buffer(data), "bfloat16", dtype)
+    located, _ = cells.locate(pa.py_buffer(data), "bfloat16", dtype)
     return data, located, shape
 
 
