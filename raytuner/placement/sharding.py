@@ -8,9 +8,10 @@ runs (all-gathered before its forward and again for its backward, freed after).
 
 Mixed precision: a unit gathers and computes in the compute dtype (``model.dtype``: bfloat16 on
 GPUs), trained parameters keep their float32 master rows and their gradients are reduced
-(reduce-scattered, averaged over the workers) in float32. A LoRA adapter is sharded with its
-block like the frozen base weights it sits on: its few rows cost nothing to gather, and it needs
-no collective of its own.
+(reduce-scattered, averaged over the workers) in float32. A unit's inputs are not cast: it
+sees what a replicated worker's block sees, and autocast casts at each matmul. A LoRA adapter
+is sharded with its block like the frozen base weights it sits on: its few rows cost nothing to
+gather, and it needs no collective of its own.
 
 The model is built on the meta device, sharded, and only then given memory: each worker
 allocates its rows alone and fills them one full tensor at a time (``materialize``), so no worker
@@ -98,8 +99,15 @@ def shard(denoiser: nn.Module, family, device: torch.device, compute: torch.dtyp
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world(),))
+    # Inputs are not cast (cast_forward_inputs=False): a unit sees what a replicated worker's
+    # block sees (float32 timesteps and rotary tables; autocast casts at each matmul). FSDP's cast
+    # quantised the timestep to bfloat16 at the root, and torch < 2.12 skipped it when a
+    # checkpointed block was recomputed: FLUX.2 [dev] failed its first backward on an H200
+    # (torch 2.11, "Recomputed values ... have different metadata", pytorch#159359).
     policy = MixedPrecisionPolicy(
-        param_dtype=None if compute == torch.float32 else compute, reduce_dtype=torch.float32
+        param_dtype=None if compute == torch.float32 else compute,
+        reduce_dtype=torch.float32,
+        cast_forward_inputs=False,
     )
     for unit in units(denoiser, family):
         fully_shard(unit, mesh=mesh, mp_policy=policy)

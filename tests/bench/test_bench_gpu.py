@@ -89,6 +89,17 @@ def test_a_row_that_misbehaves_is_recorded_not_fatal(code, expect):
         assert result["stderr"] == [f"line {i}" for i in range(10, 30)]
 
 
+def test_a_failing_row_keeps_the_whole_message_of_its_error():
+    """A raytuner command prints one line when it fails; a row's keeps the traceback and every
+    line of the message (a CheckpointError names its tensors on the lines after the first)."""
+    code = ("import sys; from raytuner.cli import failed; "
+            "sys.exit(failed('bench', None, RuntimeError('first\\nsecond\\nthird')))")  # fmt: skip
+    result = gpu.run_row(_child(code), 60.0)
+    assert result["error"] == "exit 1", result
+    assert "Traceback (most recent call last):" in result["stderr"], result["stderr"]
+    assert result["stderr"][-2:] == ["second", "third"], result["stderr"]
+
+
 def test_results_are_written_after_every_row(tmp_path, monkeypatch):
     """A window that ends mid-run keeps what was measured: after the first row the JSON and
     Markdown exist with its figures and the rest not yet run; a failing row is a recorded row and

@@ -60,8 +60,11 @@ def run_row(argv: list[str], limit_s: float) -> dict:
     """One command in a process group of its own: its figures, or what went wrong (the exit
     code or the limit, and the last lines of its stderr). Never raises for the child's sake."""
     started = time.monotonic()
+    # RAYTUNER_DEBUG: a failing raytuner command raises instead of printing one line, so the
+    # tail holds the exception's whole message (a CheckpointError's tensors) and where it rose
+    env = os.environ | {"RAYTUNER_DEBUG": "1"}
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)  # fmt: skip
+                             start_new_session=True, env=env)  # fmt: skip
     try:
         out, err = child.communicate(timeout=limit_s)
         timed_out = False
