@@ -2,9 +2,9 @@
 seconds on one H100 (80 GB, 16 CPU cores) so that a group fits a short GPU window.
 
 A group is sized to finish in at most 8 minutes on an H100 (``GROUP_LIMIT_S``), so one command
-of a 10-minute window returns it whole. The estimates come from the H100 figures of 2026-11-23:
-a process start with torch and diffusers imported (~10 s), the random full-size weights drawn on
-the GPU, ``--warmup`` + ``--steps`` steps at the samples/s measured then, and a compile of the
+of a 10-minute window returns it whole. The estimates come from the GPU figures (``BASE``):
+a process start with torch and diffusers imported (``START_S``), the random full-size weights
+drawn on the GPU, ``--warmup`` + ``--steps`` steps at the samples/s measured, and a compile of the
 repeated blocks where asked. Rows at the micro-batches measured on 2026-11-23 (SD1.5 8, SDXL 4,
 Sana 4, Flux 1 a forward) come first: what compile, channels-last, the attention kernel or
 checkpointing change is read against them.
@@ -24,27 +24,23 @@ PAIRS = "edits"  # their folder in the work folder (``IMAGES``: everyone else's)
 IMAGES = "images"
 GROUP_LIMIT_S = 480  # a group's estimate at most: 8 minutes
 RANDOM = ("--set", 'model.pretrained="random"')
-START_S = 10.0  # a process: python, torch, diffusers, the job checked
-# 2026-11-23 on the H100: the micro-batch measured then, samples/s, and a random model's draw
+START_S = 18.0  # a process: python, torch, diffusers, the job checked (measured 15-20 s)
+# the micro-batch, samples/s eager, load s (a random model's draw) and compile s of its blocks:
+# SD1.5, SDXL, Sana and Flux as measured on the H100 on 2026-11-23, the 2026 families as
+# measured on an H200 on 2026-11-27 (the H100's tensor cores; the first figures of each)
 BASE = {  # family: (micro-batch, samples/s eager, load s, compile s of its blocks)
     "sd15": (8, 45.4, 4.0, 60.0),
     "sdxl": (4, 4.16, 6.0, 70.0),
     "sana": (4, 11.6, 6.0, 60.0),
     "flux": (1, 1.20, 15.0, 90.0),
-    # not measured yet: Flux's rate scaled by plan's TFLOP a sample (203.1 against 245.8), one
-    # block class to compile (two variants: with and without modulation), as Sana's one
-    "z-image": (1, 1.45, 10.0, 60.0),
-    # not measured yet: Flux's rate scaled by plan's TFLOP a sample (258.8 against 245.8), its
-    # 20.4 B weights drawn on the GPU, one block class to compile
-    "qwen-image": (1, 1.14, 25.0, 60.0),
-    # not measured yet: Flux's rate scaled by plan's TFLOP a sample ([klein] 4B 114.5, [dev]
-    # 893.2), two block classes to compile as Flux's; [dev]'s 64 GB of random weights drawn
-    "flux2-klein": (1, 2.58, 8.0, 90.0),
+    "z-image": (1, 1.487, 3.0, 60.0),  # one block class to compile, as Sana's
+    "qwen-image": (1, 0.930, 5.0, 60.0),
+    "flux2-klein": (1, 2.709, 4.0, 90.0),  # two block classes to compile, as Flux's
+    # not measured yet (its row failed in the first backward, fixed since): Flux's rate scaled
+    # by plan's TFLOP a sample (893.2 against 245.8); its 64 GB of random weights drawn
     "flux2-dev": (1, 0.33, 40.0, 90.0),
-    # not measured yet: Flux's rate scaled by plan's TFLOP a sample with one reference (its
-    # tokens double the image's: Kontext 576.7, Qwen-Image-Edit 627.4 against Flux's 245.8)
-    "flux-kontext": (1, 0.51, 15.0, 90.0),
-    "qwen-image-edit": (1, 0.47, 25.0, 60.0),
+    "flux-kontext": (1, 0.559, 4.0, 90.0),
+    "qwen-image-edit": (1, 0.501, 4.0, 60.0),
 }
 SHIPPED_MICRO = {"sd15": 32, "sdxl": 16, "sana": 16, "flux": 1, "z-image": 1,  # the jobs' own
                  "qwen-image": 1, "flux2-klein": 1, "flux2-dev": 2, "flux-kontext": 1,
@@ -210,10 +206,10 @@ def _train(families: list[str], jobs: str, workdir: str) -> list[Row]:
         micro, rate, load_s, _ = BASE[f]
         seconds = 40.0 + 90.0 + 2 * (START_S + load_s + 20 * micro / rate)
         groups = {"sd15": "train", "sdxl": "train", "flux": "train-2", "sana": "train-2"}
-        # [dev] replicated on one 80 GB card (67.2 GiB by plan), after its 24 B encoder's pool
-        # (Qwen-Image's 20 B in a group of its own: 8 minutes a group; the edit families each
-        # in one of their own: their pairs' reference tokens double a step's)
-        groups |= {"flux2-dev": "train-4", "qwen-image": "train-5", "flux-kontext": "train-6",
+        # Qwen-Image's 20 B in a group of its own (8 minutes a group); [dev] replicated on one
+        # 80 GB card (67.2 GiB by plan), after its 24 B encoder's pool; the edit families each
+        # in one of their own: their pairs' reference tokens double a step's
+        groups |= {"qwen-image": "train-4", "flux2-dev": "train-5", "flux-kontext": "train-6",
                    "qwen-image-edit": "train-7"}  # fmt: skip
         group = groups.get(f, "train-3")
         out.append(Row(name=f"train {f}", group=group,
