@@ -59,7 +59,7 @@ def test_only_picks_groups_and_rows_and_names_the_groups_when_wrong(capsys):
         assert spent <= gpu_rows.GROUP_LIMIT_S, (group, spent)
     assert main(["bench", "gpu", "--dry-run", "--only", "nope"]) == 2
     err = capsys.readouterr().err
-    assert "--only nope: not a group or a row" in err and "mfu, compile" in err
+    assert "--only nope: not a group or a row" in err and "mfu, video, compile" in err
 
 
 def _child(code: str) -> list[str]:

@@ -41,7 +41,15 @@ BASE = {  # family: (micro-batch, samples/s eager, load s, compile s of its bloc
     "flux2-dev": (1, 0.33, 40.0, 90.0),
     "flux-kontext": (1, 0.559, 4.0, 90.0),
     "qwen-image-edit": (1, 0.501, 4.0, 60.0),
+    # the video jobs at their frames (Wan 2.1 81, Wan 2.2 TI2V-5B 121), not measured yet: Flux's
+    # 303 hardware TFLOP/s on the H200 over plan's TFLOP a sample (1,205, 2,045 and 6,645)
+    "wan-1.3b": (1, 0.25, 5.0, 60.0),
+    "wan22-5b": (1, 0.15, 10.0, 60.0),
+    "wan-14b": (1, 0.045, 30.0, 60.0),
 }
+# the video rows: a job each (not a family's name), its blocks all resident (`wan-14b.toml`
+# streams 12 of 40 from host memory; 53 GiB a worker without, by plan), fewer steps (seconds each)
+VIDEO = ("wan-1.3b", "wan22-5b", "wan-14b")
 SHIPPED_MICRO = {"sd15": 32, "sdxl": 16, "sana": 16, "flux": 1, "z-image": 1,  # the jobs' own
                  "qwen-image": 1, "flux2-klein": 1, "flux2-dev": 2, "flux-kontext": 1,
                  "qwen-image-edit": 1}  # fmt: skip
@@ -91,6 +99,9 @@ def rows(families: list[str], jobs: str, workdir: str) -> list[Row]:
     out: list[Row] = []
     for f in families:  # MFU of each family at the micro-batch of 2026-11-23, eager
         out.append(_step(f, jobs, f"step {f}", "mfu", "train.compile=false"))
+    for job in VIDEO:  # the video jobs at their frames, eager
+        out.append(_step(job, jobs, f"step {job}", "video", "train.compile=false",
+                         "memory.blocks_to_swap=0", steps=3, warmup=2))  # fmt: skip
     group, spent, n = "compile", 0.0, 1  # the compiled rows, a next group past the limit
     for f in families:
         row = _step(f, jobs, f"step {f} compiled", group, "train.compile=true",
