@@ -49,11 +49,11 @@ DROPPED: tuple[tuple[str, str], ...] = (
         "diffusers.loaders.lora_base",
         r"No LoRA keys associated to \w+ found with the prefix='text_encoder(_\d+)?'",
     ),
-    # torchao (the fp8 extra: train.float8_matmul), imported by diffusers' quantizer module
-    # whenever it is installed: its own CUDA kernel libraries, which a CPU torch or another
-    # torch build cannot load (the float8 matrix products raytuner runs are torch's own
-    # _scaled_mm, not these); its Enum registrations torch now calls deprecated; and diffusers'
-    # loader of torchao-quantized checkpoints, which raytuner never loads
+    # torchao, which raytuner does not use, imported by diffusers' quantizer module whenever it
+    # is installed (by another tool in the same environment): its own CUDA kernel libraries,
+    # which a CPU torch or another torch build cannot load (train.float8_matmul runs torch's
+    # own _scaled_mm); its Enum registrations torch now calls deprecated; and diffusers' loader
+    # of torchao-quantized checkpoints, which raytuner never loads
     ("torchao", r"Failed to load \S+\.so: Could not load this library"),
     ("torchao.kernel.intmm", r"Warning: Detected no triton"),  # its int8 kernels: unused
     ("torch.utils._pytree", r"<enum '\w+'> is an Enum subclass and is now natively supported"),

@@ -91,8 +91,8 @@ class TrainConfig:
     # the scaled-dot-product attention kernel on GPUs: auto (torch's choice, cuDNN's left out)
     # | flash | efficient (memory-efficient) | cudnn | math
     attention: str = "auto"
-    # the frozen base linears of a transformer family's blocks multiply in float8 (torchao) on
-    # GPUs with FP8 tensor cores; the LoRA stays in the compute dtype
+    # the frozen base linears of a transformer family's blocks multiply in float8 (torch's
+    # _scaled_mm) on GPUs with FP8 tensor cores; the LoRA stays in the compute dtype
     float8_matmul: bool = False
     mixed_precision: str = "bf16"  # bf16 autocast on GPU workers; "no": float32
     tensorboard: bool = True  # event files under <run>/tensorboard (local outputs)

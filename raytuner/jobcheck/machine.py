@@ -14,7 +14,6 @@ import pyarrow.fs as pafs
 from raytuner import storage
 from raytuner.config import ConfigError, DataConfig, JobConfig, SourceConfig, TrackingConfig
 from raytuner.observe import tracking
-from raytuner.train import float8_matmul
 from raytuner.train.optim import missing_package
 
 log = logging.getLogger("raytuner")
@@ -28,16 +27,11 @@ RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 def packages(job: JobConfig) -> None:
-    """The optimizer's, the float8 matmuls' and the trackers' packages are installed."""
+    """The optimizer's and the trackers' packages are installed."""
     if package := missing_package(job.train.optimizer):
         raise ConfigError(
             f"train.optimizer = {job.train.optimizer!r} needs the {package} package: "
             "pip install 'raytuner[lowvram]', or use adamw or adafactor"
-        )
-    if job.train.float8_matmul and float8_matmul.missing_package():
-        raise ConfigError(
-            "train.float8_matmul = true needs the torchao package: pip install "
-            "'raytuner[fp8]', or set train.float8_matmul = false"
         )
     _trackers(job.tracking)
 
