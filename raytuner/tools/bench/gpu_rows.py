@@ -23,6 +23,9 @@ PAIRED = ("flux-kontext", "qwen-image-edit")
 PAIRS = "edits"  # their folder in the work folder (``IMAGES``: everyone else's)
 IMAGES = "images"
 GROUP_LIMIT_S = 480  # a group's estimate at most: 8 minutes
+# the least a row's timed steps take: SD1.5's 8 steps at 8 a forward took 1.2 s on an H200 and
+# two rounds of them gave 47.5 and 68.4 samples/s (2026-11-27)
+MIN_TIMED_S = 8.0
 RANDOM = ("--set", 'model.pretrained="random"')
 START_S = 18.0  # a process: python, torch, diffusers, the job checked (measured 15-20 s)
 # the micro-batch, samples/s eager, load s (a random model's draw) and compile s of its blocks:
@@ -84,6 +87,7 @@ def _step(family: str, jobs: str, name: str, group: str, *sets: str, micro: int 
     base_micro, base_rate, load_s, _ = BASE[family]
     micro = micro or base_micro
     rate = rate or base_rate
+    steps = max(steps, round(MIN_TIMED_S * rate / micro))  # a fast step timed for long enough
     args = ("bench", "step", f"{jobs}/{family}.toml", *RANDOM,
             *_sets(f"train.micro_batch_size={micro}", *sets),
             "--steps", str(steps), "--warmup", str(warmup))  # fmt: skip
