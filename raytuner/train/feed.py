@@ -32,6 +32,18 @@ from raytuner.train.schedule import (
 )
 
 
+def drawn(tensors: dict, seeds: list[int], draw, pin: bool) -> dict:
+    """``tensors`` as a feed thread hands them to the step: with each sample's draws (``draw``,
+    the objective's, from the sample's own generator as the loss would draw them; None: none)
+    and, with ``pin``, every tensor in pinned memory (the rows read were stacked there already)."""
+    if draw is not None:
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        tensors = tensors | draw(tuple(tensors["latent"].shape), generators)
+    if pin:
+        tensors = {k: v if v.is_pinned() else v.pin_memory() for k, v in tensors.items()}
+    return tensors
+
+
 def latent_draw(mean: torch.Tensor, std: torch.Tensor, seeds: list[int]) -> torch.Tensor:
     """``mean + std * eps``: a draw from each sample's cached VAE posterior, ``eps`` from a
     stream of the sample's own seed (not its noise's): the same on any rank and after a
@@ -137,11 +149,7 @@ class Feed:
             tensors["loss_weight"] = torch.tensor(weights, dtype=torch.float32)
         turn = self.turns.of(step) if self.turns is not None else 0
         draw = self.turns.draws[turn] if self.turns is not None else self.draw
-        if draw is not None:  # from each sample's own generator, as the loss would
-            generators = [torch.Generator().manual_seed(s) for s in seeds]
-            tensors |= draw(tuple(tensors["latent"].shape), generators)
-        if self.pin:  # the rows read were stacked into pinned memory already
-            tensors = {k: v if v.is_pinned() else v.pin_memory() for k, v in tensors.items()}
+        tensors = drawn(tensors, seeds, draw, self.pin)
         ids = [self.ids[j] for j in mine]
         flips = tuple(flips)
         return RankSlice(epoch, index, len(batches), tensors, seeds, ids, flips, step, turn)

@@ -2,9 +2,10 @@
 
 Both sides train the same LoRA on the same denoiser with the same global batches of the same
 cached tensors and the same torch thread count; each is timed over ``steps`` steps after
-``steps`` warm-up steps. The bare loop has every batch in memory before the clock starts, so
-the ratio charges raytuner with everything it adds: Ray Train, the cache reads, the prefetch
-thread, the metrics and the reports.
+``steps`` warm-up steps. The bare loop has every batch's rows in memory before the clock
+starts and makes each step's draws (noise, timesteps) inside it, as a plain loop does, so the
+ratio charges raytuner with everything it adds: Ray Train, the cache reads, the feed's threads
+(which make the draws beside the step), the metrics and the reports.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from raytuner.tools.bench.common import (
     wait_for_quiet,
 )
 from raytuner.train import optim, text_lora
-from raytuner.train.feed import Feed, RankSlice
+from raytuner.train.feed import Feed, RankSlice, drawn
 from raytuner.train.model import trainable_model
 from raytuner.train.step import train_step
 
@@ -71,9 +72,9 @@ def _batches(job: JobConfig, family, count: int) -> list[tuple[dict, list[int]]]
     fp = fingerprint(job.model, job.preprocess)
     readers = for_readers(*job_dataset(job, fp))  # the job's own rows
     data = open_dataset(job.data.cache, fp, readers, computed=text.outputs if text else ())
-    # the objective's draws made with the batch and pinned, as the worker's feed does
-    objective = job.objective.for_family(family)
-    draw = family.loss(parts.model_source(job.model, "cpu"), objective).draw
+    # the rows as the worker's feed reads them; the objective's draws are the bare loop's to
+    # make, inside its clock, as a plain loop draws its noise each step (the worker's feed makes
+    # them in its threads)
     feed = Feed(
         data,
         seed=t.seed,
@@ -85,7 +86,6 @@ def _batches(job: JobConfig, family, count: int) -> list[tuple[dict, list[int]]]
         pin=torch.cuda.is_available(),
         caption_dropout=t.caption_dropout,
         tokenize=text.tokens if text else None,
-        draw=draw,
     )
     out, epoch = [], 0
     while len(out) < count:
@@ -118,12 +118,13 @@ def _bare_loop(job: JobConfig, family, steps: int, batches: list) -> float:
     opt, sched = optim.for_run(t, trained.weights.param_groups())
     loss_fn = family.loss(trained.source, job.objective.for_family(family))
     take_step = train_step(trained, trained.denoiser, loss_fn, opt, sched, t, job.memory, device)
-    start = 0.0
+    pin, start = device.type == "cuda", 0.0
     for i, (tensors, seeds) in enumerate(batches):
         if i == steps:
             _synchronize(device)
             start = time.perf_counter()
-        take_step(RankSlice(0, i, len(batches), tensors, seeds, []))
+        made = drawn(tensors, seeds, loss_fn.draw, pin)  # the step's noise and timesteps
+        take_step(RankSlice(0, i, len(batches), made, seeds, []))
     _synchronize(device)
     return steps * t.global_batch_size / (time.perf_counter() - start)
 
