@@ -31,7 +31,7 @@ START_S = 18.0  # a process: python, torch, diffusers, the job checked (measured
 # the micro-batch, samples/s eager, load s (a random model's draw) and compile s of its blocks:
 # SD1.5, SDXL, Sana and Flux as measured on the H100 on 2026-11-23, the 2026 families as
 # measured on an H200 on 2026-11-27 (the H100's tensor cores; the first figures of each)
-BASE = {  # family: (micro-batch, samples/s eager, load s, compile s of its blocks)
+BASE = {  # jobs/<name>.toml (a family's name, but for the video jobs): the four above
     "sd15": (8, 45.4, 4.0, 60.0),
     "sdxl": (4, 4.16, 6.0, 70.0),
     "sana": (4, 11.6, 6.0, 60.0),
