@@ -63,16 +63,24 @@ def lora_after_steps(rank: int, world: int, port: int, out: str, name: str) -> N
     step = train_step(trained, trained.denoiser, loss_fn, opt, sched, train, MemoryConfig(), cpu,
                       world)  # fmt: skip
     seeds = list(range(n * rank, n * (rank + 1)))
+    if world == 1:  # the LoRA before training: what the steps changed is measured against it
+        save_file(_gathered(trained.weights), f"{out}/lora-start.safetensors")
     for i in range(3):
         step(RankSlice(0, i, 4, mine, seeds, []))
-    state = {}
-    for key, tensor in trained.weights.state().items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        state[key] = full.detach().float().contiguous()
+    state = _gathered(trained.weights)
     if rank == 0:
         save_file(state, f"{out}/lora-{world}.safetensors")
     if world > 1:
         dist.destroy_process_group()
+
+
+def _gathered(weights) -> dict[str, torch.Tensor]:
+    """The LoRA's tensors, whole (a sharded tensor gathered), in float32."""
+    state = {}
+    for key, tensor in weights.state().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        state[key] = full.detach().float().contiguous()
+    return state
 
 
 def assert_sharded_lora_matches(name: str, out: Path) -> None:
@@ -84,7 +92,14 @@ def assert_sharded_lora_matches(name: str, out: Path) -> None:
 
     lora_after_steps(0, 1, 0, str(out), name)
     mp.spawn(lora_after_steps, args=(2, free_ports(1)[0], str(out), name), nprocs=2)
-    one, two = (load_file(out / f"lora-{world}.safetensors") for world in (1, 2))
+    start, one, two = (load_file(out / f"lora-{w}.safetensors") for w in ("start", 1, 2))
     assert one.keys() == two.keys() and any("lora_B" in k for k in one)
-    for key in one:  # the reduce-scatter sums in another order: float rounding apart
-        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6, msg=key)
+    # The reduce-scatter sums in another order: float rounding apart. AdamW's first steps move
+    # an element whose gradient is near zero by about the learning rate whatever its sign, so
+    # rounding shows there as ~1e-4 of the weight (more on some CPUs' kernels); what the steps
+    # changed is compared instead: a wrong gradient on a rank changes it by tens of percent.
+    for key in one:
+        change = (one[key] - start[key]).norm()
+        assert change > 0, f"{key}: three steps did not change it"
+        apart = float((two[key] - one[key]).norm() / change)
+        assert apart <= 1e-2, f"{key}: the sharded change is {apart:.1e} of the change apart"
