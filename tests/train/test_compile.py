@@ -6,7 +6,9 @@ eager's within float rounding (inductor fuses and reorders the blocks' arithmeti
 again once both buckets were compiled (dynamo's graph count, reset for each case, stays put),
 and a checkpoint of the compiled run, loaded into a newly compiled model, continues to the
 uninterrupted compiled run's weights within the same bound (its first step of each bucket runs
-eagerly while its FLOPs are counted). Each run is in this process, with the worker's own setup
+eagerly while its FLOPs are counted). The other families' blocks (Z-Image, Qwen-Image, FLUX.2,
+Flux.1 Kontext, Qwen-Image-Edit) are checked compiled against eager the same way, without the
+resume. Each run is in this process, with the worker's own setup
 and step (``trainable_model``, ``train_step``), without Ray.
 
 Compile time on the 2-core CPU (cold caches): the tiny Flux 56 s at the first bucket and 36 s at
@@ -32,6 +34,10 @@ from raytuner.train.step import train_step
 
 BUCKETS = [(64, 64), (96, 64)] * 3  # (width, height), back and forth
 TOLERANCE = 1e-4
+# The resume from a compiled run's checkpoint is the same code for every family (the weights'
+# and optimizer's state, the compile wrapper's names); it is checked on a LoRA with
+# checkpointing and on a full fine-tune. Each family's own blocks are checked compiled.
+RESUMED = {"flux", "sdxl"}
 
 
 def _batches(family) -> list[RankSlice]:
@@ -115,6 +121,8 @@ def test_compiled_blocks_train_as_eager_and_resume_exactly(name, mode, checkpoin
         assert abs(a - b) <= TOLERANCE * abs(a), (eager, losses)
     worst = _close(eager_weights, weights, TOLERANCE)
     print(f"{name}: compiled against eager: weights {worst:.1e}; graphs after each step {graphs}")
+    if name not in RESUMED:
+        return
 
     # a checkpoint of the compiled run at step 2, loaded into a newly compiled model
     _, _, _, (w, opt, sched) = _run(name, compiled, batches, range(2))
