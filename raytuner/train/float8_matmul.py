@@ -52,11 +52,14 @@ def refuse_device(device: torch.device) -> None:
 
 def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` in ``dtype`` scaled so that its largest magnitude is the format's largest, and the
-    float32 scalar that turns it back (``t ≈ float8 * inverse``)."""
+    float32 scalar that turns it back (``t ≈ float8 * inverse``). One float32 copy of ``t`` is
+    made and scaled in place: at most one such copy is alive (Flux's largest input at 1024 px,
+    4,608 x 12,288, is 226 MB in float32), where three temporaries one after the other held two."""
     top = torch.finfo(dtype).max
     amax = t.detach().abs().amax().float().clamp(min=EPS)
     scale = top / amax
-    return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+    scaled = t.detach().to(torch.float32, copy=True).mul_(scale).clamp_(-top, top)
+    return scaled.to(dtype), scale.reciprocal()
 
 
 class _FrozenMatmul(torch.autograd.Function):
