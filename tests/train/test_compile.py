@@ -8,8 +8,10 @@ and a checkpoint of the compiled run, loaded into a newly compiled model, contin
 uninterrupted compiled run's weights within the same bound (its first step of each bucket runs
 eagerly while its FLOPs are counted). The other families' blocks (Z-Image, Qwen-Image, FLUX.2,
 Flux.1 Kontext, Qwen-Image-Edit) are checked compiled against eager the same way, without the
-resume. Each run is in this process, with the worker's own setup
-and step (``trainable_model``, ``train_step``), without Ray.
+resume: that is the same code for every family (the weights' and optimizer's state, the compile
+wrapper's names), checked on a LoRA with checkpointing and on a full fine-tune. Each run is in
+this process, with the worker's own setup and step (``trainable_model``, ``train_step``),
+without Ray.
 
 Compile time on the 2-core CPU (cold caches): the tiny Flux 56 s at the first bucket and 36 s at
 the second, SDXL's transformer blocks 25 s, once; inductor's cache makes later processes faster.
@@ -34,10 +36,6 @@ from raytuner.train.step import train_step
 
 BUCKETS = [(64, 64), (96, 64)] * 3  # (width, height), back and forth
 TOLERANCE = 1e-4
-# The resume from a compiled run's checkpoint is the same code for every family (the weights'
-# and optimizer's state, the compile wrapper's names); it is checked on a LoRA with
-# checkpointing and on a full fine-tune. Each family's own blocks are checked compiled.
-RESUMED = {"flux", "sdxl"}
 
 
 def _batches(family) -> list[RankSlice]:
@@ -84,18 +82,20 @@ def _close(a: dict, b: dict, tolerance: float) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "name, mode, checkpointing",
+    "name, mode, checkpointing, resume",
     [
-        ("flux", "lora", True),
-        ("sdxl", "full", False),
-        ("z-image", "lora", True),
-        ("qwen-image", "lora", True),
-        ("flux2-klein", "lora", True),
-        ("flux-kontext", "lora", True),  # the example batch's reference tokens
-        ("qwen-image-edit", "lora", True),
+        ("flux", "lora", True, True),
+        ("sdxl", "full", False, True),
+        ("z-image", "lora", True, False),
+        ("qwen-image", "lora", True, False),
+        ("flux2-klein", "lora", True, False),
+        ("flux-kontext", "lora", True, False),  # the example batch's reference tokens
+        ("qwen-image-edit", "lora", True, False),
     ],
 )
-def test_compiled_blocks_train_as_eager_and_resume_exactly(name, mode, checkpointing, tmp_path):
+def test_compiled_blocks_train_as_eager_and_resume_exactly(
+    name, mode, checkpointing, resume, tmp_path
+):
     family = FAMILIES[name]
     train = TrainConfig(
         output=str(tmp_path),
@@ -121,12 +121,15 @@ def test_compiled_blocks_train_as_eager_and_resume_exactly(name, mode, checkpoin
         assert abs(a - b) <= TOLERANCE * abs(a), (eager, losses)
     worst = _close(eager_weights, weights, TOLERANCE)
     print(f"{name}: compiled against eager: weights {worst:.1e}; graphs after each step {graphs}")
-    if name not in RESUMED:
-        return
+    if resume:
+        _assert_resumes(name, compiled, batches, losses, weights, tmp_path / "checkpoint")
 
-    # a checkpoint of the compiled run at step 2, loaded into a newly compiled model
+
+def _assert_resumes(name: str, compiled: TrainConfig, batches, losses, weights, folder) -> None:
+    """A checkpoint of the compiled run at step 2, loaded into a newly compiled model, continues
+    to the uninterrupted compiled run's ``losses`` and ``weights``."""
+    family, steps = FAMILIES[name], range(len(batches))
     _, _, _, (w, opt, sched) = _run(name, compiled, batches, range(2))
-    folder = tmp_path / "checkpoint"
     folder.mkdir()
     export = lambda d: w.export_lora(d, family, {}) if w.mode == "lora" else None  # noqa: E731
     state = files.TrainState(step=2)
