@@ -29,7 +29,7 @@ NO_STATE_API = "RAYTUNER_NO_STATE_API"
 
 def connect(num_cpus: int | None = None) -> None:
     """Join the cluster in RAY_ADDRESS, else start a local Ray (``num_cpus`` for tests)."""
-    global _state_api
+    global _state_api, _local
     if ray.is_initialized():
         return
     from ray.data import DataContext
@@ -43,7 +43,7 @@ def connect(num_cpus: int | None = None) -> None:
         log.info("joining the Ray cluster at %s", os.environ["RAY_ADDRESS"])
         with _own_sigterm_handler():
             ray.init(runtime_env=env, log_to_driver=True)
-        _state_api = True
+        _state_api, _local = True, False
     else:
         # with num_cpus (tests, benches) always a new local instance: a bare ray.init() would
         # join a cluster that `ray start` left running on this machine
@@ -70,7 +70,7 @@ def connect(num_cpus: int | None = None) -> None:
                 runtime_env=env,
                 logging_level=logging.WARNING,
             )
-        _state_api = dashboard
+        _state_api, _local = dashboard, True
     cpus = ray.cluster_resources().get("CPU", 0)
     log.info("Ray ready in %.1f s (%g CPUs)", time.monotonic() - started, cpus)
     context = DataContext.get_current()
@@ -82,6 +82,13 @@ def connect(num_cpus: int | None = None) -> None:
 
 # whether the connected Ray answers Ray's state API (a local Ray without its dashboard does not)
 _state_api = True
+# whether this process started the Ray it is connected to: one node, which nothing drains
+_local = False
+
+
+def is_local() -> bool:
+    """Whether the Ray this process connected to is a local one it started (not a cluster)."""
+    return _local
 
 
 def has_state_api() -> bool:

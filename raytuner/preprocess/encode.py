@@ -18,7 +18,6 @@ sink (``preprocess/sink.py``, which writes each kind into the cache's files) tha
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -27,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from raytuner import quantizers
 from raytuner.data.cache import checksum_column
 from raytuner.data.keys import caption_key
 from raytuner.data.tensors import cell_column, ragged_cell_column
@@ -57,34 +57,14 @@ ROW_FIELDS = [
 log = logging.getLogger("raytuner")
 GPU_SHARE = 0.85  # of each GPU's memory a split text encoder's weights may take (activations)
 
-# diffusers imports every quantization backend it finds installed as soon as any of its models
-# is imported: bitsandbytes and torchao cost an encoder actor about 2 s of CPU at its start, a
-# quarter of what its first image waits for. No encoder loads quantized weights.
-QUANTIZERS = ("bitsandbytes", "torchao")
-
-
-def without_quantizers() -> None:
-    """Keep diffusers (and transformers, peft) from importing ``QUANTIZERS`` in this process:
-    for the encoder actors' processes, where nothing else runs. Python then reports them not
-    installed there; a process that imported them already keeps them."""
-    if "diffusers" not in sys.modules:  # else it has looked for them already
-        for name in QUANTIZERS:
-            sys.modules.setdefault(name, None)
-
-
 def _built(make, source, device: str):
     """``make(source, device)``; an encoder that asks for a quantization backend this process
-    does without (``without_quantizers``) fails saying so, not that it is missing."""
+    does without (``quantizers.go_without``) fails saying so, not that it is missing."""
     try:
         return make(source, device)
     except (ImportError, ValueError, RuntimeError) as e:
-        hidden = [q for q in QUANTIZERS if q in str(e) and sys.modules.get(q, 0) is None]
-        if hidden:
-            raise RuntimeError(
-                f"the encoders of model.pretrained = {source.pretrained!r} ask for {hidden[0]} "
-                "(a quantization_config in their config.json): the preprocess encodes with "
-                "unquantized encoders; point model.pretrained at weights without one"
-            ) from e
+        if backend := quantizers.gone_without(e):
+            raise RuntimeError(quantizers.refusal(source.pretrained, "encoders", backend)) from e
         raise
 
 
@@ -157,7 +137,7 @@ class Encoder:
     ``preload``: start loading both encoders now, on a thread, while the
     first blocks are still being decoded; ``batch_size``: images (captions) per encoder call;
     ``own_process``: the actor has its process to itself (a Ray actor's), which then does
-    without diffusers' quantization backends (``without_quantizers``); ``text_dtype``: the
+    without diffusers' quantization backends (``quantizers.go_without``); ``text_dtype``: the
     text tensors' storage dtype (None: ``dtype``); ``spread``: (offload, GPUs) the text
     encoder is placed with (``preprocess.text_encoder_offload``, ``gpus_per_actor``);
     ``text_sources``: the sources whose captions it leaves alone (a paired source's, for a
@@ -190,7 +170,7 @@ class Encoder:
         self.latent_schema = pa.schema(fields)
         self.mask_schema = pa.schema([*ROW_FIELDS, *_cell_fields(MASK)])
         if own_process:
-            without_quantizers()
+            quantizers.go_without()
         if preload:
             self._start("image"), self._start("text")
 

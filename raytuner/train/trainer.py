@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -13,6 +14,7 @@ import threading
 
 import ray.train
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
 from raytuner import runtime, storage
 from raytuner.checkpoint import checksums, export, layout
@@ -208,15 +210,47 @@ class _Trainer(TorchTrainer):
 
         signal.signal(signal.SIGINT, interrupt)
 
+    def _create_default_callbacks(self) -> list:
+        """Ray Train's callbacks, less the one for Ray Datasets when the run passes none (the
+        workers read the cache themselves): it starts an actor a run, ~1 s of CPU, that would
+        manage nothing."""
+        callbacks = super()._create_default_callbacks()
+        if self.datasets:
+            return callbacks
+        return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+
+@contextlib.contextmanager
+def _ray_train_switches():
+    """Ray Train's switches for a run, in this process's environment while it runs (Ray Train
+    passes them to its controller and workers) and as they were after; a user's own win:
+    - its state tracking (the dashboard's Train page: workers, attempts, checkpoints) where the
+      connected Ray has a state API to serve it;
+    - no preemption watcher on a local Ray, one node that nothing drains: the actor polls Ray
+      for node drains (~1 s of CPU to start, ~9 % of a core while a run lasts) and would find
+      none. On a cluster it stays: a checkpoint is taken when a node's drain is announced."""
+    switches = {
+        "RAY_TRAIN_ENABLE_STATE_TRACKING": "1" if runtime.has_state_api() else None,
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0" if runtime.is_local() else None,
+    }
+    before = {key: os.environ.get(key) for key in switches}
+    for key, value in switches.items():
+        if value is not None:
+            os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
 
 
 def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Result:
     """Ray Train's run of the loop, with the validation actor beside it. Interrupted (Ctrl-C),
     it raises ``Interrupted`` saying where the run can resume."""
-    # the run's state (workers, attempts, checkpoints) on the dashboard's Train page; a local
-    # Ray without its dashboard has no such page, and no state API its tracking could ask
-    if runtime.has_state_api():
-        os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     validator, callbacks = validation.start(job, family, loop.run_dir)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGINT) if main else None
@@ -241,7 +275,7 @@ def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Resul
     log.info("run %s: starting %s training worker(s) (%s)", name, workers, job.scaling.strategy)
     completed, stopped = False, None
     try:
-        with starting.waiting_for_workers(name, workers):
+        with _ray_train_switches(), starting.waiting_for_workers(name, workers):
             result = trainer.fit()
         stopped = (result.return_value or {}).get("stopped")  # rank 0's train_loop's
         completed = not trainer.interrupted and stopped is None

@@ -125,8 +125,9 @@ def test_stage_figures_are_medians_per_image_and_shares():
 
 ACTOR = """
 import json, sys
+from raytuner import quantizers
 from raytuner.preprocess import encode
-encode.without_quantizers()
+quantizers.go_without()
 import torch
 from raytuner.config import ModelConfig
 from raytuner.families import FAMILIES, parts

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import ray
 import torch
 from conftest import SKEWED_JOB
 from run_checks import committed, lora_changes_the_pipeline
@@ -35,6 +36,7 @@ STEPS = 12  # the skewed job of conftest.py: 5 global batches an epoch
 
 
 _RUNS: dict[str, tuple[dict, str]] = {}
+_ACTORS: dict[str, set[str]] = {}  # run -> the classes of the actors Ray started for it
 
 
 def run(job_file: Path, name: str, *overrides: str) -> tuple[dict, str]:
@@ -47,7 +49,10 @@ def run(job_file: Path, name: str, *overrides: str) -> tuple[dict, str]:
 def reference(job_file: Path) -> tuple[dict, str]:
     """The uninterrupted 2-worker run, trained once per module."""
     if "reference" not in _RUNS:
+        before = set(ray._private.state.actors())  # the GCS's table, dead actors included
         _RUNS["reference"] = run(job_file, "reference")
+        after = ray._private.state.actors()
+        _ACTORS["reference"] = {after[a]["ActorClassName"] for a in after.keys() - before}
     return _RUNS["reference"]
 
 
@@ -93,6 +98,11 @@ def test_skewed_buckets_give_every_rank_the_same_steps_and_shapes(job_file):
         padding = Counter(ids) - Counter(bucket.keys())
         assert sum(padding.values()) == 20 - 13
     assert epochs[0] != epochs[1], "the second epoch should be reshuffled"
+
+    # Ray Train's actors for the run, but none for Ray Datasets (the workers read the cache
+    # themselves) and, on this local Ray, no preemption watcher (nothing drains its one node)
+    assert {"TrainController", "RayTrainWorker"} <= _ACTORS["reference"], _ACTORS
+    assert not {"DatasetManager", "PreemptionWatcher"} & _ACTORS["reference"], _ACTORS
 
 
 def _workers_of_this_test() -> list[psutil.Process]:
