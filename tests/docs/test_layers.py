@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "version",
             "errors",
             "quiet",
+            "quantizers",
             "storage",
             "checkpoint",
             "runtime",
