@@ -226,9 +226,9 @@ def _ray_train_switches():
     passes them to its controller and workers) and as they were after; a user's own win:
     - its state tracking (the dashboard's Train page: workers, attempts, checkpoints) where the
       connected Ray has a state API to serve it;
-    - no preemption watcher on a local Ray, one node that nothing drains: the actor polls Ray
-      for node drains (~1 s of CPU to start, ~9 % of a core while a run lasts) and would find
-      none. On a cluster it stays: a checkpoint is taken when a node's drain is announced."""
+    - no preemption watcher on a local Ray, one node that nothing drains: the actor, a process
+      of its own (~1 s of CPU to start), polls Ray for node drains and would find none. On a
+      cluster it stays: a checkpoint is taken when a node's drain is announced."""
     switches = {
         "RAY_TRAIN_ENABLE_STATE_TRACKING": "1" if runtime.has_state_api() else None,
         "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0" if runtime.is_local() else None,
@@ -245,7 +245,6 @@ def _ray_train_switches():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
 
 
 def _fit(job: JobConfig, family, name: str, loop: LoopConfig) -> ray.train.Result:
