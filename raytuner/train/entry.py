@@ -19,7 +19,8 @@ def config(loop) -> dict:
     (``train.optimizer = "adamw8bit"``: bitsandbytes), which its workers keep."""
     from raytuner.train.optim import PACKAGES
 
-    keep = [p for p in [PACKAGES.get(loop.train.optimizer)] if p in quantizers.QUANTIZERS]
+    package = PACKAGES.get(loop.train.optimizer)
+    keep = [package] if package in quantizers.QUANTIZERS else []
     return {"loop": cloudpickle.dumps(vars(loop)), "quantizers": keep}
 
 
