@@ -4,6 +4,7 @@ the way out."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
@@ -17,8 +18,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Every process this run starts (a `raytuner` subprocess, a Ray cluster's GCS, raylet, agents
 # and workers, started in process or by `ray start`) inherits this mark; on the way out, those
-# still running are stopped by PID. Other suites on the machine carry marks of their own.
+# still running are stopped by PID. Other suites on the machine carry marks of their own. A run
+# on several processes (pytest-xdist's `-n 2`, the README's test command) has one mark: each
+# worker takes its controller's (``pytest_configure_node``), and the controller, the last to
+# end, stops what all of them left.
 SUITE_MARK = "RAYTUNER_TEST_SUITE"
+_WORKER_MARK = "raytuner_suite_mark"  # the controller's mark, in each xdist worker's input
 os.environ[SUITE_MARK] = f"{os.getpid()}-{time.time_ns()}"
 # Local Rays (in process and in `raytuner` subprocesses) start without their dashboard: ~3 s
 # and a busy process less each on the 2-core machine. The job-submission test's cluster has one.
@@ -132,7 +137,19 @@ def _watch_sigint(read_fd: int) -> None:
             _INTERRUPTED.set()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """(pytest-xdist's controller, for each worker it starts) the run's one mark."""
+    node.workerinput[_WORKER_MARK] = os.environ[SUITE_MARK]
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config) -> None:
+    if _is_xdist_worker(config):
+        os.environ[SUITE_MARK] = config.workerinput[_WORKER_MARK]
     if threading.current_thread() is not threading.main_thread():
         return
     read_fd, write_fd = os.pipe()
@@ -140,6 +157,18 @@ def pytest_configure(config) -> None:
     _WAKEUP.append(write_fd)
     threading.Thread(target=_watch_sigint, args=(read_fd,), daemon=True).start()
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The files with the most `slow` cases (end-to-end runs) first, each file's cases in their
+    order: on several processes (`--dist loadfile` hands out a file at a time, in this order)
+    the short files come last and fill in, so the processes end together."""
+
+    def file(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow = collections.Counter(file(item) for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[file(item)])  # stable: each file's cases in order
 
 
 def pytest_runtest_setup(item) -> None:
@@ -171,7 +200,11 @@ def _suite_processes() -> list[psutil.Process]:
 def pytest_unconfigure(config) -> None:
     """Stop (SIGTERM, then SIGKILL 10 s later) every process this run started that is still
     running: after a Ctrl-C, a `raytuner` subprocess in a session of its own and the local Ray
-    it started; after any run, a Ray agent a cluster's shutdown left behind."""
+    it started; after any run, a Ray agent a cluster's shutdown left behind. Of a run on
+    several processes, only its controller does, once its workers have ended: a worker that
+    finished first would stop the others' processes."""
+    if _is_xdist_worker(config):
+        return
     left = _suite_processes()
     # a cluster just shut down is still exiting: 5 s for it to go by itself (the suite's own
     # Ctrl-C test, whose leftover never would, sets 0)

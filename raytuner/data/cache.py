@@ -231,6 +231,12 @@ def indexes(manifest: dict) -> list[tuple[dict, dict]]:
     return list({index["path"]: (index, captions) for index, captions in pairs}.values())
 
 
+def rejected_tables(manifest: dict) -> list[dict]:
+    """The entry of every dataset's table of rejected files (``data/trust.py``), each once."""
+    found = [d["rejected"] for d in manifest.get(DATASETS, {}).values() if d.get("rejected")]
+    return list({entry["path"]: entry for entry in found}.values())
+
+
 def committed_files(manifest: dict) -> list[dict]:
     """The entry of every file a manifest references: data files, then every dataset's index
     and captions tables."""

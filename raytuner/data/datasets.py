@@ -168,16 +168,20 @@ def sharing(manifest: dict, roots) -> tuple[list[tuple[dict, dict]], set[str]]:
 def merged(held: dict, key: str, mine: dict, exists) -> tuple[dict, list[str]]:
     """The version's datasets after a commit of ``mine`` under ``key``: the others kept as they
     are, except one whose files are gone (``exists(rel)`` false for one of them: a repair set
-    it aside), which is dropped (its job preprocesses again); and the dropped ones' sources."""
+    it aside), which is dropped (its job preprocesses again); and the dropped ones' sources.
+    One whose table of rejected files is gone keeps the rest: its job probes those files again
+    (``data/trust.py``)."""
     out, dropped = {}, []
     for other, d in held.items():
         if other == key:
             continue
         files = [*d["files"]["latents"], *d["files"]["text"], d["index"]["path"]]
-        if all(exists(rel) for rel in [*files, d["captions"]["path"]]):
-            out[other] = d
-        else:
+        if not all(exists(rel) for rel in [*files, d["captions"]["path"]]):
             dropped.append(describe(d["sources"]))
+        elif (rejected := d.get("rejected")) and not exists(rejected["path"]):
+            out[other] = {k: v for k, v in d.items() if k != "rejected"}
+        else:
+            out[other] = d
     return out | {key: mine}, dropped
 
 

@@ -23,6 +23,7 @@ from raytuner.data.cache import (
     column_dtype,
     committed_files,
     indexes,
+    rejected_tables,
     shape_column,
     text_dtype_of,
 )
@@ -85,8 +86,9 @@ def _file_problem(version: Version, entry: dict, tensors: list[str], dtypes) -> 
 
 
 def verify(version: Version) -> list[dict]:
-    """Every file of the committed version that is missing, altered or holds bad tensors; a
-    damaged cell is named by its row and column in the file."""
+    """Every file of the committed version that is missing, altered or holds bad tensors (its
+    data files, and every dataset's index, captions and rejected-files tables); a damaged cell
+    is named by its row and column in the file."""
     manifest = version.manifest()
     if manifest is None:
         raise FileNotFoundError(f"no committed cache at {version.root}")
@@ -95,6 +97,7 @@ def verify(version: Version) -> list[dict]:
         (manifest["latents"], ["latent", "latent_std", MASK]),
         (manifest["text"], manifest["text_tensors"]),
         ([entry for pair in indexes(manifest) for entry in pair], []),  # every job's
+        (rejected_tables(manifest), []),
     ]
     for entries, tensors in groups:
         for entry in entries:

@@ -12,11 +12,16 @@ import io
 import os
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from clip_files import clip
 from PIL import Image
 
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
+from raytuner.data import verify
+from raytuner.data.cache import Version, fingerprint, rejected_tables
+from raytuner.data.datasets import merged
 from raytuner.families import FAMILIES
 from raytuner.preprocess.job import update_cache
 
@@ -90,3 +95,52 @@ def test_an_unchanged_rejected_file_costs_a_rerun_nothing(ray_local, tmp_path):
     fixed = update_cache(MODEL, fewer, PRE, family=WAN)
     assert fixed["skipped"] == [] and (fixed["encoded"], fixed["already_cached"]) == (2, 1)
     assert (fixed["clips"]["trained"], fixed["clips"]["too_short"]) == (1, 0)
+
+
+@pytest.mark.slow
+def test_cache_verify_names_an_altered_rejected_table_and_repair_probes_its_files_again(
+    ray_local, tmp_path
+):
+    """The table of rejected files is hashed like every file the manifest names: altered, it is
+    a bad file of `cache verify`; quarantined (`--repair`), the next preprocess probes the
+    rejected files again and commits a table that verifies."""
+    media = folder(tmp_path)
+    data = DataConfig(images=str(media), cache=str(tmp_path / "cache"), frames=[9])
+    first = update_cache(MODEL, data, PRE, family=WAN)
+    version = Version(data.cache, fingerprint(MODEL, PRE))
+    assert verify.verify(version) == []
+    (entry,) = rejected_tables(version.manifest())
+    table = version.read(entry["path"])
+    sizes = [size + 1 for size in table.column("size").to_pylist()]
+    altered = table.set_column(table.schema.get_field_index("size"), "size", pa.array(sizes))
+    pq.write_table(altered, version.path(entry["path"]))  # still a table, its rows intact
+
+    bad = verify.verify(version)
+    assert bad == [{"path": entry["path"], "problem": "sha256 differs from the manifest"}]
+    assert verify.quarantine(version, bad) == [entry["path"]]
+    again = update_cache(MODEL, data, PRE, family=WAN)
+    assert stable(again) == stable(first) | {"encoded": 0, "already_cached": 1}
+    assert verify.verify(version) == []
+    (table,) = rejected_tables(version.manifest())
+    assert version.read(table["path"]).column("size").to_pylist() != sizes
+
+
+def test_a_dataset_whose_rejected_table_is_gone_keeps_its_files_and_drops_the_table():
+    """Another job's dataset whose rejected table a repair set aside stays in the version (its
+    job probes those files again); one whose index is gone is dropped, as before."""
+
+    def dataset(name: str, rejected: bool) -> dict:
+        d = {
+            "sources": [{"path": f"/data/{name}"}],
+            "files": {"latents": [f"{name}/l.parquet"], "text": [f"{name}/t.parquet"]},
+            "index": {"path": f"{name}/index.parquet"},
+            "captions": {"path": f"{name}/captions.parquet"},
+        }
+        return d | ({"rejected": {"path": f"{name}/rejected.parquet"}} if rejected else {})
+
+    held = {"a": dataset("a", True), "b": dataset("b", True), "c": dataset("c", False)}
+    gone = {"a/rejected.parquet", "b/index.parquet"}
+    kept, dropped = merged(held, "mine", {"x": 1}, lambda rel: rel not in gone)
+    assert kept == {"a": {k: v for k, v in held["a"].items() if k != "rejected"},
+                    "c": held["c"], "mine": {"x": 1}}  # fmt: skip
+    assert dropped == ["/data/b"]
