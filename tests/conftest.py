@@ -4,7 +4,6 @@ the way out."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import signal
@@ -157,18 +156,6 @@ def pytest_configure(config) -> None:
     _WAKEUP.append(write_fd)
     threading.Thread(target=_watch_sigint, args=(read_fd,), daemon=True).start()
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The files with the most `slow` cases (end-to-end runs) first, each file's cases in their
-    order: on several processes (`--dist loadfile` hands out a file at a time, in this order)
-    the short files come last and fill in, so the processes end together."""
-
-    def file(item) -> str:
-        return item.nodeid.split("::")[0]
-
-    slow = collections.Counter(file(item) for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[file(item)])  # stable: each file's cases in order
 
 
 def pytest_runtest_setup(item) -> None:
