@@ -1,9 +1,9 @@
 """The job check's rule about a run of every expert of a mixture in one run (``model.expert =
 "both"``, ``raytuner.jobcheck``): the settings such a run does not take. Its experts are built
 side by side in one worker, replicated (ddp; ``memory.blocks_to_swap`` streams the last blocks
-of each), each with its own LoRA (``families/mixture.py``); what would hold or load them
-otherwise is refused, naming the key, its value and what to set
-(one expert a run takes each of these settings)."""
+of each) or sharded (fsdp: each expert's blocks units of their own), each with its own LoRA
+(``families/mixture.py``); what would hold or load them otherwise is refused, naming the key,
+its value and what to set (one expert a run takes each of these settings)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ def _refused(job: JobConfig) -> tuple[str, str] | None:
     expert does not take, or None."""
     t, lora = job.train, job.lora
     rules = [
-        (job.scaling.strategy == "fsdp", 'scaling.strategy = "fsdp"',
-         'use scaling.strategy = "ddp" (each worker holds both experts; '
-         "memory.blocks_to_swap streams the last blocks of each)"),
         (t.mode != "lora", f"train.mode = {t.mode!r}", 'set train.mode = "lora"'),
         (lora.kind != "lora", f"lora.kind = {lora.kind!r}", 'use lora.kind = "lora"'),
         (lora.dora, "lora.dora = true", "set lora.dora = false"),
@@ -32,8 +29,8 @@ def _refused(job: JobConfig) -> tuple[str, str] | None:
 
 
 def turns(job: JobConfig, family) -> None:
-    """Refuse what a run of every expert in turn does not take (its experts in one replicated
-    worker, a plain LoRA on each); nothing for another run."""
+    """Refuse what a run of every expert in turn does not take (its experts side by side in
+    each worker, a plain LoRA on each); nothing for another run."""
     if job.model.expert != BOTH_EXPERTS or not family.turns:
         return
     if (found := _refused(job)) is not None:

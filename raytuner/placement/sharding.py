@@ -65,13 +65,16 @@ def units(denoiser: nn.Module, family) -> list[nn.Module]:
     """The denoiser's sharding units besides its root: every block of each of the family's
     ``blocks.shard`` lists (a single block counts as one), each preceded by the layers inside it
     that are units of their own (``blocks.shard_inner``; a unit is sharded after those nested
-    in it)."""
+    in it). A mixture of experts trained in turn (``expert_modules``): each expert's blocks, in
+    turn; the root holds every expert's other layers."""
+    experts = getattr(denoiser, "expert_modules", None)
     out: list[nn.Module] = []
-    for name in family.blocks.shard:
-        part = getattr(denoiser, name)
-        for block in part if isinstance(part, nn.ModuleList) else [part]:
-            out += [m for m in of_classes(block, family.blocks.shard_inner) if m is not block]
-            out.append(block)
+    for model in experts() if experts is not None else [denoiser]:
+        for name in family.blocks.shard:
+            part = getattr(model, name)
+            for block in part if isinstance(part, nn.ModuleList) else [part]:
+                out += [m for m in of_classes(block, family.blocks.shard_inner) if m is not block]
+                out.append(block)
     return out
 
 

@@ -283,28 +283,39 @@ def _sharded(
 ) -> None:
     """Shard a meta-device denoiser (its adapter in place) over the workers, computing in
     ``amp`` (None: float32), then give each worker its rows of the frozen and base weights,
-    read one tensor at a time from the model's files (``part_tensors.tensors``), with
-    ``merged``'s adapters merged into each in float32 (``model.merge_adapters``); the adapter's
-    get their values from ``Weights``."""
+    read one tensor at a time from the model's files (``part_tensors.tensors``; each expert's
+    from its own part's, under its prefix, for a mixture trained in turn), with ``merged``'s
+    adapters merged into each in float32 (``model.merge_adapters``); the adapter's get their
+    values from ``Weights``."""
     merged = merged or {}
     from raytuner.families import part_tensors
 
-    part = family.parts.denoiser
-    files = part_tensors.tensors(family, source, part, family.parts.classes[part])
+    # (the part whose files hold them, the prefix of their names in the denoiser)
+    pieces = [(part or family.parts.denoiser, f"{part}." if part else "")
+              for part, _ in mixture.experts_of(denoiser)]  # fmt: skip
+    files = {
+        prefix: part_tensors.tensors(family, source, part, family.parts.classes[part])
+        for part, prefix in pieces
+    }
 
     def base():
         for name, _ in denoiser.named_parameters():
             if kinds.is_adapter(name):
                 continue
-            key = name.replace(".base_layer", "")
-            if key not in files:
+            prefix = next(p for p in files if name.startswith(p))
+            key = name[len(prefix) :].replace(".base_layer", "")
+            if key not in files[prefix]:
+                part = prefix.rstrip(".") or family.parts.denoiser
                 raise ValueError(f"{source.pretrained}: its {part} has no tensor {key}")
             module = key.removesuffix(".weight")
             if module in merged and key.endswith(".weight"):
-                yield name, merge.merged(files[key].float(), merged[module])
+                yield name, merge.merged(files[prefix][key].float(), merged[module])
             else:
-                yield name, files[key]
+                yield name, files[prefix][key]
 
     sharding.shard(denoiser, family, device, amp or torch.float32)
-    computed = part_tensors.computed_buffers(family, source, part)  # rotary tables: not in files
+    computed = {}  # rotary tables: not in the files
+    for part, prefix in pieces:
+        buffers = part_tensors.computed_buffers(family, source, part)
+        computed |= {prefix + name: tensor for name, tensor in buffers.items()}
     sharding.materialize(denoiser, device, base(), computed)

@@ -1,7 +1,8 @@
 """A family's sharded LoRA against one process: three LoRA steps of its tiny model on 4 captions of
 several lengths, in one process on the whole batch and over two gloo workers sharded
 (``scaling.strategy = "fsdp"``, each rank's batch padded to its own longest caption), must end at
-the same LoRA (float rounding apart: the reduce-scatter sums in another order)."""
+the same LoRA (float rounding apart: the reduce-scatter sums in another order). A mixture's
+experts trained in turn (``"wan22:both"``) take the steps in turn, each with its noise levels."""
 
 from __future__ import annotations
 
@@ -66,12 +67,22 @@ def lora_after_steps(rank: int, world: int, port: int, out: str, name: str) -> N
     if world == 1:  # the LoRA before training: what the steps changed is measured against it
         save_file(_gathered(trained.weights), f"{out}/lora-start.safetensors")
     for i in range(3):
-        step(RankSlice(0, i, 4, mine, seeds, []))
+        turn = i % len(family.turns) if family.turns else 0  # experts in turn: high, low, high
+        step(RankSlice(0, i, 4, mine | _drawn(loss_fn, turn, mine, seeds), seeds, [], turn=turn))
     state = _gathered(trained.weights)
     if rank == 0:
         save_file(state, f"{out}/lora-{world}.safetensors")
     if world > 1:
         dist.destroy_process_group()
+
+
+def _drawn(loss_fn, turn: int, rows: dict, seeds: list[int]) -> dict[str, torch.Tensor]:
+    """The noise and levels the feed draws for a step of expert ``turn`` of a mixture (each
+    sample's own generator: the same on any rank); none for one denoiser (the loss draws)."""
+    if not getattr(loss_fn, "turns", ()):
+        return {}
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    return loss_fn.draw_of(turn)(tuple(rows["latent"].shape), generators)
 
 
 def _gathered(weights) -> dict[str, torch.Tensor]:

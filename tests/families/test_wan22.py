@@ -261,3 +261,13 @@ def test_a_sharded_low_expert_lora_trains_what_one_process_trains(tmp_path):
     from sharded_lora import assert_sharded_lora_matches
 
     assert_sharded_lora_matches("wan22:low", tmp_path)
+
+
+@pytest.mark.slow
+def test_both_experts_sharded_train_the_lora_one_process_trains(tmp_path):
+    """Both experts in turn (``model.expert = "both"``) sharded over two gloo workers: each
+    expert's blocks are units of their own, each expert's weights read from its own part's
+    files, and three steps (high, low, high) end where one process on the whole batch does."""
+    from sharded_lora import assert_sharded_lora_matches
+
+    assert_sharded_lora_matches("wan22:both", tmp_path)

@@ -132,7 +132,6 @@ output = "{root}/runs"
 """
 
 REFUSED = [
-    ('scaling.strategy="fsdp"', 'scaling.strategy = "fsdp"'),
     ('train.mode="full"', "train.mode = 'full'"),
     ('lora.kind="lokr"', "lora.kind = 'lokr'"),
     ("lora.dora=true", "lora.dora = true"),
@@ -173,8 +172,9 @@ def test_float8_storage_and_block_swap_hold_both_experts_and_train_the_active_on
 
 
 def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys):
-    """Exit 2 naming the key and what to set (or one expert a run); the plain job passes and its
-    run is named after the job; model.expert_switch_every without "both" is refused."""
+    """Exit 2 naming the key and what to set (or one expert a run); the plain job passes, sharded
+    too, and its run is named after the job; model.expert_switch_every without "both" is
+    refused."""
     images = tmp_path / "images"
     images.mkdir()
     Image.new("RGB", (64, 64)).save(images / "a.png")
@@ -196,12 +196,14 @@ def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys
     capsys.readouterr()
     assert main(["check", str(job), *swap[:-1], swap[-1] + "3"]) == 2
     assert "has 3 blocks (each expert)" in capsys.readouterr().err
-    # scaling.strategy = "auto" (the default) shards no run of both: where a replica does
-    # not fit the worker's memory, check says so rather than sharding it
+    # scaling.strategy = "fsdp" shards both experts; "auto" (the default) weighs sharding them
+    # where a replica does not fit the worker's memory, and says what neither way fits
+    assert main(["check", str(job), "--set", 'scaling.strategy="fsdp"']) == 0
+    capsys.readouterr()
     small = ["--set", "preprocess.resolution=64", "--set", "preprocess.bucket_step=32"]
     assert main(["check", str(job), *small, "--set", 'scaling.worker_memory="100MiB"']) == 2
     err = capsys.readouterr().err
-    assert 'sharded weights cannot take model.expert = "both"' in err, err
+    assert "a replica needs" in err and "sharded over 4 workers" in err, err
 
 
 @pytest.mark.parametrize("turn", [0, 1])
@@ -252,7 +254,8 @@ def test_block_swap_streams_each_experts_last_blocks_and_changes_no_gradient(tur
 
 def test_plan_counts_both_experts_and_offers_only_what_the_run_takes(tmp_path):
     """The worker holds both experts (twice one expert's parameters, trained parameters and
-    weight bytes); what does not fit is offered block swap (of each expert), never sharding."""
+    weight bytes); what does not fit a replica (ddp) is offered block swap (of each expert) or
+    sharding, and ``scaling.strategy = "auto"`` shards it."""
     import raytuner
 
     images = tmp_path / "images"
@@ -268,7 +271,12 @@ def test_plan_counts_both_experts_and_offers_only_what_the_run_takes(tmp_path):
     assert both["weights_bytes"] > 1.9 * one["weights_bytes"]
     # between the peak and the peak with 2 of each expert's 3 blocks streamed (2 resident)
     usable = both["peak_bytes"] - both["worker"]["block_bytes"][0]
-    tight = raytuner.plan(load_job(job, small), f"{usable / 0.95 / 2**20:.4f}MiB")
+    memory = f"{usable / 0.95 / 2**20:.4f}MiB"
+    tight = raytuner.plan(load_job(job, [*small, 'scaling.strategy="ddp"']), memory)
     offered = [s["set"] for s in tight["suggestions"]]
     assert not tight["fits"] and "memory.blocks_to_swap = 2" in offered, offered
-    assert not any("fsdp" in s for s in offered), offered
+    assert 'scaling.strategy = "fsdp", scaling.workers = 2 (or more)' in offered, offered
+    # "auto" (the default) shards both experts there instead
+    auto = raytuner.plan(load_job(job, small), memory)
+    assert auto["fits"] and auto["strategy"] == "fsdp", auto["strategy_choice"]
+    assert auto["sharded"]["by_workers"][0]["workers"] == 2

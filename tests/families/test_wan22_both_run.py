@@ -2,8 +2,9 @@
 workers on the tiny model (slow, one shared preprocess and reference run): both ranks train the
 same expert at each step, in turns of ``model.expert_switch_every`` steps, each sample's noise
 level in its range (the sample log); both LoRAs trained; the validation actor renders with them;
-a SIGKILLed worker resumes exactly; both exported files load into WanPipeline, each onto its
-expert, and `raytuner sample` renders with both. The quick tests: ``test_wan22_both.py``."""
+a SIGKILLed worker resumes exactly; sharded (fsdp), a resumed run ends as the replicated one;
+both exported files load into WanPipeline, each onto its expert, and `raytuner sample` renders
+with both. The quick tests: ``test_wan22_both.py``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from test_clip_training import _kill_after
 from test_wan22_both import EVERY, RANGES, TINY
 
 from raytuner.api import preprocess, train
+from raytuner.checkpoint import layout
 from raytuner.cli import main
 from raytuner.config import load_job
 from raytuner.families import FAMILIES, get_family, mixture
@@ -84,11 +86,25 @@ def both_job(ray_local, tmp_path_factory) -> Path:
 RUNS: dict[str, tuple[dict, str]] = {}
 
 
-def _run(job_file: Path, name: str) -> tuple[dict, str]:
-    if name not in RUNS:
-        job = load_job(job_file, [f'train.name="{name}"'])
+def _run(job_file: Path, name: str, *settings: str) -> tuple[dict, str]:
+    if name not in RUNS or settings:
+        job = load_job(job_file, [f'train.name="{name}"', *settings])
         RUNS[name] = train(job), f"{job.train.output}/{name}"
     return RUNS[name]
+
+
+def _assert_same_loras(summary: dict, expected: dict, tolerance: float) -> float:
+    """Each expert's exported LoRA within ``tolerance`` (relative norm, each tensor) of the
+    reference run's; returns the largest difference."""
+    worst = 0.0
+    for expert in ("high", "low"):
+        wa, wb = load_file(summary["experts"][expert]), load_file(expected["experts"][expert])
+        assert wa.keys() == wb.keys()
+        for key in wa:
+            change = float((wa[key] - wb[key]).norm() / wa[key].norm().clamp_min(1e-12))
+            assert change <= tolerance, f"{expert} {key}: relative difference {change:.2e}"
+            worst = max(worst, change)
+    return worst
 
 
 @pytest.mark.slow
@@ -126,12 +142,28 @@ def test_two_workers_train_both_experts_in_turn_and_resume_exactly_after_a_kill(
     resumed = min(second) - 1  # at the newest checkpoint Ray had registered (every 4 steps)
     assert resumed % 4 == 0 and 4 <= resumed <= killed[0], (resumed, killed[0])
     assert sample_log.trained(run_dir) == sample_log.trained(reference_dir)
-    for expert in ("high", "low"):
-        wa, wb = load_file(summary["experts"][expert]), load_file(expected["experts"][expert])
-        assert wa.keys() == wb.keys()
-        for key in wa:
-            change = (wa[key] - wb[key]).norm() / wa[key].norm().clamp_min(1e-12)
-            assert change <= 1e-5, f"{expert} {key}: relative difference {change:.2e}"
+    _assert_same_loras(summary, expected, 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_both_experts_sharded_resume_from_a_sharded_checkpoint_and_end_as_ddp(both_job):
+    """``scaling.strategy = "fsdp"``: each expert's blocks sharded over the two workers, half
+    the steps, then the same command to the end resumes from the sharded checkpoint (the idle
+    expert's rows and its adapter's optimizer state included) and ends with the replicated
+    run's rows and both experts' LoRAs (float rounding apart: the bound of tests/train/
+    test_fsdp.py)."""
+    expected, reference_dir = _run(both_job, "reference")
+    sharded = 'scaling.strategy="fsdp"'
+    _run(both_job, "sharded", sharded, f"train.max_steps={STEPS // 2}")
+    summary, run_dir = _run(both_job, "sharded", sharded)
+    newest = Path(layout.complete_checkpoints(run_dir)[1][0])
+    assert len(list((newest / layout.WEIGHTS_DIR).glob("shard-*.safetensors"))) == 2  # a worker's
+    attempts = sample_log.read_attempts(run_dir)
+    assert [(min(a), max(a)) for a in attempts] == [(1, STEPS // 2), (STEPS // 2 + 1, STEPS)]
+    assert sample_log.trained(run_dir) == sample_log.trained(reference_dir)
+    worst = _assert_same_loras(summary, expected, 1e-4)
+    print(f"both experts sharded, resumed, against ddp: largest relative difference {worst:.1e}")
 
 
 @pytest.mark.slow

@@ -19,7 +19,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from raytuner.config import JobConfig
-from raytuner.config.inputs import BOTH_EXPERTS
 from raytuner.families import parts
 from raytuner.placement.strategy import REPLICATED, SHARDED, Strategy
 from raytuner.tools.plan import fsdp
@@ -70,8 +69,6 @@ def unshardable(job: JobConfig) -> str:
     """What of the job sharded weights cannot take, as the job writes it ("" when nothing)."""
     if job.lora.text_encoder:
         return "lora.text_encoder = true (the text encoders are replicated)"
-    if job.model.expert == BOTH_EXPERTS:  # jobcheck/experts.py
-        return f'model.expert = "{BOTH_EXPERTS}" (its experts are replicated, side by side)'
     if job.lora.module_dropout:  # config/rules.module_dropout_needs
         return f"lora.module_dropout = {job.lora.module_dropout} (each worker skips other modules)"
     if job.train.float8_matmul:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 from raytuner.config import JobConfig
-from raytuner.config.inputs import BOTH_EXPERTS
 from raytuner.families import parts
 from raytuner.placement.strategy import SHARDED, UNSHARDABLE, Strategy
 from raytuner.tools.plan import fsdp
@@ -141,8 +140,6 @@ def when_too_big(job: JobConfig, traces: Traces, usable: int, sharded) -> list[d
         peak = traces.step(changed, micro_changed, checkpointing)["peak_bytes"]
         out.append({"set": changes(job, changed), "peak_bytes": peak, "fits": peak <= usable})
     out += _swap_suggestions(job, traces, usable)
-    if job.model.expert == BOTH_EXPERTS:  # replicated, never sharded (jobcheck/experts.py)
-        return out
     candidate = _shardable(job)
     traced = traces.sharded(candidate, micro, job.train.gradient_checkpointing)
     return out + [_fsdp_suggestion(job, candidate, traced, usable)]
