@@ -23,7 +23,6 @@ def _refused(job: JobConfig) -> tuple[str, str] | None:
         (lora.dora, "lora.dora = true", "set lora.dora = false"),
         (bool(lora.init_from), f"lora.init_from = {lora.init_from!r}", "remove lora.init_from"),
         (bool(job.model.merge_adapters), "model.merge_adapters", "remove model.merge_adapters"),
-        (t.compile is True, "train.compile = true", 'leave train.compile = "auto"'),
     ]  # fmt: skip
     return next(((key, fix) for refused, key, fix in rules if refused), None)
 

@@ -135,7 +135,6 @@ REFUSED = [
     ('train.mode="full"', "train.mode = 'full'"),
     ('lora.kind="lokr"', "lora.kind = 'lokr'"),
     ("lora.dora=true", "lora.dora = true"),
-    ("train.compile=true", "train.compile = true"),
 ]
 
 
@@ -173,7 +172,7 @@ def test_float8_storage_and_block_swap_hold_both_experts_and_train_the_active_on
 
 def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys):
     """Exit 2 naming the key and what to set (or one expert a run); the plain job passes, sharded
-    too, and its run is named after the job; model.expert_switch_every without "both" is
+    or compiled too, and its run is named after the job; model.expert_switch_every without "both" is
     refused."""
     images = tmp_path / "images"
     images.mkdir()
@@ -199,6 +198,7 @@ def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys
     # scaling.strategy = "fsdp" shards both experts; "auto" (the default) weighs sharding them
     # where a replica does not fit the worker's memory, and says what neither way fits
     assert main(["check", str(job), "--set", 'scaling.strategy="fsdp"']) == 0
+    assert main(["check", str(job), "--set", "train.compile=true"]) == 0
     capsys.readouterr()
     small = ["--set", "preprocess.resolution=64", "--set", "preprocess.bucket_step=32"]
     assert main(["check", str(job), *small, "--set", 'scaling.worker_memory="100MiB"']) == 2

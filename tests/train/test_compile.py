@@ -9,7 +9,9 @@ uninterrupted compiled run's weights within the same bound (its first step of ea
 eagerly while its FLOPs are counted). The other families' blocks (Z-Image, Qwen-Image, FLUX.2,
 Flux.1 Kontext, Qwen-Image-Edit) are checked compiled against eager the same way, without the
 resume: that is the same code for every family (the weights' and optimizer's state, the compile
-wrapper's names), checked on a LoRA with checkpointing and on a full fine-tune. Each run is in
+wrapper's names), checked on a LoRA with checkpointing and on a full fine-tune. Both Wan 2.2
+A14B experts in turn (``model.expert = "both"``, two steps each) share their blocks' graphs: the
+other expert's steps compile nothing. Each run is in
 this process, with the worker's own setup and step (``trainable_model``, ``train_step``),
 without Ray.
 
@@ -27,7 +29,7 @@ from torch._dynamo.utils import counters
 
 from raytuner.checkpoint import files
 from raytuner.config import LoraConfig, MemoryConfig, ModelConfig, ObjectiveConfig, TrainConfig
-from raytuner.families import FAMILIES
+from raytuner.families import get_family
 from raytuner.families.parts import Source
 from raytuner.train import optim
 from raytuner.train.feed import RankSlice
@@ -38,18 +40,32 @@ BUCKETS = [(64, 64), (96, 64)] * 3  # (width, height), back and forth
 TOLERANCE = 1e-4
 
 
+def _family(name: str):
+    """``name``: a family, or ``family:expert`` (``wan22:both``: its experts in turn)."""
+    family, _, expert = name.partition(":")
+    return get_family(family, expert)
+
+
 def _batches(family) -> list[RankSlice]:
-    """The bucket sequence's batches of 2 samples of the family's cached tensors."""
+    """The bucket sequence's batches of 2 samples of the family's cached tensors; experts in
+    turn: two steps each (low, low after the first two, then high again), so an expert's
+    steps meet both buckets, each with its noise levels drawn."""
     tiny = Source("tiny")
     encode_image, encode_text = family.image_encoder(tiny, "cpu"), family.text_encoder(tiny, "cpu")
+    clip = (1,) if family.turns else ()  # a video family's one-frame clip
+    loss_fn = family.loss(tiny, ObjectiveConfig().for_family(family))
     out = []
     for i, (w, h) in enumerate(BUCKETS):
-        latent = encode_image(torch.zeros(1, 3, h, w))[0]
+        latent = encode_image(torch.zeros(1, 3, *clip, h, w))[0]
         text = encode_text(["a caption"])
         shapes = {"latent": tuple(latent.shape[1:])} | {k: v.shape[1:] for k, v in text.items()}
         torch.manual_seed(i)
         batch = family.example_batch(shapes, 2, (w, h), "cpu", torch.float32)
-        out.append(RankSlice(0, i, len(BUCKETS), batch, [2 * i, 2 * i + 1], []))
+        turn = i // 2 % len(family.turns) if family.turns else 0
+        if family.turns:
+            generators = [torch.Generator().manual_seed(2 * i + j) for j in range(2)]
+            batch |= loss_fn.draw_of(turn)(tuple(batch["latent"].shape), generators)
+        out.append(RankSlice(0, i, len(BUCKETS), batch, [2 * i, 2 * i + 1], [], turn=turn))
     return out
 
 
@@ -57,8 +73,9 @@ def _run(name: str, train: TrainConfig, batches, steps, restored=None):
     """Train ``steps`` (indices into ``batches``); ``restored``: a checkpoint folder to start
     from. Returns the losses, dynamo's graph count after each step, the trained tensors and the
     run's weights, optimizer and schedule."""
-    family, cpu = FAMILIES[name], torch.device("cpu")
-    model = ModelConfig(family=name, pretrained="tiny")
+    family, cpu = _family(name), torch.device("cpu")
+    family_name, _, expert = name.partition(":")
+    model = ModelConfig(family=family_name, pretrained="tiny", expert=expert)
     lora = LoraConfig(rank=4, alpha=4.0)
     trained = trainable_model(model, train, lora, family, cpu)
     opt, sched = optim.for_run(train, trained.weights.params)
@@ -91,12 +108,14 @@ def _close(a: dict, b: dict, tolerance: float) -> float:
         ("flux2-klein", "lora", True, False),
         ("flux-kontext", "lora", True, False),  # the example batch's reference tokens
         ("qwen-image-edit", "lora", True, False),
+        # both Wan 2.2 A14B experts in turn: their blocks share the graphs compiled on either
+        ("wan22:both", "lora", True, False),
     ],
 )
 def test_compiled_blocks_train_as_eager_and_resume_exactly(
     name, mode, checkpointing, resume, tmp_path
 ):
-    family = FAMILIES[name]
+    family = _family(name)
     train = TrainConfig(
         output=str(tmp_path),
         mode=mode,
@@ -128,7 +147,7 @@ def test_compiled_blocks_train_as_eager_and_resume_exactly(
 def _assert_resumes(name: str, compiled: TrainConfig, batches, losses, weights, folder) -> None:
     """A checkpoint of the compiled run at step 2, loaded into a newly compiled model, continues
     to the uninterrupted compiled run's ``losses`` and ``weights``."""
-    family, steps = FAMILIES[name], range(len(batches))
+    family, steps = _family(name), range(len(batches))
     _, _, _, (w, opt, sched) = _run(name, compiled, batches, range(2))
     folder.mkdir()
     export = lambda d: w.export_lora(d, family, {}) if w.mode == "lora" else None  # noqa: E731
