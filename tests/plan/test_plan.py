@@ -87,6 +87,26 @@ def test_plan_json_names_the_settings_that_fit(capsys):
     assert any(s["fits"] for s in result["suggestions"])
 
 
+def test_plans_of_one_vae_trace_its_encode_once():
+    """An encode's trace is kept by what decides it (the VAE's architecture and dtype, the
+    input's shape): a second plan of the job (another card) reads it; another batch of images
+    and another VAE (the tiny Sana's) are traced again, their own shapes."""
+    from raytuner.tools.plan import trace
+
+    def encodes(job, gpu: str) -> tuple[int, dict]:
+        before = len(trace._ENCODES)
+        result = measure(job, get_family(job.model.family), parse_size(gpu), compare=False)
+        return len(trace._ENCODES) - before, result["cache_shapes"]
+
+    tiny = REPO / "jobs" / "tiny.toml"
+    _, shapes = encodes(load_job(str(tiny), ["preprocess.batch_size=3"]), "80GiB")
+    assert encodes(load_job(str(tiny), ["preprocess.batch_size=3"]), "24GiB") == (0, shapes)
+    assert encodes(load_job(str(tiny), ["preprocess.batch_size=5"]), "24GiB") == (1, shapes)
+    sana = load_job(str(tiny), ["preprocess.batch_size=3", 'model.family="sana"'])
+    other, sana_shapes = encodes(sana, "24GiB")
+    assert other == 1 and sana_shapes["latent"] != shapes["latent"]
+
+
 def _overrides(setting: str) -> list[str]:
     """A suggestion's settings as --set overrides: 'a = 1, b = "x" (or more)' -> a=1, b="x"."""
     text = re.sub(r"\s*\(.*?\)", "", setting)
