@@ -1,7 +1,7 @@
 """The job check's rule about a run of every expert of a mixture in one run (``model.expert =
 "both"``, ``raytuner.jobcheck``): the settings such a run does not take. Its experts are built
 side by side in one worker, replicated (ddp; ``memory.blocks_to_swap`` streams the last blocks
-of each) or sharded (fsdp: each expert's blocks units of their own), each with its own LoRA
+of each) or sharded (fsdp: each expert's blocks units of their own), each with its own adapter
 (``families/mixture.py``); what would hold or load them otherwise is refused, naming the key,
 its value and what to set (one expert a run takes each of these settings)."""
 
@@ -19,8 +19,6 @@ def _refused(job: JobConfig) -> tuple[str, str] | None:
     t, lora = job.train, job.lora
     rules = [
         (t.mode != "lora", f"train.mode = {t.mode!r}", 'set train.mode = "lora"'),
-        (lora.kind != "lora", f"lora.kind = {lora.kind!r}", 'use lora.kind = "lora"'),
-        (lora.dora, "lora.dora = true", "set lora.dora = false"),
         (bool(lora.init_from), f"lora.init_from = {lora.init_from!r}", "remove lora.init_from"),
         (bool(job.model.merge_adapters), "model.merge_adapters", "remove model.merge_adapters"),
     ]  # fmt: skip
@@ -29,13 +27,14 @@ def _refused(job: JobConfig) -> tuple[str, str] | None:
 
 def turns(job: JobConfig, family) -> None:
     """Refuse what a run of every expert in turn does not take (its experts side by side in
-    each worker, a plain LoRA on each); nothing for another run."""
+    each worker, an adapter trained from zero on each); nothing for another run."""
     if job.model.expert != BOTH_EXPERTS or not family.turns:
         return
     if (found := _refused(job)) is not None:
         key, fix = found
         raise ConfigError(
             f'{key} with model.expert = "{BOTH_EXPERTS}": a run of every expert holds them '
-            f"side by side in each worker with a plain LoRA on each, and is built only so; "
+            f"side by side in each worker with an adapter trained from zero on each, and is "
+            f"built only so; "
             f"{fix}, {ONE_A_RUN}"
         )

@@ -151,7 +151,7 @@ class Weights:
             return
         root, config = os.path.join(directory, LORA_DIR), self.denoiser.peft_config["default"]
         if family.turns:  # every expert of a mixture: each its own LoRA in lora/<expert>/
-            self._export_experts(root, state, family, meta | self.provenance)
+            self._export_experts(root, state, family, meta | self.provenance, dora)
             return
         export.write_lora(
             root,
@@ -164,10 +164,10 @@ class Weights:
             dora_scale=dora,
         )
 
-    def _export_experts(self, root: str, state: dict, family, meta: dict) -> None:
-        """Each expert's LoRA (its tensors of ``state``, without its part's prefix) into
-        ``<root>/<expert>/``, the files a run of that expert alone writes into ``<root>/``,
-        their ``raytuner.expert`` its name."""
+    def _export_experts(self, root: str, state: dict, family, meta: dict, dora: dict) -> None:
+        """Each expert's LoRA (its tensors of ``state`` and DoRA scales of ``dora``, without
+        its part's prefix) into ``<root>/<expert>/``, the files a run of that expert alone
+        writes into ``<root>/``, their ``raytuner.expert`` its name."""
         config = self.denoiser.peft_config["default"].to_dict()
         experts = mixture.experts_of(self.denoiser)
         for expert, (part, module) in zip(family.turns, experts, strict=True):
@@ -178,6 +178,7 @@ class Weights:
                 adapter_config=config,
                 meta=meta | {"raytuner.expert": expert.name},
                 denoiser=module,
+                dora_scale=mixture.split_state(dora, part),
             )
 
     def dora_scales(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from raytuner.data import cache
 from raytuner.data.reader import open_dataset
 from raytuner.families import get_family, mixture
 from raytuner.families.parts import Source
+from raytuner.lora import export
 from raytuner.tools import synthetic
 from raytuner.train.feed import Feed
 
@@ -119,6 +120,79 @@ def test_only_the_active_expert_trains_and_each_exports_its_own_files(tmp_path):
             assert all(k.startswith("diffusion_model.blocks.") for k in f.keys())  # noqa: SIM118
 
 
+def _trained_both(lora: LoraConfig, out):
+    """A mixture of both experts with ``lora`` on each, a step of each expert taken (AdamW)."""
+    from raytuner.train.model import trainable_model
+
+    family = get_family("wan22", mixture.BOTH)
+    model = ModelConfig(family="wan22", expert=mixture.BOTH)
+    trained = trainable_model(model, TrainConfig(output=str(out), max_steps=2), lora, family,
+                              torch.device("cpu"))  # fmt: skip
+    loss_fn = family.loss(trained.source, _objective())
+    opt = torch.optim.AdamW(trained.weights.params, lr=1e-2)
+    for turn in (0, 1):
+        trained.denoiser.activate(turn)
+        gens = [torch.Generator().manual_seed(10 * turn + i) for i in range(2)]
+        batch = {"latent": torch.randn(2, 16, 1, 4, 4), "prompt_embeds": torch.randn(2, 5, 32)}
+        loss_fn(trained.denoiser, batch | loss_fn.draw_of(turn)((2, 16, 1, 4, 4), gens)).sum()\
+            .backward()  # fmt: skip
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return family, trained
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha", "dora"])
+def test_each_experts_lokr_loha_or_dora_exports_the_files_a_run_of_that_expert_writes(
+    kind, tmp_path
+):
+    """A LoKr, LoHa or DoRA on both experts: each expert's folder holds, tensor for tensor, the
+    files a run of that expert alone writes with the same adapter values (diffusers' layout,
+    the LyCORIS file with DoRA's ``dora_scale``), and the pipeline renders with both."""
+    from run_checks import pipeline_image
+
+    from raytuner.lora.find import find_weights
+    from raytuner.render.sample import apply_weights
+    from raytuner.train.model import trainable_model
+
+    lora = LoraConfig(rank=4, alpha=4.0, **({"dora": True} if kind == "dora" else {"kind": kind}))
+    family, both = _trained_both(lora, tmp_path)
+
+    def meta(model: ModelConfig) -> dict:  # what the worker's export writes (train/loop.py)
+        return export.metadata(family="wan22", model=model, lora=lora, step=2, run="r",
+                               fingerprint="f")  # fmt: skip
+
+    both_model = ModelConfig(family="wan22", expert=mixture.BOTH)
+    both.weights.export_lora(str(tmp_path / "both"), family, meta(both_model))
+    values = dict(zip(both.weights.names, both.weights.params, strict=True))
+    for (part, _), expert in zip(both.denoiser.experts(), ("high", "low"), strict=True):
+        model = ModelConfig(family="wan22", expert=expert)
+        one = trainable_model(model, TrainConfig(output=str(tmp_path), max_steps=2), lora,
+                              get_family("wan22", expert), torch.device("cpu"))  # fmt: skip
+        with torch.no_grad():
+            for name, param in zip(one.weights.names, one.weights.params, strict=True):
+                param.copy_(values[f"{part}.{name}"])
+        one.weights.export_lora(str(tmp_path / expert), get_family("wan22", expert), meta(model))
+        mine, alone = tmp_path / "both" / "lora" / expert, tmp_path / expert / "lora"
+        files = sorted(p.name for p in alone.glob("*.safetensors"))
+        assert files and sorted(p.name for p in mine.glob("*.safetensors")) == files
+        for file in files:
+            a, b = load_file(mine / file), load_file(alone / file)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
+            (ma, mb) = (safe_open(f / file, "pt").metadata() for f in (mine, alone))
+            timed = {"ss_training_started_at", "ss_training_finished_at"}
+            other = timed | {"raytuner.expert_switch_every"}  # a run of both says it
+            assert {k: v for k, v in ma.items() if k not in other} == {
+                k: v for k, v in mb.items() if k not in other
+            }, file
+        if kind == "dora":
+            lycoris = load_file(mine / "lora_kohya.safetensors")
+            assert any(k.endswith(".dora_scale") for k in lycoris)
+    pipe = family.pipeline(TINY)
+    base = pipeline_image(pipe)
+    apply_weights(pipe, family, find_weights(str(tmp_path / "both" / "lora")), "cpu")
+    assert not torch.allclose(torch.from_numpy(pipeline_image(pipe)), torch.from_numpy(base))
+
+
 JOB = """
 [model]
 family = "wan22"
@@ -133,8 +207,6 @@ output = "{root}/runs"
 
 REFUSED = [
     ('train.mode="full"', "train.mode = 'full'"),
-    ('lora.kind="lokr"', "lora.kind = 'lokr'"),
-    ("lora.dora=true", "lora.dora = true"),
 ]
 
 
