@@ -16,10 +16,9 @@ ONE_A_RUN = 'or train one expert a run (model.expert = "high", then "low")'
 def _refused(job: JobConfig) -> tuple[str, str] | None:
     """(the key and its value, what to set instead) of the first setting a run of every
     expert does not take, or None."""
-    t, lora = job.train, job.lora
+    t = job.train
     rules = [
         (t.mode != "lora", f"train.mode = {t.mode!r}", 'set train.mode = "lora"'),
-        (bool(lora.init_from), f"lora.init_from = {lora.init_from!r}", "remove lora.init_from"),
         (bool(job.model.merge_adapters), "model.merge_adapters", "remove model.merge_adapters"),
     ]  # fmt: skip
     return next(((key, fix) for refused, key, fix in rules if refused), None)
@@ -27,14 +26,13 @@ def _refused(job: JobConfig) -> tuple[str, str] | None:
 
 def turns(job: JobConfig, family) -> None:
     """Refuse what a run of every expert in turn does not take (its experts side by side in
-    each worker, an adapter trained from zero on each); nothing for another run."""
+    each worker, an adapter of its own on each); nothing for another run."""
     if job.model.expert != BOTH_EXPERTS or not family.turns:
         return
     if (found := _refused(job)) is not None:
         key, fix = found
         raise ConfigError(
             f'{key} with model.expert = "{BOTH_EXPERTS}": a run of every expert holds them '
-            f"side by side in each worker with an adapter trained from zero on each, and is "
-            f"built only so; "
-            f"{fix}, {ONE_A_RUN}"
+            f"side by side in each worker with an adapter of its own on each, and is built "
+            f"only so; {fix}, {ONE_A_RUN}"
         )

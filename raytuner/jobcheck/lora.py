@@ -1,7 +1,8 @@
 """The job check's rules about the LoRA a job trains (``raytuner.jobcheck``): adapter-kind keys
 for a run that trains no adapter; ``model.merge_adapters`` files that are missing, of a full
-fine-tune, of an unknown layout or of another model; a ``lora.init_from`` file that is
-missing, set for a run that trains no LoRA, or whose LoRA does not fit the job's adapter;
+fine-tune, of an unknown layout or of another model; a ``lora.init_from`` file (a folder of
+a file per expert for a run of every expert) that is missing, set for a run that trains no
+LoRA, or whose LoRA does not fit the job's adapter;
 target modules peft or the family's kohya layout cannot take; a text encoders' LoRA for a
 family whose text encoders raytuner does not train."""
 
@@ -12,6 +13,7 @@ import dataclasses
 import os
 
 from raytuner.config import ConfigError, JobConfig
+from raytuner.config.inputs import BOTH_EXPERTS
 from raytuner.families import parts
 from raytuner.train import text_lora
 
@@ -27,10 +29,12 @@ def init_from(job: JobConfig) -> None:
             f"lora.init_from = {path!r}: train.mode = {job.train.mode!r} trains no LoRA; "
             'remove the key or set train.mode = "lora"'
         )
-    if "://" not in path and not os.path.isfile(os.path.expanduser(path)):
+    both = job.model.expert == BOTH_EXPERTS  # a folder of a file per expert
+    exists = os.path.isdir if both else os.path.isfile
+    if "://" not in path and not exists(os.path.expanduser(path)):
         raise ConfigError(
-            f"lora.init_from = {path!r}: no such file (a relative path is from the working "
-            f"directory, {os.getcwd()})"
+            f"lora.init_from = {path!r}: no such {'folder' if both else 'file'} (a relative "
+            f"path is from the working directory, {os.getcwd()})"
         )
 
 
@@ -90,7 +94,8 @@ def adapter(job: JobConfig, family) -> None:
         return
     import torch
 
-    from raytuner.lora.init_from import check_file
+    from raytuner.families.mixture import experts_of
+    from raytuner.lora.init_from import check_file, expert_files
     from raytuner.train.model import adapt
 
     meta, source = torch.device("meta"), parts.model_source(job.model, "cpu")
@@ -109,7 +114,12 @@ def adapter(job: JobConfig, family) -> None:
             dtype=dtype,
             family=family,
         )
-    if lora.init_from:
+    if lora.init_from and family.turns:  # every expert: each from its own file
+        files = expert_files(lora.init_from, family)
+        for (_, expert), (of_expert, path) in zip(experts_of(weights.denoiser), files,
+                                                   strict=True):  # fmt: skip
+            check_file(expert, path, lora, of_expert)
+    elif lora.init_from:
         starts = text.start() if text is not None else []
         check_file(weights.denoiser, lora.init_from, lora, family, starts)
 

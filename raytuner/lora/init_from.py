@@ -22,6 +22,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load as load_tensors
 
 from raytuner import storage
+from raytuner.checkpoint.layout import DIFFUSERS_FILE
 from raytuner.config import ConfigError
 from raytuner.lora import export, kohya, lycoris, lycoris_from
 from raytuner.lora.header import Header
@@ -50,6 +51,33 @@ def read(path: str, key: str = "lora.init_from") -> tuple[dict[str, torch.Tensor
     except (struct.error, ValueError) as e:
         raise ConfigError(f"{key} = {path!r}: not a safetensors file ({e})") from None
     return tensors, meta, hashlib.sha256(data).hexdigest()
+
+
+def expert_files(path: str, family) -> list[tuple[object, str]]:
+    """(the family training that expert, its file) of each expert of a run of every expert of
+    a mixture (``model.expert = "both"``): ``path`` is a folder with a sub-folder per expert
+    (``high/``, ``low/``), as a run of both exports its ``lora/``, each holding raytuner's
+    ``pytorch_lora_weights.safetensors`` or one ``.safetensors`` file (another trainer's file
+    of that expert); ConfigError naming what to put where."""
+    fs, where = storage.resolve(path)
+    out = []
+    for expert in family.turns:
+        try:
+            found = storage.listdir(fs, storage.join(where, expert.name))
+        except (FileNotFoundError, OSError):
+            found = []
+        names = [i.base_name for i in found if i.base_name.endswith(".safetensors")]
+        pick = [DIFFUSERS_FILE] if DIFFUSERS_FILE in names else names
+        if len(pick) != 1:
+            listed = "/, ".join(e.name for e in family.turns)
+            raise ConfigError(
+                f'lora.init_from = {path!r} with model.expert = "both": its {expert.name}/ '
+                f"folder holds {len(names)} .safetensors files; a run of every expert starts "
+                f"from a folder with one LoRA file per expert ({listed}/), as such a run "
+                "exports its lora/ folder"
+            )
+        out.append((family.with_expert(expert.name), storage.join(path, expert.name, pick[0])))
+    return out
 
 
 def _adapter_alpha(meta: dict[str, str], part: str) -> dict:

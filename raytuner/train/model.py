@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 from typing import NamedTuple
 
@@ -23,8 +24,7 @@ from torch import nn
 from raytuner.checkpoint.layout import KOHYA_FILE
 from raytuner.config import ConfigError
 from raytuner.families import mixture
-from raytuner.lora import export, kinds, kohya, merge
-from raytuner.lora.init_from import start_from
+from raytuner.lora import export, init_from, kinds, kohya, merge
 from raytuner.placement import sharding
 from raytuner.placement.strategy import REPLICATED, Strategy
 from raytuner.train import float8_matmul, text_lora
@@ -133,15 +133,35 @@ def _lora_files(denoiser: nn.Module, names: list[str], family, lora, text) -> di
         _kohya_named(expert, family)
     if not lora.init_from:
         return {}
+    peft_names = {kinds.peft_name(n): n for n in names}
+    if family.turns:  # every expert of a mixture: each from its own file
+        return _experts_from(denoiser, lora, family, peft_names)
     texts = text.start() if text is not None else []
-    state, text_state, provenance = start_from(
+    state, text_state, provenance = init_from.start_from(
         denoiser, lora.init_from, lora, family, texts
     )
-    peft_names = {kinds.peft_name(n): n for n in names}
     sharding.fill(denoiser, {peft_names[k]: v for k, v in state.items()})
     if text is not None:
         text.load(text_state)
     return provenance
+
+
+def _experts_from(mixture_model: nn.Module, lora, family, peft_names: dict) -> dict:
+    """``lora.init_from`` of a run of every expert (``init_from.expert_files``): each expert's
+    adapter read from its own file; the provenance names the folder, and each file's sha256,
+    modules and metadata by expert."""
+    files = init_from.expert_files(lora.init_from, family)
+    by_expert = {}
+    for (part, expert), (of_expert, path) in zip(mixture.experts_of(mixture_model), files,
+                                                  strict=True):  # fmt: skip
+        state, _, provenance = init_from.start_from(expert, path, lora, of_expert)
+        sharding.fill(mixture_model, {peft_names[f"{part}.{k}"]: v for k, v in state.items()})
+        by_expert[of_expert.expert.name] = provenance
+    return {"raytuner.init_from": lora.init_from} | {
+        key: json.dumps({e: p[key] for e, p in by_expert.items()}, sort_keys=True)
+        for key in ("raytuner.init_from_sha256", "raytuner.init_from_modules",
+                    "raytuner.init_from_metadata")
+    }  # fmt: skip
 
 
 def _kohya_named(denoiser: nn.Module, family) -> None:

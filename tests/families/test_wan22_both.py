@@ -8,6 +8,8 @@ in one process; the two-worker runs: ``test_wan22_both_run.py``."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from PIL import Image
@@ -240,6 +242,49 @@ def test_float8_storage_and_block_swap_hold_both_experts_and_train_the_active_on
     reached = {n.split(".")[0] for n, p in named if p.grad is not None and p.grad.abs().sum() > 0}
     assert reached == {"transformer_2"}
     trained.placement.check()
+
+
+def test_a_run_of_both_starts_each_expert_from_its_own_file_of_a_folder(tmp_path, capsys):
+    """``lora.init_from`` of a run of both: a folder with a file per expert (a run of both's
+    lora/, or another trainer's file of each expert alone in high/ and low/: here the
+    Wan-named kohya files ComfyUI loads) starts each expert's adapter from its own file; the
+    export names each file's sha256 by expert; `raytuner check` refuses a folder without a
+    file for an expert, naming it."""
+    import shutil
+
+    from raytuner.train.model import trainable_model
+
+    lora = LoraConfig(rank=4, alpha=4.0)
+    family, trained = _trained_both(lora, tmp_path)
+    trained.weights.export_lora(str(tmp_path / "first"), family, {})
+    expected = {k: v.detach().clone() for k, v in trained.weights.state().items()}
+    comfy = tmp_path / "comfy"
+    for expert in ("high", "low"):
+        (comfy / expert).mkdir(parents=True)
+        shutil.copy(tmp_path / "first" / "lora" / expert / "lora_kohya.safetensors",
+                    comfy / expert / f"wan22_{expert}_noise.safetensors")  # fmt: skip
+    for folder in (tmp_path / "first" / "lora", comfy):
+        started = LoraConfig(rank=4, alpha=4.0, init_from=str(folder))
+        model = ModelConfig(family="wan22", expert=mixture.BOTH)
+        again = trainable_model(model, TrainConfig(output=str(tmp_path), max_steps=2), started,
+                                family, torch.device("cpu"))  # fmt: skip
+        state = again.weights.state()
+        assert state.keys() == expected.keys()
+        assert all(torch.allclose(state[k], expected[k], atol=1e-6) for k in state), folder
+        shas = json.loads(again.weights.provenance["raytuner.init_from_sha256"])
+        assert sorted(shas) == ["high", "low"], shas
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (64, 64)).save(images / "a.png")
+    job = tmp_path / "a14b.toml"
+    job.write_text(JOB.format(more="", images=images, root=tmp_path))
+    sets = ["--set", f'lora.init_from="{comfy}"', "--set", "lora.rank=4", "--set", "lora.alpha=4"]
+    assert main(["check", str(job), *sets]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    (comfy / "low" / "wan22_low_noise.safetensors").unlink()
+    assert main(["check", str(job), *sets]) == 2
+    err = capsys.readouterr().err
+    assert "its low/ folder holds 0 .safetensors files" in err, err
 
 
 def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys):
