@@ -22,6 +22,9 @@ class MergeAdapterConfig:
 
     path: str  # a safetensors file, local or a URI (s3://), read as lora.init_from reads one
     weight: float = ranged(1.0, -16, 16, hint="the file's update times this; 1: as saved")
+    # the expert ("high", "low") whose denoiser it is merged into: required by a run of every
+    # expert of a mixture (model.expert = "both"); "": the run's denoiser
+    expert: str = ""
 
     def __post_init__(self) -> None:
         if not self.path:

@@ -19,7 +19,6 @@ def _refused(job: JobConfig) -> tuple[str, str] | None:
     t = job.train
     rules = [
         (t.mode != "lora", f"train.mode = {t.mode!r}", 'set train.mode = "lora"'),
-        (bool(job.model.merge_adapters), "model.merge_adapters", "remove model.merge_adapters"),
     ]  # fmt: skip
     return next(((key, fix) for refused, key, fix in rules if refused), None)
 

@@ -59,10 +59,30 @@ def merge_adapters(job: JobConfig, family) -> None:
                 f"model.merge_adapters[{i}].path = {path!r}: no such file (a relative path is "
                 f"from the working directory, {os.getcwd()})"
             )
+        _merged_expert(i, adapter.expert, family)
     from raytuner.lora import merge
 
     denoiser = family.denoiser(parts.model_source(job.model, "cpu"), "meta", weights=False)
     merge.check(adapters, family, denoiser)
+
+
+def _merged_expert(i: int, expert: str, family) -> None:
+    """``model.merge_adapters[i].expert``: one of the experts in a run of them all (each file
+    is one expert's), the run's own or none in a run of one expert, none for one denoiser."""
+    key = f"model.merge_adapters[{i}].expert = {expert!r}"
+    names = [e.name for e in family.turns or family.experts]
+    if family.turns and expert not in names:
+        raise ConfigError(
+            f'{key}: a run of every expert merges each file into one of them; set it to '
+            f"{' or '.join(repr(n) for n in names)}"
+        )
+    if family.expert and expert not in ("", family.expert.name):
+        raise ConfigError(
+            f"{key}: this run trains the {family.expert.name!r} expert alone; remove the entry "
+            f"or set it to {family.expert.name!r}"
+        )
+    if not family.experts and expert:
+        raise ConfigError(f"{key}: {family.name} has one denoiser; remove the key")
 
 
 def kind(job: JobConfig) -> None:

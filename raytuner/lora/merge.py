@@ -218,43 +218,62 @@ def merged(weight: torch.Tensor, updates: list[tuple[Change, float]]) -> torch.T
     return w.to(weight.dtype)
 
 
+def _per_denoiser(adapters, family, denoiser) -> list[tuple]:
+    """(family, model, name prefix, [(index, adapter)]) of each model the entries merge into:
+    every expert of a mixture trained in turn (``denoiser.experts()``) its own entries (their
+    ``expert``), names under its part; else the denoiser every entry."""
+    experts = getattr(denoiser, "experts", None)
+    if experts is None or not family.turns:
+        return [(family, denoiser, "", list(enumerate(adapters)))]
+    return [
+        (family.with_expert(e.name), module, f"{part}.",
+         [(i, a) for i, a in enumerate(adapters) if a.expert == e.name])
+        for (part, module), e in zip(experts(), family.turns, strict=True)
+    ]  # fmt: skip
+
+
 def read(adapters, family, denoiser) -> dict[str, list[tuple[Change, float]]]:
     """Each ``[[model.merge_adapters]]`` file read: module -> its (change, weight) in the
-    files' order; ConfigError naming the entry where a file does not fit the denoiser."""
+    files' order (a mixture's experts: each entry's into its ``expert``); ConfigError naming
+    the entry where a file does not fit the denoiser."""
     out: dict[str, list] = {}
-    for i, adapter in enumerate(adapters):
-        tensors, meta, _ = init_from.read(adapter.path, key(i))
-        try:
-            found = changes(tensors, meta, family, denoiser)
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"{key(i)} = {adapter.path!r}: {e}") from None
-        for module, change in found.items():
-            out.setdefault(module, []).append((change, adapter.weight))
+    for of, model, prefix, numbered in _per_denoiser(adapters, family, denoiser):
+        for i, adapter in numbered:
+            tensors, meta, _ = init_from.read(adapter.path, key(i))
+            try:
+                found = changes(tensors, meta, of, model)
+            except (KeyError, ValueError) as e:
+                raise ConfigError(f"{key(i)} = {adapter.path!r}: {e}") from None
+            for module, change in found.items():
+                out.setdefault(prefix + module, []).append((change, adapter.weight))
     return out
 
 
 def check(adapters, family, denoiser) -> None:
     """What ``read`` refuses, from each file's header (its weights unread but for its
     alphas and where a kohya layout hangs on them): ``raytuner check``."""
-    for i, adapter in enumerate(adapters):
-        try:
-            file = Header(adapter.path)
-        except OSError as e:
-            raise ConfigError(f"{key(i)} = {adapter.path!r}: cannot read it ({e})") from None
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(
-                f"{key(i)} = {adapter.path!r}: not a safetensors file ({e})"
-            ) from None
-        tensors = file.tensors()
-        names = {id(t): name for name, t in tensors.items()}
+    for of, model, _, numbered in _per_denoiser(adapters, family, denoiser):
+        for i, adapter in numbered:
+            _check_file(i, adapter, of, model)
 
-        def load(t: torch.Tensor, file=file, names=names) -> torch.Tensor:
-            return file.load(names[id(t)]) if t.is_meta else t
 
-        try:
-            changes(tensors, file.metadata, family, denoiser, load)
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"{key(i)} = {adapter.path!r}: {e}") from None
+def _check_file(i: int, adapter, family, denoiser) -> None:
+    try:
+        file = Header(adapter.path)
+    except OSError as e:
+        raise ConfigError(f"{key(i)} = {adapter.path!r}: cannot read it ({e})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{key(i)} = {adapter.path!r}: not a safetensors file ({e})") from None
+    tensors = file.tensors()
+    names = {id(t): name for name, t in tensors.items()}
+
+    def load(t: torch.Tensor) -> torch.Tensor:
+        return file.load(names[id(t)]) if t.is_meta else t
+
+    try:
+        changes(tensors, file.metadata, family, denoiser, load)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"{key(i)} = {adapter.path!r}: {e}") from None
 
 
 def into(denoiser, updates: dict[str, list]) -> None:
@@ -279,5 +298,6 @@ def identity(adapters) -> list[dict]:
                     digest.update(chunk)
         except OSError as e:
             raise ConfigError(f"{key(i)} = {adapter.path!r}: cannot read it ({e})") from None
-        out.append({"path": adapter.path, "weight": adapter.weight, "sha256": digest.hexdigest()})
+        record = {"path": adapter.path, "weight": adapter.weight, "sha256": digest.hexdigest()}
+        out.append(record | ({"expert": adapter.expert} if adapter.expert else {}))
     return out

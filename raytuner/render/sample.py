@@ -21,6 +21,7 @@ from PIL import Image
 
 from raytuner import placement, quiet, storage
 from raytuner.checkpoint import full_model, layout
+from raytuner.families import mixture
 from raytuner.lora import apply as lora_apply
 from raytuner.lora import merge
 from raytuner.lora.find import ExportedWeights, find_weights
@@ -51,10 +52,18 @@ def load_pipeline(
     pipe = family.pipeline(source)
     pipe.set_progress_bar_config(disable=True)
     if merged:
-        denoiser = getattr(pipe, family.parts.denoiser)
+        denoiser = _denoiser_of(pipe, family)
         merge.into(denoiser, merge.read(merged, family, denoiser))
     apply_weights(pipe, family, weights, device, source.dtype, blocks_to_swap)
     return pipe
+
+
+def _denoiser_of(pipe, family):
+    """The pipeline's denoiser as training holds it: a run of every expert's in one
+    ``ExpertMixture`` of the pipeline's own modules (each entry merges into its expert's)."""
+    if family.turns:
+        return mixture.ExpertMixture({e.part: getattr(pipe, e.part) for e in family.turns})
+    return getattr(pipe, family.parts.denoiser)
 
 
 def apply_weights(

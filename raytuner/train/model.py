@@ -327,7 +327,7 @@ def _sharded(
             if key not in files[prefix]:
                 part = prefix.rstrip(".") or family.parts.denoiser
                 raise ValueError(f"{source.pretrained}: its {part} has no tensor {key}")
-            module = key.removesuffix(".weight")
+            module = prefix + key.removesuffix(".weight")  # merged: by the denoiser's names
             if module in merged and key.endswith(".weight"):
                 yield name, merge.merged(files[prefix][key].float(), merged[module])
             else:

@@ -287,6 +287,72 @@ def test_a_run_of_both_starts_each_expert_from_its_own_file_of_a_folder(tmp_path
     assert "its low/ folder holds 0 .safetensors files" in err, err
 
 
+def test_each_merged_adapter_goes_into_its_expert_as_a_run_of_that_expert_merges_it(
+    tmp_path, capsys
+):
+    """``[[model.merge_adapters]]`` of a run of both: each entry names its expert, and each
+    expert's frozen weights (replicated, sharded, and in the pipeline validation and `sample`
+    load) equal those of a run of that expert alone with its entries; `raytuner check` refuses
+    an entry without its expert, and one naming the expert a one-expert run does not train."""
+    import torch.distributed as dist
+
+    from raytuner.config import MergeAdapterConfig
+    from raytuner.placement import sharding
+    from raytuner.placement.strategy import SHARDED
+    from raytuner.render.sample import load_pipeline
+    from raytuner.train.model import trainable_model
+
+    family, trained = _trained_both(LoraConfig(rank=4, alpha=4.0), tmp_path)
+    trained.weights.export_lora(str(tmp_path / "first"), family, {})
+    files = {e: str(tmp_path / "first" / "lora" / e / "pytorch_lora_weights.safetensors")
+             for e in ("high", "low")}  # fmt: skip
+    entries = [MergeAdapterConfig(path=files["low"], weight=0.5, expert="low"),
+               MergeAdapterConfig(path=files["high"], expert="high")]  # fmt: skip
+    train, lora, cpu = TrainConfig(output=str(tmp_path), max_steps=2), LoraConfig(), "cpu"
+
+    def frozen(model_config, strategy=None, family=family) -> dict[str, torch.Tensor]:
+        kw = {"strategy": strategy} if strategy else {}
+        built = trainable_model(model_config, train, lora, family, torch.device(cpu), **kw)
+        return {k.replace(".base_layer", ""): sharding.gather(v).detach().clone()
+                for k, v in built.denoiser.named_parameters() if not v.requires_grad}  # fmt: skip
+
+    both = ModelConfig(family="wan22", expert=mixture.BOTH, merge_adapters=entries)
+    merged = frozen(both)
+    made = not dist.is_initialized()  # a process group of one, left as it was found
+    sharding.single_process_group(torch.device(cpu))
+    try:
+        sharded = frozen(both, SHARDED)
+    finally:
+        if made:
+            dist.destroy_process_group()
+    pipe = load_pipeline(family, TINY, None, cpu, merged=entries)
+    for part, expert in (("transformer", "high"), ("transformer_2", "low")):
+        mine = [a for a in entries if a.expert == expert]
+        one = ModelConfig(family="wan22", expert=expert, merge_adapters=mine)
+        alone = frozen(one, family=get_family("wan22", expert))
+        ours = mixture.split_state(merged, part)
+        assert ours.keys() == alone.keys()
+        assert all(torch.equal(ours[k], alone[k]) for k in ours), expert
+        assert all(torch.equal(sharded[f"{part}.{k}"], alone[k]) for k in alone), expert
+        rendered = getattr(pipe, part).state_dict()
+        assert all(torch.equal(rendered[k], alone[k]) for k in alone), expert
+    base = frozen(ModelConfig(family="wan22", expert=mixture.BOTH))
+    assert any(not torch.equal(base[k], merged[k]) for k in base if k.startswith("transformer_2."))
+
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (64, 64)).save(images / "a.png")
+    job = tmp_path / "a14b.toml"
+    entry = f'[[model.merge_adapters]]\npath = "{files["low"]}"\n'
+    job.write_text(JOB.format(more="", images=images, root=tmp_path) + entry)
+    assert main(["check", str(job)]) == 2
+    assert "model.merge_adapters[0].expert = ''" in capsys.readouterr().err
+    job.write_text(job.read_text() + 'expert = "low"\n')
+    assert main(["check", str(job)]) == 0, capsys.readouterr().err
+    assert main(["check", str(job), "--set", 'model.expert="high"']) == 2
+    assert "trains the 'high' expert alone" in capsys.readouterr().err
+
+
 def test_check_refuses_what_a_run_of_both_experts_does_not_take(tmp_path, capsys):
     """Exit 2 naming the key and what to set (or one expert a run); the plain job passes, sharded
     or compiled too, and its run is named after the job; model.expert_switch_every without "both" is
