@@ -45,9 +45,10 @@ def connect(num_cpus: int | None = None) -> None:
             ray.init(runtime_env=env, log_to_driver=True)
         _state_api, _local = True, False
     else:
-        # with num_cpus (tests, benches) always a new local instance: a bare ray.init() would
-        # join a cluster that `ray start` left running on this machine
-        address = "local" if num_cpus else None
+        # always a Ray of its own: a bare ray.init() joins the cluster `ray start` last left
+        # running on this machine (its ray_current_cluster), whoever started it: another
+        # user's, another command's, which may end while this one runs (RAY_ADDRESS joins one)
+        address = "local"
         # a local Ray's dashboard (metrics, Train page) takes ~3 s to start;
         # RAYTUNER_LOCAL_DASHBOARD=0 skips it (the tests do)
         dashboard = os.environ.get("RAYTUNER_LOCAL_DASHBOARD", "1") != "0"

@@ -15,6 +15,7 @@ import contextlib
 import json
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -50,6 +51,7 @@ class Cluster:
     env: dict[str, str]  # environment for `ray` CLI clients of this cluster
     temp_dir: str
     log: Path  # output of `ray start`
+    gcs_port: int = 0  # the head's GCS (what `ray start` writes in ray_current_cluster)
 
     def ray(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         cmd = [RAY, *args]
@@ -100,7 +102,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     log = tmp_path / "ray_start.log"
     head = start_head(RAY, temp_dir, ports, env, log, "--num-cpus=4")
     urls = f"http://127.0.0.1:{dashboard}", f"http://127.0.0.1:{metrics}/metrics"
-    cluster = Cluster(*urls, token, env, temp_dir, log)
+    cluster = Cluster(*urls, token, env, temp_dir, log, ports[0])
 
     def ready() -> bool:  # the dashboard answers /api/version and the jobs API (or raises)
         cluster.get("/api/version")
@@ -113,6 +115,32 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         left = stop_and_keep_logs(head, temp_dir, tmp_path)
         assert not left, "processes of the test's Ray cluster survived:\n" + "\n".join(left)
+
+
+@pytest.mark.slow
+def test_a_command_without_ray_address_starts_its_own_ray_beside_a_ray_start_cluster(
+    ray_cluster: Cluster,
+) -> None:
+    """Without RAY_ADDRESS a command starts a local Ray of its own (docs/job-toml.md), also
+    where `ray start` left a cluster that a bare ``ray.init()`` joins: Ray's default temp dir
+    (RAY_TMPDIR) names this module's head in its ``ray_current_cluster``, as `ray start` on
+    the machine leaves it. Joining another's Ray, a command's run ended when that Ray did (a
+    test's preprocess ran on another test's cluster)."""
+    default = Path(private_temp_dir())
+    try:
+        (default / "ray").mkdir()
+        head = f"127.0.0.1:{ray_cluster.gcs_port}"
+        (default / "ray" / "ray_current_cluster").write_text(head)
+        env = ray_cluster.env | {"RAY_TMPDIR": str(default)}
+        script = ("from raytuner import runtime; runtime.connect(); import ray; "
+                  "print(ray.get_runtime_context().gcs_address)")  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        joined = out.stdout.strip().splitlines()[-1]
+        assert not joined.endswith(f":{ray_cluster.gcs_port}"), f"joined {head}: {out.stderr}"
+    finally:
+        shutil.rmtree(default, ignore_errors=True)
 
 
 # raytuner's series on the metrics endpoint (Ray adds "ray_", counters end in "_total")
