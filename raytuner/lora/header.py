@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 
 import torch
 
@@ -81,3 +82,24 @@ class Header:
 
 def _nbytes(entry: dict) -> int:
     return math.prod(entry["shape"]) * DTYPES[entry["dtype"]].itemsize
+
+
+def checked(path: str, key: str) -> tuple[dict, dict[str, str], Callable]:
+    """What a check reads of the file ``key`` names: its tensors (``Header.tensors``), its
+    metadata and ``load``, a tensor's values when it is a header's (meta) tensor; ConfigError
+    naming ``key`` where the file cannot be read or is not safetensors."""
+    from raytuner.config import ConfigError
+
+    try:
+        file = Header(path)
+    except OSError as e:
+        raise ConfigError(f"{key} = {path!r}: cannot read it ({e})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{key} = {path!r}: not a safetensors file ({e})") from None
+    tensors = file.tensors()
+    names = {id(t): name for name, t in tensors.items()}
+
+    def load(t: torch.Tensor) -> torch.Tensor:
+        return file.load(names[id(t)]) if t.is_meta else t
+
+    return tensors, file.metadata, load

@@ -24,8 +24,7 @@ from safetensors.torch import load as load_tensors
 from raytuner import storage
 from raytuner.checkpoint.layout import DIFFUSERS_FILE
 from raytuner.config import ConfigError
-from raytuner.lora import export, kohya, lycoris, lycoris_from
-from raytuner.lora.header import Header
+from raytuner.lora import export, header, kohya, lycoris, lycoris_from
 
 COMFY = "diffusion_model."  # ComfyUI's name of the denoiser in LoRA keys
 _PEFT_DEFAULT = re.compile(r"\.(lora_[AB])\.default\.weight$")
@@ -368,16 +367,5 @@ def check_file(denoiser, path: str, lora, family, text=()) -> None:
     on their values (the up of a fused kohya linear, one of a module the job's targets do not
     reach). ``denoiser`` (and the encoders of ``text``) may be on the meta device, their
     adapters in place: `raytuner check` refuses a file that would fail every worker."""
-    try:
-        file = Header(path)
-    except OSError as e:
-        raise ConfigError(f"lora.init_from = {path!r}: cannot read it ({e})") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"lora.init_from = {path!r}: not a safetensors file ({e})") from None
-    tensors = file.tensors()
-    names = {id(t): name for name, t in tensors.items()}
-
-    def load(t: torch.Tensor) -> torch.Tensor:
-        return file.load(names[id(t)]) if t.is_meta else t
-
-    _states(tensors, file.metadata, denoiser, path, lora, family, text, load)
+    tensors, meta, load = header.checked(path, "lora.init_from")
+    _states(tensors, meta, denoiser, path, lora, family, text, load)

@@ -30,8 +30,7 @@ import torch
 
 from raytuner import storage
 from raytuner.config import ConfigError
-from raytuner.lora import export, init_from, kohya, lycoris_from
-from raytuner.lora.header import Header
+from raytuner.lora import export, header, init_from, kohya, lycoris_from
 from raytuner.lora.init_from import ADAPTER_KEY, COMFY
 
 MAGNITUDES = ("lora_magnitude_vector", "dora_scale")  # peft's DoRA m, LyCORIS' dora_scale
@@ -258,20 +257,9 @@ def check(adapters, family, denoiser) -> None:
 
 
 def _check_file(i: int, adapter, family, denoiser) -> None:
+    tensors, meta, load = header.checked(adapter.path, key(i))
     try:
-        file = Header(adapter.path)
-    except OSError as e:
-        raise ConfigError(f"{key(i)} = {adapter.path!r}: cannot read it ({e})") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{key(i)} = {adapter.path!r}: not a safetensors file ({e})") from None
-    tensors = file.tensors()
-    names = {id(t): name for name, t in tensors.items()}
-
-    def load(t: torch.Tensor) -> torch.Tensor:
-        return file.load(names[id(t)]) if t.is_meta else t
-
-    try:
-        changes(tensors, file.metadata, family, denoiser, load)
+        changes(tensors, meta, family, denoiser, load)
     except (KeyError, ValueError) as e:
         raise ConfigError(f"{key(i)} = {adapter.path!r}: {e}") from None
 
