@@ -87,31 +87,18 @@ def test_only_the_active_expert_trains_and_each_exports_its_own_files(tmp_path):
     state for the other), the low expert's next step only the low LoRA's; the export writes
     lora/high/ and lora/low/, each diffusers' layout under ``transformer.`` and the Wan-named
     kohya file, its ``raytuner.expert`` the expert's."""
-    from raytuner.train.model import trainable_model
-
-    family = get_family("wan22", mixture.BOTH)
-    model = ModelConfig(family="wan22", expert=mixture.BOTH)
-    t = TrainConfig(output=str(tmp_path), max_steps=2)
-    trained = trainable_model(model, t, LoraConfig(rank=4, alpha=4.0), family, torch.device("cpu"))
-    loss_fn = family.loss(trained.source, _objective())
-    names, params = trained.weights.names, trained.weights.params
     parts = {"high": "transformer.", "low": "transformer_2."}
-    assert {n.split(".")[0] for n in names} == {"transformer", "transformer_2"}
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    for turn, expert in enumerate(("high", "low")):
-        before = [p.detach().clone() for p in params]
-        trained.denoiser.activate(turn)
-        gens = [torch.Generator().manual_seed(10 * turn + i) for i in range(2)]
-        batch = {"latent": torch.randn(2, 16, 1, 4, 4), "prompt_embeds": torch.randn(2, 5, 32)}
-        loss_fn(trained.denoiser, batch | loss_fn.draw_of(turn)((2, 16, 1, 4, 4), gens)).sum()\
-            .backward()  # fmt: skip
-        opt.step()
-        for n, p, b in zip(names, params, before, strict=True):
+
+    def stepped(turn: int, trained, opt, before: list) -> None:
+        expert, names = ("high", "low")[turn], trained.weights.names
+        assert {n.split(".")[0] for n in names} == {"transformer", "transformer_2"}
+        for n, p, b in zip(names, trained.weights.params, before, strict=True):
             mine = n.startswith(parts[expert])
             assert (p.grad is not None) == mine, n
             assert (p in opt.state) == (mine or turn == 1 and n.startswith(parts["high"])), n
             assert mine or torch.equal(p, b), n
-        opt.zero_grad(set_to_none=True)
+
+    family, trained = _trained_both(LoraConfig(rank=4, alpha=4.0), tmp_path, stepped)
     trained.weights.export_lora(str(tmp_path), family, {"raytuner.expert": mixture.BOTH})
     for expert in ("high", "low"):
         folder = tmp_path / "lora" / expert
@@ -122,8 +109,9 @@ def test_only_the_active_expert_trains_and_each_exports_its_own_files(tmp_path):
             assert all(k.startswith("diffusion_model.blocks.") for k in f.keys())  # noqa: SIM118
 
 
-def _trained_both(lora: LoraConfig, out):
-    """A mixture of both experts with ``lora`` on each, a step of each expert taken (AdamW)."""
+def _trained_both(lora: LoraConfig, out, stepped=None):
+    """A mixture of both experts with ``lora`` on each, a step of each expert taken (AdamW);
+    ``stepped(turn, trained, opt, the parameters before)`` after each step's update."""
     from raytuner.train.model import trainable_model
 
     family = get_family("wan22", mixture.BOTH)
@@ -136,9 +124,12 @@ def _trained_both(lora: LoraConfig, out):
         trained.denoiser.activate(turn)
         gens = [torch.Generator().manual_seed(10 * turn + i) for i in range(2)]
         batch = {"latent": torch.randn(2, 16, 1, 4, 4), "prompt_embeds": torch.randn(2, 5, 32)}
+        before = [p.detach().clone() for p in trained.weights.params]
         loss_fn(trained.denoiser, batch | loss_fn.draw_of(turn)((2, 16, 1, 4, 4), gens)).sum()\
             .backward()  # fmt: skip
         opt.step()
+        if stepped is not None:
+            stepped(turn, trained, opt, before)
         opt.zero_grad(set_to_none=True)
     return family, trained
 
