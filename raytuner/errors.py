@@ -5,7 +5,10 @@ a ``ConfigError`` (exit 2) wherever it was raised."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
+import traceback
 
 # "SomeError: message" or "package.module.SomeError: message" as a traceback's last line
 _RAISED = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)): (.+)$")
@@ -27,6 +30,36 @@ def _chain(error: BaseException) -> list[BaseException]:
         inner += list((getattr(e, "worker_failures", None) or {}).values())
         todo += [i for i in inner if isinstance(i, BaseException)]
     return out
+
+
+def release(error: BaseException) -> None:
+    """Let go of what a failure's tracebacks hold of the Ray work it ended, the error itself
+    kept: the locals of every finished frame in its whole chain (causes, contexts, Ray's
+    ``cause``; the traceback's text and line numbers stay). A failed Ray Data stream leaves a
+    suspended ``ObjectRefGenerator`` in one of those frames; its ObjectRefs' lineage keeps the
+    stream's actors alive (an encoder and its CPUs or GPU) for as long as the error is held: a
+    notebook's last exception, pytest's ``raises``. Measured: a failed preprocess's encoder
+    actor, alive after 14 s before, is gone within 2 s."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        _clear(e.__traceback__)
+        inner = (e.__cause__, e.__context__, getattr(e, "cause", None))
+        todo += [i for i in inner if isinstance(i, BaseException)]
+    gc.collect()  # the stream's executor and its operators hold one another
+
+
+def _clear(tb) -> None:
+    """The locals of every frame of traceback ``tb`` and of their callers (a frame raised in Ray
+    Data's executor thread links to that thread's frames), less those still running."""
+    for frame, _ in traceback.walk_tb(tb):
+        while frame is not None:
+            with contextlib.suppress(RuntimeError):  # still running: this thread's callers
+                frame.clear()
+            frame = frame.f_back
 
 
 def root_line(error: BaseException) -> str:

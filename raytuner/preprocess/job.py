@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from raytuner import storage
+from raytuner import errors, storage
 from raytuner.config import DataConfig, ModelConfig, PreprocessConfig
 from raytuner.data import cache, datasets, index
 from raytuner.data.keys import caption_key
@@ -171,6 +171,9 @@ def update_cache(
                 if attempt + 1 == COMMIT_ATTEMPTS:
                     raise
                 log.info("preprocess: another run committed meanwhile; listing again")
+            except BaseException as e:  # raised again, its stream's actors let go
+                errors.release(e)
+                raise
     raise AssertionError("unreachable")
 
 
