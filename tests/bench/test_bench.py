@@ -145,6 +145,34 @@ def test_rounds_alternate_the_two_sides_and_report_their_spread():
         alternate(0, {"a": lambda r: r})
 
 
+def test_bench_step_of_both_experts_times_each_experts_steps():
+    """`bench step` of a run of both Wan 2.2 A14B experts (``model.expert = "both"``): the
+    steps go to each expert in turn, as training's do, so the figures hold both experts' steps
+    and optimizer state (before, every step was the first expert's)."""
+    from diffusers import WanTransformer3DModel
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from raytuner.config import load_job
+    from raytuner.families import get_family
+    from raytuner.tools.bench.step import bench_step
+
+    settings = ['model.pretrained="tiny"', 'model.expert="both"', "preprocess.resolution=64"]
+    settings += ["data.frames=[5]", 'model.dtype="float32"', "memory.blocks_to_swap=0"]
+    job = load_job(Path(__file__).resolve().parents[2] / "jobs" / "wan22-a14b.toml", settings)
+    ran = []
+    hook = register_module_forward_hook(
+        lambda m, *_: ran.append(id(m)) if isinstance(m, WanTransformer3DModel) else None
+    )
+    try:
+        result = bench_step(job, get_family("wan22", "both"), steps=2, as_json=True,
+                            warmup=1, planned=False)  # fmt: skip
+    finally:
+        hook.remove()
+    assert result["experts"] == 2 and result["samples_per_s"] > 0
+    turns = [m for i, m in enumerate(ran) if i == 0 or ran[i - 1] != m]  # a step's forwards: one
+    assert len(turns) == 3 and turns[0] == turns[2] != turns[1], "the experts did not take turns"
+
+
 @pytest.mark.slow
 def test_bench_step_shards_over_a_process_group_of_one():
     """`bench step` with ``scaling.strategy = "fsdp"`` (a process of its own: it starts a

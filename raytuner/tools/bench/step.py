@@ -50,10 +50,16 @@ def bench_step(
     one = dataclasses.replace(job.train, global_batch_size=micro, micro_batch_size=0)
     args = (trained, trained.denoiser, loss_fn, opt, sched, one, job.memory, device)
     train_step = step.train_step(*args)
-    batch = _example(family, trained, loss_fn, shapes, micro, size, device)
+    # a run of both experts (``model.expert = "both"``): each step the next expert's, so the
+    # timed steps (and the peak) hold both experts' steps and optimizer state
+    turns = max(len(family.turns), 1)
+    batches = [_example(family, trained, loss_fn, shapes, micro, size, device, t)
+               for t in range(turns)]  # fmt: skip
+    batch = batches[0]
 
     def run(i: int) -> None:  # the training step itself, on one micro-batch of random inputs
-        train_step(RankSlice(0, i, 1, batch, [i * micro + j for j in range(micro)], []))
+        samples = [i * micro + j for j in range(micro)]
+        train_step(RankSlice(0, i, 1, batches[i % turns], samples, [], turn=i % turns))
 
     warmup_s, seconds, graphs = _timed(run, warmup, steps, device)
     shape = tuple(batch["latent"].shape[1:])
@@ -72,6 +78,7 @@ def bench_step(
         "micro_batch": micro,
         "gradient_checkpointing": checkpointing,
         "strategy": strategy.name,
+        "experts": turns if family.turns else None,  # in turn, one a step
         "compile": trained.compiled,
         "channels_last": job.train.channels_last
         and family.blocks.channels_last
@@ -104,15 +111,15 @@ def bench_step(
     return result
 
 
-def _example(family, trained, loss_fn, shapes, micro: int, size, device) -> dict:
+def _example(family, trained, loss_fn, shapes, micro: int, size, device, turn: int = 0) -> dict:
     """The family's example of what the feed hands the step (float32, as read from the cache;
     with ``lora.text_encoder`` the token ids instead), with each sample's draws as the feed
-    makes them."""
+    makes them (for expert ``turn`` of a run of both: its noise levels)."""
     batch = family.example_batch(shapes, micro, size, device, torch.float32)
     if (text := trained.weights.text) is not None:
         batch = text.example(batch, device)
     generators = [torch.Generator().manual_seed(i) for i in range(micro)]
-    drawn = loss_fn.draw(tuple(batch["latent"].shape), generators)
+    drawn = loss_fn.draw_of(turn)(tuple(batch["latent"].shape), generators)
     return batch | {k: v.to(device) for k, v in drawn.items()}
 
 
