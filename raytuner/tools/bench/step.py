@@ -50,19 +50,10 @@ def bench_step(
     one = dataclasses.replace(job.train, global_batch_size=micro, micro_batch_size=0)
     args = (trained, trained.denoiser, loss_fn, opt, sched, one, job.memory, device)
     train_step = step.train_step(*args)
-    # a run of both experts (``model.expert = "both"``): each step the next expert's, so the
-    # timed steps (and the peak) hold both experts' steps and optimizer state
-    turns = max(len(family.turns), 1)
     batches = [_example(family, trained, loss_fn, shapes, micro, size, device, t)
-               for t in range(turns)]  # fmt: skip
-    batch = batches[0]
-
-    def run(i: int) -> None:  # the training step itself, on one micro-batch of random inputs
-        samples = [i * micro + j for j in range(micro)]
-        train_step(RankSlice(0, i, 1, batches[i % turns], samples, [], turn=i % turns))
-
-    warmup_s, seconds, graphs = _timed(run, warmup, steps, device)
-    shape = tuple(batch["latent"].shape[1:])
+               for t in range(max(len(family.turns), 1))]  # fmt: skip
+    warmup_s, seconds, graphs = _timed(_stepper(train_step, batches, micro), warmup, steps, device)
+    shape = tuple(batches[0]["latent"].shape[1:])
     per_sample = train_step.per_sample[shape] / 1e12  # the hardware's: recompute included
     model_per_sample = train_step.model_per_sample[shape] / 1e12
     tflops = steps * micro * per_sample / seconds
@@ -78,7 +69,7 @@ def bench_step(
         "micro_batch": micro,
         "gradient_checkpointing": checkpointing,
         "strategy": strategy.name,
-        "experts": turns if family.turns else None,  # in turn, one a step
+        "experts": len(batches) if family.turns else None,  # in turn, one a step
         "compile": trained.compiled,
         "channels_last": job.train.channels_last
         and family.blocks.channels_last
@@ -109,6 +100,18 @@ def bench_step(
     }
     print(json.dumps(result) if as_json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return result
+
+
+def _stepper(train_step, batches: list[dict], micro: int):
+    """``run(i)``: the training step itself on one micro-batch of random inputs, ``batches[i %
+    len(batches)]``: a run of both experts (``model.expert = "both"``) gives each step to the
+    next expert, so the timed steps (and the peak) hold both experts' steps and optimizer state."""
+
+    def run(i: int) -> None:
+        turn, samples = i % len(batches), [i * micro + j for j in range(micro)]
+        train_step(RankSlice(0, i, 1, batches[turn], samples, [], turn=turn))
+
+    return run
 
 
 def _example(family, trained, loss_fn, shapes, micro: int, size, device, turn: int = 0) -> dict:
