@@ -201,6 +201,9 @@ class QwenImage(base.DiffusersFamily):
         return latent.unsqueeze(2)
 
     def loss(self, source: parts.Source, objective):
+        """Flow matching on the target's tokens; an edit pair's reference latents
+        (``reference_latent``: Qwen-Image-Edit) go in after them, as its pipeline packs them,
+        and the loss leaves their outputs out."""
         from diffusers import QwenImagePipeline
 
         objective = objectives.objective_of_kind(self, objective)
@@ -209,18 +212,23 @@ class QwenImage(base.DiffusersFamily):
         def qwen_image_loss(denoiser, batch) -> torch.Tensor:
             latents, text = batch["latent"], batch["prompt_embeds"]
             b, c, h, w = latents.shape
+            refs = batch.get("reference_latent")  # [B, K, C, h, w]: the target's bucket
+            count = 0 if refs is None else refs.shape[1]
+            packed = [pack(refs[:, k], b, c, h, w) for k in range(count)]
+            target = (h // PATCH) * (w // PATCH)
+            # (frames, rows, columns) of the target's tokens, then of each reference's
+            shapes = [[(1, h // PATCH, w // PATCH)] * (1 + count)] * b
             mask = text_mask(text)
-            shapes = [[(1, h // PATCH, w // PATCH)]] * b  # (frames, rows, columns) of tokens
 
             def predict(noisy, sigmas):
                 out = denoiser(
-                    hidden_states=pack(noisy, b, c, h, w),
+                    hidden_states=torch.cat([pack(noisy, b, c, h, w), *packed], dim=1),
                     encoder_hidden_states=text,
                     encoder_hidden_states_mask=mask,
                     timestep=sigmas.to(latents.dtype),
                     img_shapes=shapes,
                     return_dict=False,
-                )[0]
+                )[0][:, :target]  # the loss: the target's tokens alone
                 return unpack(out, h * VAE_FACTOR, w * VAE_FACTOR, VAE_FACTOR)[:, :, 0]
 
             return objectives.flow_loss(objective, batch, predict, batch.get("mask"))

@@ -3,8 +3,8 @@ transformer, VAE and Qwen2.5-VL trained to edit. A reference image conditions it
 pipeline does:
 
 - its latent (the VAE's, normalized as the target's) is packed and concatenated after the
-  target's image tokens, ``img_shapes`` listing the target then each reference; the loss is the
-  target's tokens alone;
+  target's image tokens, ``img_shapes`` listing the target then each reference; the loss (Qwen-
+  Image's, which takes a batch's ``reference_latent``) is the target's tokens alone;
 - Qwen2.5-VL sees it: the prompt ``Picture 1: <|vision_start|><|image_pad|><|vision_end|>…`` then
   the instruction in the edit template, the image resized to about 384 x 384 pixels at its aspect
   ratio (``CONDITION_IMAGE_SIZE``, multiples of 32) and then by the processor (multiples of 28),
@@ -23,17 +23,14 @@ import os
 
 import torch
 
-from raytuner.families import base, objectives, parts
+from raytuner.families import base, parts
 from raytuner.families.qwen_image import (
     MAX_TOKENS,
-    PATCH,
-    SHIFT_LINE,
     TEXT_WIDTH,
     VAE_FACTOR,
     QwenImage,
     _QwenText,
     _tokenizer,
-    text_mask,
 )
 
 # Qwen2.5-VL's rows of one reference at the pipeline's condition size (384 x 384: 14 x 14
@@ -168,42 +165,6 @@ class QwenImageEdit(QwenImage):
     def text_encoder(self, source: parts.Source, device: str, weights: bool = True):
         encoder = self.part(source, "text_encoder", device, weights)
         return _EditText(_tokenizer(source), encoder, device, source)
-
-    def loss(self, source: parts.Source, objective):
-        from diffusers import QwenImageEditPlusPipeline as Pipe
-
-        objective = objectives.objective_of_kind(self, objective)
-        pack, unpack = Pipe._pack_latents, Pipe._unpack_latents
-
-        def qwen_image_edit_loss(denoiser, batch) -> torch.Tensor:
-            latents, text = batch["latent"], batch["prompt_embeds"]
-            b, c, h, w = latents.shape
-            refs = batch.get("reference_latent")  # [B, K, C, h, w]: the target's bucket
-            count = 0 if refs is None else refs.shape[1]
-            packed = [pack(refs[:, k], b, c, h, w) for k in range(count)]
-            tokens = (h // PATCH) * (w // PATCH)
-            # (frames, rows, columns) of the target's tokens, then of each reference's
-            shapes = [[(1, h // PATCH, w // PATCH)] * (1 + count)] * b
-            mask = text_mask(text)
-
-            def predict(noisy, sigmas):
-                out = denoiser(
-                    hidden_states=torch.cat([pack(noisy, b, c, h, w), *packed], dim=1),
-                    encoder_hidden_states=text,
-                    encoder_hidden_states_mask=mask,
-                    timestep=sigmas.to(latents.dtype),
-                    img_shapes=shapes,
-                    return_dict=False,
-                )[0][:, :tokens]  # the loss: the target's tokens alone
-                return unpack(out, h * VAE_FACTOR, w * VAE_FACTOR, VAE_FACTOR)[:, :, 0]
-
-            return objectives.flow_loss(objective, batch, predict, batch.get("mask"))
-
-        def image_tokens(shape: tuple[int, ...]) -> int:  # the target's (the pipeline's mu)
-            return (shape[2] // PATCH) * (shape[3] // PATCH)
-
-        draw = objectives.flow_draw(objective, image_tokens, SHIFT_LINE)
-        return objectives.Objective(draw, qwen_image_edit_loss)
 
     def example_batch(
         self, shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype
