@@ -39,7 +39,8 @@ def release(error: BaseException) -> None:
     suspended ``ObjectRefGenerator`` in one of those frames; its ObjectRefs' lineage keeps the
     stream's actors alive (an encoder and its CPUs or GPU) for as long as the error is held: a
     notebook's last exception, pytest's ``raises``. Measured: a failed preprocess's encoder
-    actor, alive after 14 s before, is gone within 2 s."""
+    actor still held its CPU 14 s later before; now the CPU is free at once and the actor's
+    process gone within 6 s."""
     seen, todo = set(), [error]
     while todo:
         e = todo.pop()
