@@ -41,6 +41,26 @@ def test_every_group_fits_its_window_and_rows_name_their_commands(capsys):
     assert "train.micro_batch_size=8" in sd15 and "--warmup" in sd15
 
 
+def test_each_row_draws_random_weights_of_its_own_jobs_model():
+    """A row's random weights have the architecture its job names: the 1.3B job's row builds
+    Wan 2.1 1.3B (a plain "random" built the 14B on 2026-11-28: the row timed out at 108 s)."""
+    import tomllib
+
+    from raytuner.families import parts
+
+    items = gpu_rows.rows(list(gpu_rows.FAMILIES), str(REPO / "jobs"), "/tmp/w")
+    for item in items:
+        job = next((a for a in item.args if a.endswith(".toml")), None)
+        if job is None:
+            continue
+        model = tomllib.loads(Path(job).read_text())["model"]
+        preset = parts.released(model["family"], model["pretrained"])
+        assert f'model.pretrained="{preset}"' in item.args, (item.name, preset)
+    wan = next(i for i in items if i.name == "step wan-1.3b")
+    assert 'model.pretrained="random-1.3b"' in wan.args
+    assert parts.Source("random-1.3b").full_size and not parts.Source("tiny").full_size
+
+
 def test_only_picks_groups_and_rows_and_names_the_groups_when_wrong(capsys):
     from raytuner.cli import main
 

@@ -13,7 +13,11 @@ checkpointing change is read against them.
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
+
+from raytuner.families import parts
 
 FAMILIES = ("sd15", "sdxl", "flux", "sana", "z-image", "qwen-image", "flux2-klein", "flux2-dev",
             "flux-kontext", "qwen-image-edit")  # fmt: skip
@@ -26,11 +30,10 @@ GROUP_LIMIT_S = 480  # a group's estimate at most: 8 minutes
 # the least a row's timed steps take: SD1.5's 8 steps at 8 a forward took 1.2 s on an H200 and
 # two rounds of them gave 47.5 and 68.4 samples/s (2026-11-27)
 MIN_TIMED_S = 8.0
-RANDOM = ("--set", 'model.pretrained="random"')
 START_S = 18.0  # a process: python, torch, diffusers, the job checked (measured 15-20 s)
 # the micro-batch, samples/s eager, load s (a random model's draw) and compile s of its blocks:
 # SD1.5, SDXL, Sana and Flux as measured on the H100 on 2026-11-23, the 2026 families as
-# measured on an H200 on 2026-11-27 (the H100's tensor cores; the first figures of each)
+# measured on an H200 on 2026-11-27 and -28 (the H100's tensor cores; the first figures of each)
 BASE = {  # jobs/<name>.toml (a family's name, but for the video jobs): the four above
     "sd15": (8, 45.4, 4.0, 60.0),
     "sdxl": (4, 4.16, 6.0, 70.0),
@@ -39,16 +42,15 @@ BASE = {  # jobs/<name>.toml (a family's name, but for the video jobs): the four
     "z-image": (1, 1.487, 3.0, 60.0),  # one block class to compile, as Sana's
     "qwen-image": (1, 0.930, 5.0, 60.0),
     "flux2-klein": (1, 2.709, 4.0, 90.0),  # two block classes to compile, as Flux's
-    # not measured yet (its row failed in the first backward, fixed since): Flux's rate scaled
-    # by plan's TFLOP a sample (893.2 against 245.8); its 64 GB of random weights drawn
-    "flux2-dev": (1, 0.33, 40.0, 90.0),
+    "flux2-dev": (1, 0.45, 76.0, 90.0),  # its 64 GB of random weights drawn in 76 s
     "flux-kontext": (1, 0.559, 4.0, 90.0),
     "qwen-image-edit": (1, 0.501, 4.0, 60.0),
-    # the video jobs at their frames (Wan 2.1 81, Wan 2.2 TI2V-5B 121), not measured yet: Flux's
-    # 303 hardware TFLOP/s on the H200 over plan's TFLOP a sample (1,205, 2,045 and 6,645)
+    # the video jobs at their frames (Wan 2.1 81, Wan 2.2 TI2V-5B 121); the 1.3B not measured
+    # yet: Wan 14B's 356 hardware TFLOP/s on the H200 over plan's 1,205 TFLOP a sample, less
+    # for a smaller model's kernels
     "wan-1.3b": (1, 0.25, 5.0, 60.0),
-    "wan22-5b": (1, 0.15, 10.0, 60.0),
-    "wan-14b": (1, 0.045, 30.0, 60.0),
+    "wan22-5b": (1, 0.168, 5.0, 60.0),
+    "wan-14b": (1, 0.054, 4.0, 60.0),
 }
 # the video rows: a job each (not a family's name), its blocks all resident (`wan-14b.toml`
 # streams 12 of 40 from host memory; 53 GiB a worker without, by plan), fewer steps (seconds each)
@@ -81,6 +83,15 @@ def _sets(*pairs: str) -> tuple[str, ...]:
     return tuple(a for pair in pairs for a in ("--set", pair))
 
 
+def _random(jobs: str, name: str) -> tuple[str, ...]:
+    """The ``--set`` that gives jobs/<name>.toml's own architecture random weights: the preset
+    holding its released repo (``random-1.3b`` for Wan 2.1 1.3B), else the family's ``random``
+    (a plain ``random`` built the 14B for the 1.3B job on 2026-11-28)."""
+    model = tomllib.loads(Path(jobs, f"{name}.toml").read_text())["model"]
+    preset = parts.released(model["family"], model.get("pretrained", "")) or "random"
+    return "--set", f'model.pretrained="{preset}"'
+
+
 def _step(family: str, jobs: str, name: str, group: str, *sets: str, micro: int = 0,
           steps: int = 8, warmup: int = 3, plan: bool = False, extra_s: float = 0.0,
           rate: float = 0.0) -> Row:  # fmt: skip
@@ -88,7 +99,7 @@ def _step(family: str, jobs: str, name: str, group: str, *sets: str, micro: int 
     micro = micro or base_micro
     rate = rate or base_rate
     steps = max(steps, round(MIN_TIMED_S * rate / micro))  # a fast step timed for long enough
-    args = ("bench", "step", f"{jobs}/{family}.toml", *RANDOM,
+    args = ("bench", "step", f"{jobs}/{family}.toml", *_random(jobs, family),
             *_sets(f"train.micro_batch_size={micro}", *sets),
             "--steps", str(steps), "--warmup", str(warmup))  # fmt: skip
     if not plan:
@@ -228,14 +239,14 @@ def _train(families: list[str], jobs: str, workdir: str) -> list[Row]:
                    "qwen-image-edit": "train-7"}  # fmt: skip
         group = groups.get(f, "train-3")
         out.append(Row(name=f"train {f}", group=group,
-                       args=("bench", "train", f"{jobs}/{f}.toml", *RANDOM,
+                       args=("bench", "train", f"{jobs}/{f}.toml", *_random(jobs, f),
                              *_sets(*folders, f"train.micro_batch_size={micro}",
                                     f"train.global_batch_size={micro}"),
                              "--steps", "20", "--rounds", "1"),
                        estimate_s=round(seconds)))  # fmt: skip
     if "sdxl" in families:
         out.append(Row(name="preprocess sdxl", group="preprocess",
-                       args=("bench", "preprocess", f"{jobs}/sdxl.toml", *RANDOM,
+                       args=("bench", "preprocess", f"{jobs}/sdxl.toml", *_random(jobs, "sdxl"),
                              "--images", "256", "--rounds", "1"), estimate_s=150))  # fmt: skip
     return out
 

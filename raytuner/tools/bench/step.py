@@ -15,6 +15,7 @@ import time
 import torch
 
 from raytuner.config import JobConfig
+from raytuner.families import parts
 from raytuner.observe import flops
 from raytuner.placement.strategy import Strategy
 from raytuner.tools.plan import fsdp, trace
@@ -31,7 +32,7 @@ def bench_step(
     CPU: seconds to minutes of a full-size model) and report it beside the measured peak."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = trace.largest_bucket(job, family)
-    if job.model.pretrained == "random":  # the released shapes, no encoder trace needed
+    if parts.Source(job.model.pretrained).full_size:  # released shapes: no encoder trace
         shapes = family.cache_shapes(*size, trace.largest_frames(job, family))
     else:
         shapes = trace.trace_encoders(job, family, size)[1]
