@@ -168,7 +168,7 @@ class Flux(base.DiffusersFamily):
         swap=("transformer_blocks", "single_transformer_blocks"),
         shard=("transformer_blocks", "single_transformer_blocks"),
         compile=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
-        compiled_on_gpu=1.38,  # H100 2026-11-26: 1.68 vs 1.22 samples/s
+        compiled_on_gpu=1.38,  # H100 2026-11-26: 1.68 vs 1.22 samples/s (H200 2026-11-28: 1.43)
         float8_matmul=True,
     )
     # CLIP-L and T5: not trained (sd-scripts trains Flux's CLIP-L; raytuner the cache's text)
