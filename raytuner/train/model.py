@@ -27,7 +27,7 @@ from raytuner.families import mixture
 from raytuner.lora import export, init_from, kinds, kohya, merge
 from raytuner.placement import sharding
 from raytuner.placement.strategy import REPLICATED, Strategy
-from raytuner.train import float8_matmul, text_lora
+from raytuner.train import float8_matmul, recompute, text_lora
 from raytuner.train.weights import Weights
 
 log = logging.getLogger("raytuner.train")
@@ -222,7 +222,7 @@ def trainable_model(
     if float8:
         parts.float8_storage(denoiser.requires_grad_(False))
     if train.gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
+        denoiser.enable_gradient_checkpointing(recompute.checkpointed)
     text = None
     if lora.text_encoder and train.mode == "lora":
         text = text_lora.build(family, source, device, lora, train, trainable)

@@ -61,22 +61,37 @@ def _stepper(family, train, trained):
     return lambda: step(batch)
 
 
+def _counted(on: bool, checkpointing: bool):
+    """The FLOP counter of one train step of the tiny Flux."""
+    family, train, trained = _trained("flux", on=on, checkpointing=checkpointing)
+    step = _stepper(family, train, trained)
+    with counted() as counter:
+        assert torch.isfinite(step())
+    return counter
+
+
 def test_a_float8_step_does_the_work_of_a_step_without_float8():
     """The frozen weights get no gradient, so a float8 step counts the FLOPs of the same step
     without float8: the forward's and the input gradient's products, not the weights'
     gradients. Measured on the tiny Flux: 9,659,392 FLOPs both; torchao's float8 training,
     which computes them, counted 11,871,232 (its converted linears' 4.42 M became 6.63 M, 1.5x;
     Flux.1-dev at 1024 px on an H200: 290.0 against 171.3 TFLOP a sample)."""
-    family = FAMILIES["flux"]
-    flops = []
-    for on in (False, True):
-        _, train, trained = _trained("flux", on=on)
-        step = _stepper(family, train, trained)
-        with counted() as counter:
-            assert torch.isfinite(step())
-        flops.append(counter.total)
-    plain, float8 = flops
+    plain, float8 = (_counted(on, checkpointing=False).total for on in (False, True))
     assert abs(float8 - plain) <= 0.01 * plain, (plain, float8)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["plain", "float8"])
+def test_with_checkpointing_the_model_work_is_a_plain_steps_and_the_recompute_apart(on):
+    """Gradient checkpointing adds the forward again as recompute (tiny Flux: 3,782,656
+    FLOPs on 9,659,392), the model's work (``counter.model``) stays the step's without it.
+    With float8 the recomputed products run in ``_FrozenMatmul.forward``, with gradients off:
+    before raytuner's checkpoint function marked its recompute, they counted as model work
+    (12,049,408 model, 1,392,640 recompute; Flux.1-dev on an H200: 230.8 TFLOP a sample for
+    171.3)."""
+    plain = _counted(on=False, checkpointing=False).total
+    checkpointed = _counted(on=on, checkpointing=True)
+    assert abs(checkpointed.model - plain) <= 0.01 * plain, (plain, checkpointed.model)
+    assert checkpointed.total > 1.2 * plain, (plain, checkpointed.total)
 
 
 def test_float8_trains_with_gradient_checkpointing():

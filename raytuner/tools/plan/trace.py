@@ -28,7 +28,7 @@ from raytuner.preprocess.buckets import make_buckets
 from raytuner.tools.plan import fsdp
 from raytuner.tools.plan.meta import offloaded, traced
 from raytuner.tools.plan.progress import Progress
-from raytuner.train import optim
+from raytuner.train import optim, recompute
 from raytuner.train.model import Trainable, trainable_model
 
 GiB = 2**30
@@ -185,7 +185,7 @@ class Traces:
             self._models[key] = _planned_model(job, self.family)
         trained = self._models[key]
         if switched and checkpointing:
-            trained.denoiser.enable_gradient_checkpointing()
+            trained.denoiser.enable_gradient_checkpointing(recompute.checkpointed)
         elif switched:
             trained.denoiser.disable_gradient_checkpointing()
         return trained
