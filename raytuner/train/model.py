@@ -246,9 +246,10 @@ def trainable_model(
     placed = placement.DenoiserPlacement(denoiser, family, device, swapped, memory.swap_ring)
     placed.average(weights.ema)
     placement.memory_format(denoiser, family, device, train.channels_last, strategy.sharded)
-    if train.float8_matmul and device.type != "meta":  # frozen base linears in float8
-        float8_matmul.refuse_device(device)
-        float8_matmul.convert(denoiser, family)
+    if train.float8_matmul:  # frozen base linears in float8, their copies made (meta: plan's)
+        if device.type != "meta":
+            float8_matmul.refuse_device(device)
+        float8_matmul.convert(denoiser, family, amp or source.dtype)
     compiled = compiles(train.compile, family, device, swapped)
     if compiled:
         compile_blocks(denoiser, family)
