@@ -93,9 +93,9 @@ class ExpertMixture(nn.Module):
             module.add_adapter(config)
         self.peft_config = {"default": config}
 
-    def enable_gradient_checkpointing(self) -> None:
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func=None) -> None:
         for _, module in self.experts():
-            module.enable_gradient_checkpointing()
+            module.enable_gradient_checkpointing(gradient_checkpointing_func)
 
     def disable_gradient_checkpointing(self) -> None:
         for _, module in self.experts():

@@ -3,11 +3,11 @@ against the device's dense bfloat16 peak.
 
 ``counted()`` counts with torch's FLOP formulas (``torch.utils.flop_counter``: matmuls,
 convolutions, attention, forward and backward, and the forward again where gradient
-checkpointing recomputes it), with formulas added for the CPU's fused attention kernels, which
-torch counts only on GPUs. It counts whatever runs inside it, on real tensors or on the meta
-device (``raytuner plan`` counts its traced step). It is a dispatch mode of its own rather than
-torch's ``FlopCounterMode``, whose module tracking keeps tensors alive and would change what
-``raytuner plan`` measures of the same step's memory.
+checkpointing recomputes it, told apart from the model's work), with formulas added for the
+CPU's fused attention kernels, which torch counts only on GPUs. It counts whatever runs inside
+it, on real tensors or on the meta device (``raytuner plan`` counts its traced step). It is a
+dispatch mode of its own rather than torch's ``FlopCounterMode``, whose module tracking keeps
+tensors alive and would change what ``raytuner plan`` measures of the same step's memory.
 
 Two utilisations, named as such: **MFU** (model FLOPs utilisation) counts the model's work
 alone, forward and backward, and **HFU** (hardware FLOPs utilisation) adds what the step does
@@ -21,6 +21,7 @@ against a wrong peak.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -71,11 +72,35 @@ def _custom() -> dict:
     }
 
 
+_state = threading.local()  # per thread: CUDA backward runs on autograd's device threads
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """What runs inside, in this thread, is gradient checkpointing's recompute of a forward
+    (``train/recompute.py`` marks its own): counted as ``recompute``, gradients on or off."""
+    before = getattr(_state, "recomputing", False)
+    _state.recomputing = True
+    try:
+        yield
+    finally:
+        _state.recomputing = before
+
+
+def _recomputed() -> bool:
+    """Whether an op now is recompute: marked (``recomputing``), or a forward op run with
+    gradients on inside backward (any other checkpointing, e.g. transformers' text encoders;
+    autograd's own backward formulas run with gradients off). A custom autograd.Function's
+    forward runs with them off: only the mark tells its ops apart in a recompute."""
+    if getattr(_state, "recomputing", False):
+        return True
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
 class Counter(TorchDispatchMode):
     """The FLOPs of every op with a formula, added up (``total``), and of those the forward
-    ops that ran again inside backward (``recompute``: gradient checkpointing's, which runs them
-    with gradients on while autograd's own backward formulas run with them off); it keeps no
-    reference to any tensor."""
+    ops that ran again inside backward (``recompute``: gradient checkpointing's, ``_recomputed``);
+    it keeps no reference to any tensor."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,7 +116,7 @@ class Counter(TorchDispatchMode):
         if formula is not None:
             n = formula(*args, **kwargs, out_val=out)
             self.total += n
-            if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+            if _recomputed():
                 self.recompute += n
         return out
 

@@ -1,19 +1,26 @@
 """``train.float8_matmul``: the frozen base linears of a transformer family's repeated blocks run
 their matrix products in float8, while the LoRA stays in the compute dtype and its float32
 weights. An opt-in speed setting for GPUs with FP8 tensor cores (compute capability 8.9 and
-newer: L4, L40S, RTX 4090, H100, H200, B200); the weights stay stored as they are
-(``model.dtype``), cast to float8 on each use.
+newer: L4, L40S, RTX 4090, H100, H200, B200). The weights stay stored as they are
+(``model.dtype``); each converted linear keeps its weight's float8 e4m3 copy beside it, made
+once (``Float8FrozenLinear.float8_weight``): 1 byte more a converted parameter (Flux.1-dev's
+~11.9 B: ~11.9 GB next to its 23.8 GB of bfloat16 weights), which ``raytuner plan`` counts.
 
 Each chosen linear becomes a ``Float8FrozenLinear`` in place (its class swapped: the parameters,
-their names and peft's ``base_layer`` stay as they were). Its forward casts the input and the
-weight to float8 e4m3, each with one scale per tensor, and multiplies them with
-``torch._scaled_mm`` into the compute dtype; its backward computes the input's gradient alone
-(the output gradient cast to e5m2, times the weight cast to e4m3 again) and saves neither the
-input nor a float8 copy of the weight. Hand-written rather than torchao's float8 training, which
-is made for trained weights: its backward computes the weight's gradient too (a third matrix
-product and two more casts) and saves the input, even for a weight that needs no gradient; a
-Flux.1-dev LoRA on an H200 (1024 px, checkpointing) trained 2.6x slower with it than in
-bfloat16, counting 290.0 TFLOP a sample instead of 171.3.
+their names and peft's ``base_layer`` stay as they were; the copy is no parameter, buffer or
+state). Its forward casts the input to float8 e4m3 with one scale per tensor and multiplies it
+by the weight's copy with ``torch._scaled_mm`` into the compute dtype; its backward computes the
+input's gradient alone (the output gradient cast to e5m2, times the same copy made column-major,
+as ``_scaled_mm`` takes it: one linear's copy at a time, 1 byte an element, where keeping that
+layout too would cost every converted parameter another byte) and saves nothing but the kept
+copy. The weight cast on each use instead (forward, checkpointing's recompute, backward: ~30
+bytes of memory traffic a parameter each) made a Flux.1-dev LoRA step on an H200 2.0x slower
+than in bfloat16 (2026-11-28: 0.607 against 1.241 samples/s); the kept copy is not measured on
+a GPU yet. Hand-written rather than torchao's float8 training, which is made for trained
+weights: its backward computes the weight's gradient too (a third matrix product and two more
+casts) and saves the input, even for a weight that needs no gradient; a Flux.1-dev LoRA on an
+H200 (1024 px, checkpointing) trained 2.6x slower with it than in bfloat16, counting 290.0 TFLOP
+a sample instead of 171.3.
 
 What ``raytuner check`` refuses up front: CPU workers, the UNet families, float8 storage
 (``model.dtype = "float8"``: the weights are float8 already), block swap and sharding (untried
@@ -63,12 +70,12 @@ def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
 
 
 class _FrozenMatmul(torch.autograd.Function):
-    """``x @ weight.T + bias`` in float8, ``x`` 2-D; the gradient of ``x`` alone."""
+    """``x @ weight.T + bias`` in float8, ``x`` 2-D, the weight given as its float8 copy ``w8``
+    (row-major) and the scalar that turns it back; the gradient of ``x`` alone."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype):
+    def forward(ctx, x, w8, w_inverse, bias, dtype):
         x8, x_inverse = to_float8(x.to(dtype).contiguous(), E4M3)  # row-major
-        w8, w_inverse = to_float8(weight.to(dtype), E4M3)
         fused = bias is not None and dtype != torch.float32  # cuBLAS adds a half-precision bias
         out = torch._scaled_mm(
             x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse,
@@ -76,42 +83,74 @@ class _FrozenMatmul(torch.autograd.Function):
         )  # fmt: skip
         if bias is not None and not fused:
             out = out + bias.to(dtype)
-        ctx.save_for_backward(weight)  # the parameter itself: no copy is kept
-        ctx.dtypes = x.dtype, dtype
+        ctx.save_for_backward(w8, w_inverse)  # the linear's kept copy: nothing new is held
+        ctx.x_dtype = x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        (weight,) = ctx.saved_tensors
-        x_dtype, dtype = ctx.dtypes
+            return None, None, None, None, None
+        w8, w_inverse = ctx.saved_tensors
         g8, g_inverse = to_float8(grad.contiguous(), E5M2)
-        w8, w_inverse = to_float8(weight.to(dtype), E4M3)
-        column_major = w8.t().contiguous().t()  # _scaled_mm's second operand
+        column_major = w8.t().contiguous().t()  # _scaled_mm's second operand: 1 byte a weight
         grad_x = torch._scaled_mm(
-            g8, column_major, scale_a=g_inverse, scale_b=w_inverse, out_dtype=x_dtype
+            g8, column_major, scale_a=g_inverse, scale_b=w_inverse, out_dtype=ctx.x_dtype
         )
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
 class Float8FrozenLinear(nn.Linear):
     """A linear whose frozen weight multiplies in float8 (``_FrozenMatmul``), in the autocast
-    dtype where autocast is on for the input's device, else in the input's dtype."""
+    dtype where autocast is on for the input's device, else in the input's dtype. The weight's
+    float8 copy is kept (``float8_weight``), a plain attribute: not in ``state_dict``, not a
+    buffer (DDP would broadcast it)."""
+
+    _float8: tuple | None = None  # (dtype, the weight's stamp, its float8 copy, inverse scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kind = x.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        kind = x.device.type  # meta (plan) has no autocast
+        autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+        dtype = torch.get_autocast_dtype(kind) if autocast else x.dtype
+        w8, w_inverse = self.float8_weight(dtype)
         flat = x.reshape(-1, x.shape[-1])
-        out = _FrozenMatmul.apply(flat, self.weight, self.bias, dtype)
+        out = _FrozenMatmul.apply(flat, w8, w_inverse, self.bias, dtype)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    def float8_weight(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight cast to ``dtype``, then to float8 e4m3 (``to_float8``), and its inverse
+        scale: made once and kept, made again when the weight's device, storage or version
+        (an in-place write; not one through ``.data``, which counts none) or ``dtype`` differ
+        from the kept copy's. Compiled code cannot read the version: it takes the kept copy
+        when it is of ``dtype`` and on the weight's device (dynamo guards both), else casts
+        without keeping (a compiled region writes no module state)."""
+        kept, weight = self._float8, self.weight
+        if torch.compiler.is_compiling():
+            if kept is not None and kept[0] == dtype and kept[2].device == weight.device:
+                return kept[2], kept[3]
+            return to_float8(weight.to(dtype), E4M3)
+        stamp = (weight.device, weight.data_ptr(), weight._version)
+        if kept is None or kept[0] != dtype or kept[1] != stamp:
+            with torch.inference_mode(False):  # a copy training can save for backward
+                kept = self._float8 = (dtype, stamp, *to_float8(weight.to(dtype), E4M3))
+        return kept[2], kept[3]
 
-def convert(denoiser: nn.Module, family) -> int:
+    def _apply(self, fn, recurse=True):
+        """``to``, ``cuda``, ``half``...: a kept copy made again at once from the weight as
+        moved or cast (one linear's old copy held meanwhile), so that compiled code finds it."""
+        out = super()._apply(fn, recurse)
+        if self._float8 is not None:
+            self.float8_weight(self._float8[0])
+        return out
+
+
+def convert(denoiser: nn.Module, family, dtype: torch.dtype | None = None) -> int:
     """Each frozen base linear (a LoRA layer's ``base_layer``, or a plain frozen linear) inside
     the family's repeated blocks (``blocks.compile``) made a ``Float8FrozenLinear``, in place;
     the LoRA's own linears, every linear outside the blocks and one with a trained bias stay as
-    they are. Returns how many were converted."""
+    they are. ``dtype``: the step's compute dtype, each one's float8 copy made for it now (on
+    meta too, for ``raytuner plan`` to count), else at its first use. Returns how many were
+    converted."""
     count = 0
     for block in sharding.of_classes(denoiser, family.blocks.compile):
         for name, m in block.named_modules():
@@ -121,5 +160,12 @@ def convert(denoiser: nn.Module, family) -> int:
             lora = any(part.startswith("lora_") for part in name.split("."))
             if not trained_bias and not lora and all(d % DIVISOR == 0 for d in m.weight.shape):
                 m.__class__ = Float8FrozenLinear
+                if dtype is not None:
+                    m.float8_weight(dtype)
                 count += 1
     return count
+
+
+def copies(module: nn.Module) -> list[torch.Tensor]:
+    """The float8 copies and inverse scales the ``Float8FrozenLinear``s in ``module`` keep."""
+    return [t for m in module.modules() if (kept := getattr(m, "_float8", None)) for t in kept[2:]]

@@ -27,7 +27,7 @@ from raytuner.families import mixture
 from raytuner.lora import export, init_from, kinds, kohya, merge
 from raytuner.placement import sharding
 from raytuner.placement.strategy import REPLICATED, Strategy
-from raytuner.train import float8_matmul, text_lora
+from raytuner.train import float8_matmul, recompute, text_lora
 from raytuner.train.weights import Weights
 
 log = logging.getLogger("raytuner.train")
@@ -222,7 +222,7 @@ def trainable_model(
     if float8:
         parts.float8_storage(denoiser.requires_grad_(False))
     if train.gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
+        denoiser.enable_gradient_checkpointing(recompute.checkpointed)
     text = None
     if lora.text_encoder and train.mode == "lora":
         text = text_lora.build(family, source, device, lora, train, trainable)
@@ -246,9 +246,10 @@ def trainable_model(
     placed = placement.DenoiserPlacement(denoiser, family, device, swapped, memory.swap_ring)
     placed.average(weights.ema)
     placement.memory_format(denoiser, family, device, train.channels_last, strategy.sharded)
-    if train.float8_matmul and device.type != "meta":  # frozen base linears in float8
-        float8_matmul.refuse_device(device)
-        float8_matmul.convert(denoiser, family)
+    if train.float8_matmul:  # frozen base linears in float8, their copies made (meta: plan's)
+        if device.type != "meta":
+            float8_matmul.refuse_device(device)
+        float8_matmul.convert(denoiser, family, amp or source.dtype)
     compiled = compiles(train.compile, family, device, swapped)
     if compiled:
         compile_blocks(denoiser, family)

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from raytuner.cli import main
 from raytuner.observe import flops
+from raytuner.train import recompute
 
 REPO = Path(__file__).resolve().parents[2]
 B, C, S = 2, 3, 5  # batch, image channels, image side
@@ -32,6 +33,30 @@ class Tiny(torch.nn.Module):
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         tokens = self.conv(image).flatten(2).transpose(1, 2)  # [B, L, D]
         q, k, v = self.linear(tokens).chunk(3, dim=-1)
+        heads = [t.unflatten(-1, (H, D // H)).transpose(1, 2) for t in (q, k, v)]
+        return F.scaled_dot_product_attention(*heads).sum()
+
+
+class _Linear(torch.autograd.Function):
+    """``x @ w.T`` as a custom autograd.Function, whose forward runs with gradients off."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.flatten(0, -2).t() @ x.flatten(0, -2)
+
+
+class TinyFunction(Tiny):
+    """``Tiny`` with its linear layer's product in ``_Linear``."""
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        tokens = self.conv(image).flatten(2).transpose(1, 2)
+        q, k, v = _Linear.apply(tokens, self.linear.weight).chunk(3, dim=-1)
         heads = [t.unflatten(-1, (H, D // H)).transpose(1, 2) for t in (q, k, v)]
         return F.scaled_dot_product_attention(*heads).sum()
 
@@ -93,6 +118,21 @@ def test_model_flops_leave_out_the_recompute_hardware_flops_keep_it():
         extra = 2 * B * D * S * S * C * 9 if reentrant else 0  # the image's gradient then
         assert counter.model == by_hand() + extra, reentrant
         assert counter.get_total_flops() == by_hand(recompute=True) + extra
+
+
+def test_the_recompute_of_a_custom_function_is_recompute_under_raytuners_checkpointing():
+    """raytuner's checkpoint function (``train/recompute.py``, the denoiser's) marks its
+    recompute: a custom autograd.Function's product, recomputed with gradients off, is counted
+    as recompute, not as the model's work (as under torch's checkpoint alone)."""
+    model, image = TinyFunction(), _inputs()
+    with flops.counted() as counter:
+        recompute.checkpointed(model, image).backward()
+    assert counter.model == by_hand()
+    assert counter.get_total_flops() == by_hand(recompute=True)
+    with flops.counted() as counter:
+        checkpoint(model, image, use_reentrant=False).backward()
+    linear = 2 * B * L * D * 3 * D
+    assert counter.model == by_hand() + linear  # torch's: the recompute taken for backward
 
 
 def test_mfu_and_hfu_of_a_window_of_known_work(monkeypatch):

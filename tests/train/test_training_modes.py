@@ -10,6 +10,7 @@ import torch
 from raytuner.config import LoraConfig, ObjectiveConfig
 from raytuner.families import FAMILIES
 from raytuner.families.parts import Source
+from raytuner.train import recompute
 from raytuner.train.model import autocast_dtype
 from raytuner.train.step import forward_backward
 
@@ -34,7 +35,7 @@ def _gradients(family, batch, mode: str, checkpointing: bool):
     torch.manual_seed(0)  # the same LoRA init both times
     denoiser = family.denoiser(TINY)
     if checkpointing:
-        denoiser.enable_gradient_checkpointing()
+        denoiser.enable_gradient_checkpointing(recompute.checkpointed)
     weights = adapt(
         denoiser, mode=mode, lora=LoraConfig(rank=4), targets=family.adapters.targets, ema_decay=0
     )

@@ -28,7 +28,7 @@ from raytuner.preprocess.buckets import make_buckets
 from raytuner.tools.plan import fsdp
 from raytuner.tools.plan.meta import offloaded, traced
 from raytuner.tools.plan.progress import Progress
-from raytuner.train import optim
+from raytuner.train import float8_matmul, optim, recompute
 from raytuner.train.model import Trainable, trainable_model
 
 GiB = 2**30
@@ -41,9 +41,11 @@ META = torch.device("meta")
 
 
 def _bytes_by_dtype(*modules) -> dict[str, int]:
+    """The bytes of the modules' parameters, buffers and float8 copies (``train.float8_matmul``),
+    by dtype."""
     out: dict[str, int] = {}
     for module in modules:
-        for t in list(module.parameters()) + list(module.buffers()):
+        for t in [*module.parameters(), *module.buffers(), *float8_matmul.copies(module)]:
             name = str(t.dtype).removeprefix("torch.")
             out[name] = out.get(name, 0) + t.numel() * t.element_size()
     return out
@@ -185,7 +187,7 @@ class Traces:
             self._models[key] = _planned_model(job, self.family)
         trained = self._models[key]
         if switched and checkpointing:
-            trained.denoiser.enable_gradient_checkpointing()
+            trained.denoiser.enable_gradient_checkpointing(recompute.checkpointed)
         elif switched:
             trained.denoiser.disable_gradient_checkpointing()
         return trained
