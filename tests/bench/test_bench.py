@@ -5,6 +5,7 @@ Ray start and a torch import of their own."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -145,10 +146,12 @@ def test_rounds_alternate_the_two_sides_and_report_their_spread():
         alternate(0, {"a": lambda r: r})
 
 
-def test_bench_step_of_both_experts_times_each_experts_steps():
+def test_bench_step_of_both_experts_times_each_experts_steps(capsys):
     """`bench step` of a run of both Wan 2.2 A14B experts (``model.expert = "both"``): the
     steps go to each expert in turn, as training's do, so the figures hold both experts' steps
-    and optimizer state (before, every step was the first expert's)."""
+    and optimizer state (before, every step was the first expert's). Its progress goes to
+    stderr, what `bench gpu` keeps of a row ended at its limit: the model built (a row that
+    built the 14B for the 1.3B job said nothing in 108 s), then each warm-up step."""
     from diffusers import WanTransformer3DModel
     from torch.nn.modules.module import register_module_forward_hook
 
@@ -169,6 +172,12 @@ def test_bench_step_of_both_experts_times_each_experts_steps():
     finally:
         hook.remove()
     assert result["experts"] == 2 and result["samples_per_s"] > 0
+    err = capsys.readouterr().err.splitlines()
+    said = [line for line in err if line.startswith("bench step: ")]
+    assert re.fullmatch(r"bench step: wan22 \(tiny\): [\d.,]+ M parameters, [\d.,]+ M trained, "
+                        r"built in [\d.]+ s", said[0]), said  # fmt: skip
+    assert re.fullmatch(r"bench step: warm-up step 1 of 1: [\d.]+ s in", said[1]), said
+    assert said[2:] == ["bench step: timing 2 steps"], said
     turns = [m for i, m in enumerate(ran) if i == 0 or ran[i - 1] != m]  # a step's forwards: one
     assert len(turns) == 3 and turns[0] == turns[2] != turns[1], "the experts did not take turns"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 
 import torch
@@ -47,6 +48,7 @@ def bench_step(
     loss_fn = family.loss(trained.source, job.objective.for_family(family))
     dtype = trained.source.dtype
     load_s = time.perf_counter() - started
+    _say(_built(job, trained.denoiser, trained.weights.params, load_s))
     opt, sched = optim.for_run(job.train, trained.weights.param_groups())
     one = dataclasses.replace(job.train, global_batch_size=micro, micro_batch_size=0)
     args = (trained, trained.denoiser, loss_fn, opt, sched, one, job.memory, device)
@@ -132,10 +134,12 @@ def _timed(run, warmup: int, steps: int, device) -> tuple[float, float, int]:
     compiled), then ``steps`` times on the clock: (warm-up seconds, timed seconds, graphs
     compiled before the timed steps); the peak memory counts the timed steps only."""
     started = time.perf_counter()
-    for i in range(warmup):
+    for i in range(warmup):  # each timed apart and said: a row ended at its limit tells how far
         run(i)
-    _sync(device)
+        _sync(device)
+        _say(f"warm-up step {i + 1} of {warmup}: {time.perf_counter() - started:.1f} s in")
     warmup_s = time.perf_counter() - started
+    _say(f"timing {steps} steps")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     graphs = compiled_graphs()
@@ -144,6 +148,19 @@ def _timed(run, warmup: int, steps: int, device) -> tuple[float, float, int]:
         run(warmup + i)
     _sync(device)
     return warmup_s, time.perf_counter() - started, graphs
+
+
+def _say(text: str) -> None:
+    """A progress line on stderr (``bench gpu`` keeps a row's last 20: an ended row's tail)."""
+    print(f"bench step: {text}", file=sys.stderr, flush=True)
+
+
+def _built(job: JobConfig, denoiser, trained: list, load_s: float) -> str:
+    """What was built: the family, preset or folder, its parameters and the trained ones."""
+    total = sum(p.numel() for p in denoiser.parameters())
+    ours = sum(p.numel() for p in trained)
+    return (f"{job.model.family} ({job.model.pretrained}): {total / 1e6:,.1f} M parameters, "
+            f"{ours / 1e6:,.2f} M trained, built in {load_s:.1f} s")  # fmt: skip
 
 
 def _sync(device: torch.device) -> None:
