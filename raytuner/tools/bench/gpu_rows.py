@@ -127,6 +127,10 @@ def rows(families: list[str], jobs: str, workdir: str) -> list[Row]:
             row = dataclasses.replace(row, group=group)
         out.append(row)
         spent += row.estimate_s
+    for job in VIDEO:  # the video jobs compiled (Wan's blocks compile on CUDA: never measured)
+        out.append(_step(job, jobs, f"step {job} compiled", "video-compile", "train.compile=true",
+                         "memory.blocks_to_swap=0", steps=3, warmup=3,
+                         extra_s=BASE[job][3]))  # fmt: skip
     out += _kernels(families, jobs)
     out += _memory(families, jobs)
     out += _swap(families, jobs)
