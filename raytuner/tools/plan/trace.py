@@ -41,8 +41,7 @@ META = torch.device("meta")
 
 
 def _bytes_by_dtype(*modules) -> dict[str, int]:
-    """The bytes of the modules' parameters, buffers and float8 copies (``train.float8_matmul``),
-    by dtype."""
+    """Bytes by dtype: parameters, buffers, float8 copies (``train.float8_matmul``)."""
     out: dict[str, int] = {}
     for module in modules:
         for t in [*module.parameters(), *module.buffers(), *float8_matmul.copies(module)]:
