@@ -45,8 +45,8 @@ EPS = 1e-12  # an all-zero tensor's amax, so that its scale stays finite
 
 def refuse_device(device: torch.device) -> None:
     """A ConfigError unless ``device`` is a GPU with FP8 tensor cores."""
-    if device.type == "cpu":  # the CPU emulates the casts (tests); check refuses CPU workers
-        return
+    if device.type in ("cpu", "meta"):  # the CPU emulates the casts (tests; check refuses CPU
+        return  # workers); meta: raytuner plan's trace
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
     if capability < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

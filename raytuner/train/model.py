@@ -247,8 +247,7 @@ def trainable_model(
     placed.average(weights.ema)
     placement.memory_format(denoiser, family, device, train.channels_last, strategy.sharded)
     if train.float8_matmul:  # frozen base linears in float8, their copies made (meta: plan's)
-        if device.type != "meta":
-            float8_matmul.refuse_device(device)
+        float8_matmul.refuse_device(device)
         float8_matmul.convert(denoiser, family, amp or source.dtype)
     compiled = compiles(train.compile, family, device, swapped)
     if compiled:

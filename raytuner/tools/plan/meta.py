@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from raytuner.train import float8_matmul
+
 
 class LiveBytes(TorchDispatchMode):
     """The peak of the bytes held by tensors created while active (each storage counted once,
@@ -205,3 +207,14 @@ def offloaded(on: bool) -> Iterator[None]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+def bytes_by_dtype(*modules) -> dict[str, int]:
+    """What the modules hold, by dtype: parameters, buffers and the float8 copies of
+    ``train.float8_matmul``'s linears."""
+    out: dict[str, int] = {}
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers(), *float8_matmul.copies(module)]:
+            name = str(t.dtype).removeprefix("torch.")
+            out[name] = out.get(name, 0) + t.numel() * t.element_size()
+    return out

@@ -26,9 +26,9 @@ from raytuner.observe import flops
 from raytuner.placement.strategy import REPLICATED
 from raytuner.preprocess.buckets import make_buckets
 from raytuner.tools.plan import fsdp
-from raytuner.tools.plan.meta import offloaded, traced
+from raytuner.tools.plan.meta import bytes_by_dtype, offloaded, traced
 from raytuner.tools.plan.progress import Progress
-from raytuner.train import float8_matmul, optim, recompute
+from raytuner.train import optim, recompute
 from raytuner.train.model import Trainable, trainable_model
 
 GiB = 2**30
@@ -38,16 +38,6 @@ OVERHEAD = GiB  # CUDA context + library workspaces, per process
 # measured max_memory_allocated on an H100 (docs/figures.md)
 MARGIN = 0.05
 META = torch.device("meta")
-
-
-def _bytes_by_dtype(*modules) -> dict[str, int]:
-    """Bytes by dtype: parameters, buffers, float8 copies (``train.float8_matmul``)."""
-    out: dict[str, int] = {}
-    for module in modules:
-        for t in [*module.parameters(), *module.buffers(), *float8_matmul.copies(module)]:
-            name = str(t.dtype).removeprefix("torch.")
-            out[name] = out.get(name, 0) + t.numel() * t.element_size()
-    return out
 
 
 def largest_bucket(job: JobConfig, family) -> tuple[int, int]:
@@ -252,7 +242,7 @@ def _worker(job: JobConfig, family, trained: Trainable, micro: int, counted: dic
     backward_peak = counted["backward_peak"]
     trained_bytes = sum(p.numel() * p.element_size() for p in weights.params)
     state = optim.state_bytes(t.optimizer, weights.params)
-    by_dtype = _bytes_by_dtype(denoiser, *text)  # the text encoders' when trained
+    by_dtype = bytes_by_dtype(denoiser, *text)  # the text encoders' when trained
     ema = trained_bytes if t.ema_decay else 0
     ddp_buckets = trained_bytes  # DDP's flat gradient buckets beside the .grad tensors
     # every later step runs the same forward and backward with the optimizer state alive
@@ -358,7 +348,7 @@ def _one_part_bytes(family, source: parts.Source, name: str) -> int:
     """The bytes of a part's weights (built once on meta)."""
     cls = family.parts.classes[name]
     module = parts.load(family, source, name, cls, device="meta", weights=False)
-    return sum(_bytes_by_dtype(module).values())
+    return sum(bytes_by_dtype(module).values())
 
 
 def trace_validation(job: JobConfig, family, shapes: dict, size, progress=None) -> dict:
