@@ -4,7 +4,9 @@ same expert at each step, in turns of ``model.expert_switch_every`` steps, each 
 level in its range (the sample log); both LoRAs trained; the validation actor renders with them;
 a SIGKILLed worker resumes exactly; sharded (fsdp), a resumed run ends as the replicated one;
 both exported files load into WanPipeline, each onto its expert, and `raytuner sample` renders
-with both. The quick tests: ``test_wan22_both.py``."""
+with both. The reference run validates; the killed and the sharded runs, whose checks are of
+training alone, run without the validation actor (``validation.every_steps = 0``). The quick
+tests: ``test_wan22_both.py``."""
 
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ def both_job(ray_local, tmp_path_factory) -> Path:
 
 
 RUNS: dict[str, tuple[dict, str]] = {}
+UNVALIDATED = "validation.every_steps=0"  # no validation actor: the reference run checks it
 
 
 def _run(job_file: Path, name: str, *settings: str) -> tuple[dict, str]:
@@ -134,7 +137,7 @@ def test_two_workers_train_both_experts_in_turn_and_resume_exactly_after_a_kill(
     killed: list = []
     killer = threading.Thread(target=_kill_after, args=(run_dir, 5, killed))
     killer.start()
-    summary, _ = _run(both_job, "killed")
+    summary, _ = _run(both_job, "killed", UNVALIDATED)
     killer.join()
     assert killed, "the run finished before a worker could be killed"
     assert killed[0] < STEPS, f"the worker was killed after the last step ({killed[0]})"
@@ -154,9 +157,9 @@ def test_both_experts_sharded_resume_from_a_sharded_checkpoint_and_end_as_ddp(bo
     run's rows and both experts' LoRAs (float rounding apart: the bound of tests/train/
     test_fsdp.py)."""
     expected, reference_dir = _run(both_job, "reference")
-    sharded = 'scaling.strategy="fsdp"'
-    _run(both_job, "sharded", sharded, f"train.max_steps={STEPS // 2}")
-    summary, run_dir = _run(both_job, "sharded", sharded)
+    sharded = ('scaling.strategy="fsdp"', UNVALIDATED)
+    _run(both_job, "sharded", *sharded, f"train.max_steps={STEPS // 2}")
+    summary, run_dir = _run(both_job, "sharded", *sharded)
     newest = Path(layout.complete_checkpoints(run_dir)[1][0])
     assert len(list((newest / layout.WEIGHTS_DIR).glob("shard-*.safetensors"))) == 2  # a worker's
     attempts = sample_log.read_attempts(run_dir)
@@ -168,9 +171,7 @@ def test_both_experts_sharded_resume_from_a_sharded_checkpoint_and_end_as_ddp(bo
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_both_exported_loras_load_into_wanpipeline_and_sample_renders_with_both(
-    both_job, tmp_path
-):
+def test_both_exported_loras_load_into_wanpipeline_and_sample_renders_with_both(both_job, tmp_path):
     """lora/high/ loads into ``transformer`` (as a high-noise run's), lora/low/ with
     load_into_transformer_2 into ``transformer_2``; each changes the render, and with both the
     image is neither's alone. What `raytuner sample` and validation load (the run's lora/

@@ -5,8 +5,11 @@ and a Prometheus metrics port, submits the tiny job with jobs/runtime_env.yaml, 
 metrics endpoint while it runs, waits for SUCCEEDED, then checks what a user looks at: the
 progress lines in `ray job logs` (each once), raytuner's metrics tagged with the run, the run
 on the dashboard's Train API, the validation grids (written while training went on), the
-TensorBoard events and the LoRA. Teardown kills only this cluster's processes: other Ray
-clusters on the machine (other tests, other people) are left alone, so no `ray stop` here.
+TensorBoard events and the LoRA. A second job, stopped with `ray job stop` once it has a
+checkpoint, reuses the cache the first one committed when the first ran (as a user's second job
+reuses the cache of the first): its images are not encoded twice. Teardown kills only this
+cluster's processes: other Ray clusters on the machine (other tests, other people) are left
+alone, so no `ray stop` here.
 """
 
 from __future__ import annotations
@@ -207,16 +210,25 @@ def _check_validation(run: Path) -> None:
     print(f"step 5 logged {ahead:.1f} s before the render of step 4 ended")
 
 
-def _submit(cluster: Cluster, out: Path, *sets: str) -> str:
+@pytest.fixture(scope="module")
+def committed_caches() -> list[Path]:
+    """The caches of the module's jobs that succeeded: a later job reuses one, as a user's
+    second job reuses the first one's (its preprocess finds every image cached and starts no
+    encoder), so the module's images are encoded once."""
+    return []
+
+
+def _submit(cluster: Cluster, out: Path, *sets: str, cache: Path | None = None) -> str:
     """`ray job submit --no-wait` of `raytuner run jobs/tiny.toml` with jobs/runtime_env.yaml,
-    its cache and runs under ``out``; ``sets``: more ``--set`` values. Returns the job's id.
-    What `ray job submit` prints is the user's too: nothing of the working dir's caches."""
+    its runs under ``out`` and its cache there too unless ``cache`` names one; ``sets``: more
+    ``--set`` values. Returns the job's id. What `ray job submit` prints is the user's too:
+    nothing of the working dir's caches."""
     job_id = f"raytuner-e2e-{secrets.token_hex(4)}"
     # The job's PATH need not hold the venv's bin dir: run the CLI with this interpreter.
     # jobs/tiny.toml's relative paths resolve against the uploaded working dir.
     entrypoint = [
         sys.executable, "-m", "raytuner", "run", "jobs/tiny.toml",
-        "--set", f"train.output={out / 'runs'}", "--set", f"data.cache={out / 'cache'}",
+        "--set", f"train.output={out / 'runs'}", "--set", f"data.cache={cache or out / 'cache'}",
     ]  # fmt: skip
     entrypoint += [arg for value in sets for arg in ("--set", value)]
     submit = cluster.ray(
@@ -235,7 +247,10 @@ def _submit(cluster: Cluster, out: Path, *sets: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ray_job_submit_tiny(ray_cluster: Cluster, tmp_path: Path) -> None:
+def test_ray_job_submit_tiny(
+    ray_cluster: Cluster, tmp_path: Path, committed_caches: list[Path]
+) -> None:
+    """A fresh cache of its own: the job encodes the images (its preprocess line says so)."""
     out = tmp_path / "out"
     job_id = _submit(ray_cluster, out, "train.log_every=1")  # every step's time in TensorBoard
 
@@ -244,6 +259,7 @@ def test_ray_job_submit_tiny(ray_cluster: Cluster, tmp_path: Path) -> None:
     assert status == "SUCCEEDED", f"job {job_id}: {status}; `ray job logs`:\n{logs}"
     assert "trained 12 steps" in logs, logs
     _check_logs(logs)
+    committed_caches.append(out / "cache")
     assert not set(METRICS) - seen, f"missing on the metrics endpoint: {set(METRICS) - seen}"
     runs = ray_cluster.get("/api/train/v2/runs/v1")
     assert "tiny" in json.dumps(runs), f"the run is not on the dashboard's Train API: {runs}"
@@ -270,13 +286,18 @@ def _complete_steps(run_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ray_job_stop_ends_the_log_with_the_newest_checkpoint(ray_cluster, tmp_path) -> None:
+def test_ray_job_stop_ends_the_log_with_the_newest_checkpoint(
+    ray_cluster, tmp_path, committed_caches
+) -> None:
     """README step 7: `ray job stop` of a training job stops its workers and the driver's part of
     the job's log ends in the line that names the newest complete checkpoint, without Ray's
     "SIGTERM received" dump; the driver exits by itself within the time jobs/runtime_env.yaml
-    gives it (RAY_JOB_STOP_WAIT_TIME_S), not by Ray's SIGKILL."""
+    gives it (RAY_JOB_STOP_WAIT_TIME_S), not by Ray's SIGKILL. The job reuses the cache of the
+    module's job that succeeded, where that one ran (alone, this test encodes its own)."""
     out = tmp_path / "out"
-    job_id = _submit(ray_cluster, out, "train.max_steps=400", 'train.name="stopped"')
+    cache = committed_caches[0] if committed_caches else None
+    sets = ("train.max_steps=400", 'train.name="stopped"')
+    job_id = _submit(ray_cluster, out, *sets, cache=cache)
     run_dir, deadline = out / "runs" / "stopped", time.monotonic() + JOB_TIMEOUT_S
     while not _complete_steps(run_dir):
         status = ray_cluster.job_status(job_id)

@@ -3,11 +3,17 @@ of every shipped job write raytuner's own lines alone on stderr, and a short `ra
 `raytuner sample` (while another Ray runs on the machine) none of the noise raytuner used to
 cause or let through: bitsandbytes' CPU kernel warning, transformers' torchvision fallback, Ray
 Data's `ray_remote_args` deprecation of raytuner's own call, diffusers' "No LoRA keys" for the
-text encoders, Ray Train's PlacementGroupCleaner tracebacks. Each command runs as a process of
-its own (`python -m raytuner`), as a user runs it."""
+text encoders, Ray Train's PlacementGroupCleaner tracebacks. `raytuner run` and `raytuner
+sample` each run as a process of their own (`python -m raytuner`), as a user runs them. The
+checks of all shipped jobs run one after the other in one process, and the plans in another,
+each command through what `python -m raytuner` runs (`raytuner.cli.main`): most of a check is
+its process's imports (torch's), ~2 s of CPU a job. Each command's exit code and lines are told
+apart by marker lines and asserted per job; a line a library prints once, when a command first
+imports it, lands with the first job whose command does (that job's test fails)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -61,6 +67,55 @@ def raytuner(*args: str, env: dict[str, str] | None = None, timeout: float = 300
     return result
 
 
+# one process, several raytuner commands: `raytuner.cli.main` for each, between marker lines on
+# stdout and stderr; the marker after a command carries its exit code. What the process writes
+# before the first command (its imports) is the first command's, after the last the last's.
+ONE_PROCESS = """
+import json, sys
+from raytuner.cli import main
+
+for i, args in enumerate(json.loads(sys.argv[1])):
+    for stream in (sys.stdout, sys.stderr):
+        print(f"<<<raytuner command {i}>>>", file=stream, flush=True)
+    code = main(args)
+    for stream in (sys.stdout, sys.stderr):
+        print(f"<<<raytuner command {i} exit {code}>>>", file=stream, flush=True)
+"""
+MARKER = re.compile(r"^<<<raytuner command (\d+)(?: exit (-?\d+))?>>>$")
+
+
+def in_one_process(commands: dict[str, list[str]], timeout: float = 540) -> dict:
+    """The raytuner commands ``commands`` (a job -> its command's arguments), one after the
+    other in one process: a job -> its command's CompletedProcess (exit code, and the stdout
+    and stderr it wrote); exit code -1 for a command the process never finished."""
+    if not commands:
+        return {}
+    started, jobs = time.monotonic(), list(commands)
+    result = subprocess.run(
+        [sys.executable, "-c", ONE_PROCESS, json.dumps([commands[j] for j in jobs])],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    print(f"{len(jobs)} commands in one process: {time.monotonic() - started:.1f} s")
+    out = {j: subprocess.CompletedProcess(commands[j], -1, "", "") for j in jobs}
+    for stream in ("stdout", "stderr"):
+        current = jobs[0]
+        for line in getattr(result, stream).splitlines(keepends=True):
+            if m := MARKER.match(line.rstrip("\n")):
+                current = jobs[int(m.group(1))]
+                if m.group(2) is not None and stream == "stdout":
+                    out[current].returncode = int(m.group(2))
+            else:
+                done = out[current]
+                setattr(done, stream, getattr(done, stream) + line)
+    for done in out.values():  # the process's own end (a crash) where a command did not end
+        if done.returncode == -1:
+            done.stderr += f"(the process exited {result.returncode}):\n{result.stderr[-3000:]}"
+    return out
+
+
 def foreign(stderr: str) -> list[str]:
     """The lines of stderr that are not raytuner's own log lines."""
     return [line for line in stderr.splitlines() if line.strip() and not RAYTUNER_LINE.match(line)]
@@ -81,43 +136,43 @@ def image_set(job: str, images: Path) -> list[str]:
     return [] if job == "tiny.toml" else ["--set", f"data.images={images}"]
 
 
-def plan(job: str, images: Path) -> subprocess.CompletedProcess:
-    return raytuner("plan", f"jobs/{job}", "--gpu-memory", "80GiB", *image_set(job, images))
-
-
 PLANS = ["tiny.toml", pytest.param("sdxl.toml", marks=pytest.mark.slow)]  # sdxl: 20-50 s
 
 
 @pytest.fixture(scope="module")
-def commands(images, request) -> Iterator[dict[tuple[str, str], Future]]:
-    """The commands of this module's selected `plan` and `check` tests, each a process of its
-    own, two at a time (one a core: most of a check is its process's imports, one core's
-    work): ~half the time of one after the other. The plans first (the longest)."""
+def commands(images, request) -> Iterator[dict[str, Future]]:
+    """The commands of this module's selected `plan` and `check` tests: the checks in one
+    process, the plans in another, the two processes at once (one a core)."""
     selected = {item.nodeid for item in request.session.items}
 
     def chosen(test, jobs: list[str]) -> list[str]:
         return [j for j in jobs if f"{request.node.nodeid}::{test.__name__}[{j}]" in selected]
 
+    plans = {
+        job: ["plan", f"jobs/{job}", "--gpu-memory", "80GiB", *image_set(job, images)]
+        for job in chosen(test_plan_writes_only_raytuner_lines, ["sdxl.toml", "tiny.toml"])
+    }
+    checks = {
+        job: ["check", f"jobs/{job}", *image_set(job, images)]
+        for job in chosen(test_check_of_every_shipped_job_writes_only_raytuner_lines, JOBS)
+    }
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {}
-        for job in chosen(test_plan_writes_only_raytuner_lines, ["sdxl.toml", "tiny.toml"]):
-            futures["plan", job] = pool.submit(plan, job, images)
-        for job in chosen(test_check_of_every_shipped_job_writes_only_raytuner_lines, JOBS):
-            args = ("check", f"jobs/{job}", *image_set(job, images))
-            futures["check", job] = pool.submit(raytuner, *args)
-        yield futures
+        yield {
+            "plan": pool.submit(in_one_process, plans),
+            "check": pool.submit(in_one_process, checks),
+        }
 
 
 @pytest.mark.parametrize("job", JOBS)
 def test_check_of_every_shipped_job_writes_only_raytuner_lines(job, commands):
-    result = commands["check", job].result()
+    result = commands["check"].result()[job]
     assert result.returncode == 0, result.stderr
     assert foreign(result.stderr) == []
 
 
 @pytest.mark.parametrize("job", PLANS)
 def test_plan_writes_only_raytuner_lines(job, commands):
-    result = commands["plan", job].result()
+    result = commands["plan"].result()[job]
     assert result.returncode == 0, result.stderr
     assert "the training worker fits in" in result.stdout
     assert foreign(result.stderr) == []
