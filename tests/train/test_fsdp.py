@@ -2,11 +2,12 @@
 CPU) against the same job trained replicated (``"ddp"``): the same loss at every step and the
 same final weights, for a full fine-tune of the tiny Flux and the tiny SDXL in float32 and for a
 LoRA with bfloat16 frozen weights (FSDP's mixed precision); a SIGKILLed worker of an
-elastic group resumes from the sharded checkpoint; a run checkpointed at 2 workers resumes at
-1 and one at 1 at 2 (DCP reshards) and ends where the uninterrupted run does; the export of a
-full fine-tune loads with ``from_pretrained`` and renders; a run cannot switch strategy; a
-SIGKILLed worker is reported as the death it is, and a damaged sharded checkpoint is skipped
-naming the file.
+elastic group resumes from the sharded checkpoint; the export of a full fine-tune loads with
+``from_pretrained`` and renders; a run cannot switch strategy. One run of `raytuner train`
+serves the last two tests: a SIGKILLed worker is reported as the death it is; the run resumes
+from its checkpoint at 1 worker, then at 2 (DCP reshards 2 -> 1 -> 2) and ends where the
+uninterrupted run does; a damaged sharded checkpoint of it is then skipped naming the file.
+The replicated reference run is trained once for the module.
 
 Tolerance: the two strategies compute the same sums in another order (a reduce-scatter of the
 gradients instead of an all-reduce, the gradient norm summed from each worker's rows) and the
@@ -240,26 +241,6 @@ def test_a_run_cannot_switch_strategy(flux_job):
     assert sorted(p.name for p in run_dir.iterdir()) == before
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_sharded_checkpoint_resumes_on_another_number_of_workers(flux_job):
-    """A third of the steps at 2 workers, a third at 1, the rest at 2 again: each checkpoint's
-    rows are read back resharded (2 -> 1, then 1 -> 2), and the run ends with the
-    uninterrupted run's rows and weights."""
-    expected, reference = once(flux_job, "ddp", 'scaling.strategy="ddp"')
-    name, fsdp = "reshard", 'scaling.strategy="fsdp"'
-    for workers, steps in ((2, EVERY), (1, 2 * EVERY), (2, STEPS)):
-        summary, run_dir = run(flux_job, name, fsdp, f"scaling.workers={workers}",
-                               f"train.max_steps={steps}")  # fmt: skip
-    assert summary["step"] == STEPS
-    attempts = sample_log.read_attempts(str(run_dir))
-    assert [(min(a), max(a)) for a in attempts] == [(1, 4), (5, 8), (9, 16)]
-    assert [{len(r) for r in a.values()} for a in attempts] == [{2}, {1}, {2}]
-    assert sample_log.trained(str(run_dir)) == sample_log.trained(str(reference))
-    worst = assert_close(model_weights(expected), model_weights(summary))
-    print(f"2 -> 1 -> 2 workers against ddp: largest relative difference {worst:.2e}")
-
-
 # FSDP's collectives (torch.distributed), by the names torch has called them
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                "reduce_scatter_tensor")  # fmt: skip
@@ -435,28 +416,88 @@ def _flip_a_shard(checkpoint: Path) -> Path:
     return shard
 
 
+# One sharded full fine-tune of `raytuner train` that the last two tests share: killed, then
+# resumed at 1 worker, then at 2 (``killed_and_resharded``), then its final checkpoint damaged
+KILLED = "killed"
+SETTINGS = (f'train.name="{KILLED}"', 'scaling.strategy="fsdp"', "checkpoint.max_failures=0")
+
+
+@pytest.fixture(scope="module")
+def killed_and_resharded(flux_job, tmp_path_factory) -> dict:
+    """A sharded full fine-tune submitted three times (each end-to-end run serves both tests
+    below; what each left is kept here, before the damaged-checkpoint test changes the run):
+
+    1. `raytuner train` at 2 workers, one SIGKILLed after the first checkpoint: the run ends
+       (``checkpoint.max_failures = 0``) at the newest complete checkpoint;
+    2. `raytuner train` again at 1 worker, one checkpoint further: it resumes from that
+       checkpoint, its rows read back resharded (2 -> 1);
+    3. ``train`` (in process, the session's Ray) at 2 workers to the end: it resumes from the
+       1-worker checkpoint (1 -> 2)."""
+    tmp, run_dir = tmp_path_factory.mktemp("killed"), flux_job.parent / "runs" / KILLED
+    for attempt in ("1", "2"):
+        (tmp / attempt).mkdir()
+    kill = _sigkill_a_worker_after_a_checkpoint(run_dir)
+    killed = _raytuner_train(flux_job, tmp / "1", *SETTINGS, "train.max_steps=400", kill=kill)
+    assert killed[2] is not None and killed[0] == 1, killed[1][-3000:]  # (the test's, said early)
+    newest = _newest_step(run_dir)
+    assert newest + EVERY < STEPS, f"killed after step {newest}: no steps left to resume at 2"
+    resumed = _raytuner_train(flux_job, tmp / "2", *SETTINGS, "scaling.workers=1",
+                              f"train.max_steps={newest + EVERY}")  # fmt: skip
+    assert resumed[0] == 0, resumed[1][-3000:]
+    summary, _ = run(
+        flux_job, KILLED, *SETTINGS[1:], "scaling.workers=2", f"train.max_steps={STEPS}"
+    )
+    return {
+        "run_dir": run_dir, "killed": killed, "newest": newest, "resumed": resumed[:2],
+        "resumed_tmp": tmp / "2", "summary": summary,
+        "attempts": sample_log.read_attempts(str(run_dir)),
+        "trained": sample_log.trained(str(run_dir)),
+        "weights": model_weights({"model": str(run_dir / layout.MODEL_DIR)}),
+    }  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_a_killed_worker_and_a_damaged_sharded_checkpoint_say_what_happened(flux_job, tmp_path):
-    """`raytuner train` of a sharded full fine-tune, three times:
+def test_a_sharded_checkpoint_resumes_on_another_number_of_workers(flux_job, killed_and_resharded):
+    """The killed run's first steps at 2 workers, one checkpoint's more at 1, the rest at 2
+    again: each checkpoint's rows are read back resharded (2 -> 1, then 1 -> 2), and the run
+    ends with the uninterrupted run's rows and weights."""
+    expected, reference = once(flux_job, "ddp", 'scaling.strategy="ddp"')
+    chain, newest = killed_and_resharded, killed_and_resharded["newest"]
+    assert chain["summary"]["step"] == STEPS
+    first, *attempts = chain["attempts"]
+    assert min(first) == 1 and max(first) >= newest
+    assert [(min(a), max(a)) for a in attempts] == [(newest + 1, newest + EVERY),
+                                                   (newest + EVERY + 1, STEPS)]  # fmt: skip
+    assert {len(first[step]) for step in range(1, newest + 1)} == {2}  # the killed attempt's
+    assert {r["world"] for ranks in first.values() for r in ranks.values()} == {2}
+    assert [{len(r) for r in a.values()} for a in attempts] == [{1}, {2}]
+    assert chain["trained"] == sample_log.trained(str(reference))
+    worst = assert_close(model_weights(expected), chain["weights"])
+    print(f"2 -> 1 -> 2 workers against ddp: largest relative difference {worst:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_killed_worker_and_a_damaged_sharded_checkpoint_say_what_happened(
+    flux_job, killed_and_resharded, tmp_path
+):
+    """`raytuner train` of a sharded full fine-tune (``killed_and_resharded``):
 
     1. a worker SIGKILLed after the first checkpoint: the run ends naming that worker (not the
        survivor's lost gloo connection) and the newest complete checkpoint to resume from;
-    2. the same command resumes there, trains two more checkpoints and leaves no temporary
-       copy of them (every worker's ``raytuner-ckpt-*``) in TMPDIR;
-    3. 8 flipped bytes in a weights shard of its final checkpoint: the finished run is not
-       exported from it; a warning names the shard, the workers skip it and train the last
-       steps again from the checkpoint before, to the same weights (before checksums, the
-       run resumed and exported the flipped weights silently)."""
-    name, run_dir = "damaged", flux_job.parent / "runs" / "damaged"
-    settings = (f'train.name="{name}"', 'scaling.strategy="fsdp"', "checkpoint.max_failures=0")
-    (tmp_path / "1").mkdir()
-    kill = _sigkill_a_worker_after_a_checkpoint(run_dir)
-    code, err, pid = _raytuner_train(
-        flux_job, tmp_path / "1", *settings, "train.max_steps=400", kill=kill
-    )
+    2. the same command (at 1 worker) resumes there, trains another checkpoint and leaves no
+       temporary copy of it (a worker's ``raytuner-ckpt-*``) in TMPDIR; the run is then
+       trained to the end;
+    3. 8 flipped bytes in a weights shard of its final checkpoint: the finished run submitted
+       again is not exported from it; a warning names the shard, the workers skip it and train
+       the last steps again from the checkpoint before, to the same weights (before checksums,
+       the run resumed and exported the flipped weights silently), and leave no temporary copy
+       of every worker's in TMPDIR."""
+    chain = killed_and_resharded
+    newest, run_dir = chain["newest"], chain["run_dir"]
+    code, err, pid = chain["killed"]
     lines = [line for line in err.splitlines() if line.startswith("raytuner:")]
-    newest = _newest_step(run_dir)
     print(lines[-1:])
     assert pid is not None and code == 1, err[-3000:]
     assert re.fullmatch(
@@ -466,23 +507,21 @@ def test_a_killed_worker_and_a_damaged_sharded_checkpoint_say_what_happened(flux
         lines[-1],
     ), lines
 
-    steps = newest + 2 * EVERY
-    (tmp_path / "2").mkdir()
-    code, err, _ = _raytuner_train(flux_job, tmp_path / "2", *settings, f"train.max_steps={steps}")
+    code, err = chain["resumed"]
     assert code == 0, err[-3000:]
     assert f"rank 0 resumed at step {newest} " in err
-    assert not list((tmp_path / "2").glob("raytuner-ckpt-*")), "temporary copies left behind"
-    expected = model_weights({"model": str(run_dir / layout.MODEL_DIR)})
+    assert not list(chain["resumed_tmp"].glob("raytuner-ckpt-*")), "temporary copies left behind"
 
     final = Path(layout.complete_checkpoints(str(run_dir))[1][0])
+    assert final.name.endswith(f"_step-{STEPS:06d}")
     shard = _flip_a_shard(final)
-    (tmp_path / "3").mkdir()
-    code, err, _ = _raytuner_train(flux_job, tmp_path / "3", *settings, f"train.max_steps={steps}")
+    code, err, _ = _raytuner_train(flux_job, tmp_path, *SETTINGS, f"train.max_steps={STEPS}")
     assert code == 0, err[-3000:]
-    assert re.search(rf"not exporting run {name}'s final checkpoint, which is damaged: "
+    assert re.search(rf"not exporting run {KILLED}'s final checkpoint, which is damaged: "
                      rf"{re.escape(str(shard))}: the bytes of ", err), err[-3000:]  # fmt: skip
     assert f"skipping unreadable checkpoint: {shard}: " in err
-    assert f"rank 0 resumed at step {steps - EVERY} " in err
-    again = model_weights({"model": str(run_dir / layout.MODEL_DIR)})
+    assert f"rank 0 resumed at step {STEPS - EVERY} " in err
+    assert not list(tmp_path.glob("raytuner-ckpt-*")), "temporary copies left behind"
+    again, expected = model_weights({"model": str(run_dir / layout.MODEL_DIR)}), chain["weights"]
     assert again.keys() == expected.keys()
     assert all(torch.equal(again[k], expected[k]) for k in expected)
