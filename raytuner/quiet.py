@@ -101,17 +101,12 @@ class Drop(logging.Filter):
         return self.pattern.match(record.getMessage()) is None
 
 
-# where Ray has no state API (a local Ray started without its dashboard, ``runtime.connect``):
-# Ray Train's PlacementGroupCleaner asks it every second whether the run's controller lives,
-# cannot know, keeps the run's placement group and says so each time
+# where Ray has no state API (a local Ray started without its dashboard, ``runtime.connect``),
+# and state tracking was turned on all the same (RAY_TRAIN_ENABLE_STATE_TRACKING=1 in the
+# environment; raytuner leaves it off there, ``runtime.has_state_api``): Ray Train's state
+# actor every 30 s, with a 60-line traceback. (Ray Train's PlacementGroupCleaner, which asked
+# that API every second, is not started there: ``trainer._create_default_callbacks``.)
 WITHOUT_STATE_API: tuple[tuple[str, str], ...] = (
-    (
-        "ray.train.v2._internal.execution.controller.placement_group_cleaner",
-        r"Failed to query Ray Train Controller actor state\. State API may be temporarily",
-    ),
-    # and, where state tracking was turned on all the same (RAY_TRAIN_ENABLE_STATE_TRACKING=1 in
-    # the environment; raytuner leaves it off there, ``runtime.has_state_api``), Ray Train's
-    # state actor every 30 s, with a 60-line traceback
     (
         "ray.train.v2._internal.state.state_actor",
         r"State API unavailable when checking if actor is alive\.",

@@ -56,10 +56,10 @@ def connect(num_cpus: int | None = None) -> None:
         if not dashboard:
             # Without it Ray 2.60 still runs a dashboard process, with no HTTP server and no
             # state API, and advertises its default port 8265, where another Ray's dashboard
-            # may answer: Ray Train's PlacementGroupCleaner, asking there whether the run's
-            # controller lives, would not find it and remove the run's placement group. A
-            # port of its own is advertised instead; the cleaner's every query fails and it
-            # waits on, harmless (its warning about that is dropped, ``setup_worker``).
+            # may answer: a state-API query of this Ray's (Ray Train's PlacementGroupCleaner
+            # asks whether the run's controller lives) would be answered about another
+            # cluster. A port of its own is advertised instead, where every query fails; and
+            # the cleaner is not started here (``trainer._create_default_callbacks``).
             port, env_vars[NO_STATE_API] = _free_port(), "1"
         log.info("starting a local Ray%s", "" if dashboard else " (no dashboard)")
         with _own_sigterm_handler():

@@ -10,11 +10,12 @@ import posixpath
 from urllib.parse import urlsplit
 
 from raytuner.config.loader import ConfigError
-from raytuner.placement.strategy import Strategy
 
 
 def _sharded(strategy: str) -> bool:
     """Whether the job names the sharded strategy (``"auto"`` shards only what can be)."""
+    from raytuner.placement.strategy import Strategy  # here: the package imports torch
+
     return bool((pinned := Strategy.pinned(strategy)) and pinned.sharded)
 
 
@@ -99,6 +100,8 @@ def module_dropout_needs(lora, scaling) -> None:
     """``lora.module_dropout`` skips modules at random on each worker, so a step's gradients
     reach other parameters on each: DDP finds them (``find_unused_parameters``), a sharded
     reduce-scatter cannot take gradients that differ in kind between the workers."""
+    from raytuner.placement.strategy import Strategy  # here: the package imports torch
+
     pinned = Strategy.pinned(scaling.strategy)  # "auto" never shards it (tools/plan/auto.py)
     if lora.module_dropout and pinned is not None and pinned.sharded:
         raise ConfigError(

@@ -15,6 +15,9 @@ import threading
 import ray.train
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+from ray.train.v2._internal.callbacks.placement_group_callback import (
+    PlacementGroupCleanerCallback,
+)
 
 from raytuner import runtime, storage
 from raytuner.checkpoint import checksums, export, layout
@@ -211,13 +214,16 @@ class _Trainer(TorchTrainer):
         signal.signal(signal.SIGINT, interrupt)
 
     def _create_default_callbacks(self) -> list:
-        """Ray Train's callbacks, less the one for Ray Datasets when the run passes none (the
-        workers read the cache themselves): it starts an actor a run, ~1 s of CPU, that would
-        manage nothing."""
+        """Ray Train's callbacks, less two that would start an actor a run (a process, ~1-3 s
+        of CPU) for nothing: the one for Ray Datasets when the run passes none (the workers
+        read the cache themselves), and the placement-group cleaner where the Ray has no
+        state API (a local Ray without its dashboard): the cleaner asks that API every second
+        whether the run's controller lives, and without it can only wait, never clean."""
+        idle = [] if self.datasets else [DatasetsCallback]
+        if not runtime.has_state_api():
+            idle.append(PlacementGroupCleanerCallback)
         callbacks = super()._create_default_callbacks()
-        if self.datasets:
-            return callbacks
-        return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+        return [c for c in callbacks if not isinstance(c, tuple(idle))]
 
 
 @contextlib.contextmanager

@@ -310,13 +310,12 @@ def test_every_worker_knows_its_cluster_and_has_the_filters(ray_local):
     """The job's worker setup hook (``runtime.setup_worker``): Ray's state API in any worker
     finds this cluster, not another Ray on the machine. The session's Ray has no dashboard:
     it advertises a port of its own, not Ray's default 8265 (another Ray's dashboard may be
-    there), and its workers drop the PlacementGroupCleaner's warning about the missing API."""
+    there), and its workers drop Ray Train's state actor's warning about the missing API."""
     from ray._private import ray_constants
 
     @ray_local.remote(num_cpus=0)
     def probe():
-        cleaner = logging.getLogger(quiet.WITHOUT_STATE_API[0][0])
-        loggers = [name for name, _ in quiet.DROPPED] + [cleaner.name]
+        loggers = [name for name, _ in quiet.DROPPED + quiet.WITHOUT_STATE_API]
         has = [
             any(isinstance(f, quiet.Drop) for f in logging.getLogger(n).filters) for n in loggers
         ]
