@@ -100,10 +100,8 @@ def module_dropout_needs(lora, scaling) -> None:
     """``lora.module_dropout`` skips modules at random on each worker, so a step's gradients
     reach other parameters on each: DDP finds them (``find_unused_parameters``), a sharded
     reduce-scatter cannot take gradients that differ in kind between the workers."""
-    from raytuner.placement.strategy import Strategy  # here: the package imports torch
-
-    pinned = Strategy.pinned(scaling.strategy)  # "auto" never shards it (tools/plan/auto.py)
-    if lora.module_dropout and pinned is not None and pinned.sharded:
+    # "auto" never shards it (tools/plan/auto.py)
+    if lora.module_dropout and _sharded(scaling.strategy):
         raise ConfigError(
             f'lora.module_dropout = {lora.module_dropout} with scaling.strategy = '
             f'"{scaling.strategy}": each worker skips other modules, whose rows then get a '
