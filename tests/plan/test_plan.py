@@ -91,12 +91,12 @@ def test_plans_of_one_vae_trace_its_encode_once():
     """An encode's trace is kept by what decides it (the VAE's architecture and dtype, the
     input's shape): a second plan of the job (another card) reads it; another batch of images
     and another VAE (the tiny Sana's) are traced again, their own shapes."""
-    from raytuner.tools.plan import trace
+    from raytuner.tools.plan import vae
 
     def encodes(job, gpu: str) -> tuple[int, dict]:
-        before = len(trace._ENCODES)
+        before = len(vae.ENCODES)
         result = measure(job, get_family(job.model.family), parse_size(gpu), compare=False)
-        return len(trace._ENCODES) - before, result["cache_shapes"]
+        return len(vae.ENCODES) - before, result["cache_shapes"]
 
     tiny = REPO / "jobs" / "tiny.toml"
     _, shapes = encodes(load_job(str(tiny), ["preprocess.batch_size=3"]), "80GiB")
@@ -105,6 +105,34 @@ def test_plans_of_one_vae_trace_its_encode_once():
     sana = load_job(str(tiny), ["preprocess.batch_size=3", 'model.family="sana"'])
     other, sana_shapes = encodes(sana, "24GiB")
     assert other == 1 and sana_shapes["latent"] != shapes["latent"]
+
+
+@pytest.mark.parametrize("job_name", ["wan-1.3b", "wan22-5b"])
+def test_a_long_clips_encode_peak_from_three_short_traces_is_the_whole_traces(job_name):
+    """The encoder actor's VAE peak of a clip of many chunks, extrapolated from its traces at
+    2, 3 and 4 chunks, is the peak of the whole clip's trace to the byte, with the same latent
+    shape; a clip whose short traces are not affine (a VAE that keeps more each chunk) is traced
+    whole. The full-size Wan 2.1 and Wan 2.2 TI2V-5B VAEs at a small frame (traces stay quick)."""
+    from raytuner.tools.plan import trace, vae
+
+    job = load_job(str(REPO / "jobs" / f"{job_name}.toml"))
+    family = get_family(job.model.family)
+    encode = family.image_encoder(trace._source(job), "meta", weights=False)
+    frames = 1 + 16 * family.geometry.frame_multiple  # 16 chunks: more than the traces hold
+    clip = (3, frames, 64, 96)
+    fast, whole = vae._clip_peak(family.geometry, encode, clip, 3), vae._batch_peak(encode, clip, 3)
+    assert fast[0] == whole[0]
+    assert fast[1].shape == whole[1].shape and fast[1].dtype == whole[1].dtype
+
+    kept = []  # an encode that keeps a growing buffer: 1 KiB more at each chunk than the last
+
+    def growing(pixels):
+        chunks = (pixels.shape[2] - 1) // family.geometry.frame_multiple
+        kept.append(torch.zeros(pixels.shape[0], 256 * chunks * (chunks + 1) // 2, device="meta"))
+        return encode(pixels)
+
+    fast = vae._clip_peak(family.geometry, growing, clip, 3)
+    assert fast[0] == vae._batch_peak(growing, clip, 3)[0]
 
 
 def _overrides(setting: str) -> list[str]:

@@ -28,6 +28,7 @@ from raytuner.preprocess.buckets import make_buckets
 from raytuner.tools.plan import fsdp
 from raytuner.tools.plan.meta import bytes_by_dtype, offloaded, traced
 from raytuner.tools.plan.progress import Progress
+from raytuner.tools.plan.vae import encode_peak
 from raytuner.train import optim, recompute
 from raytuner.train.model import Trainable, trainable_model
 
@@ -300,7 +301,7 @@ def trace_encoders(
     encode_image = family.image_encoder(source, "meta", weights=False)
     encode_text = family.text_encoder(source, "meta", weights=False)
     clip = (frames,) if frames > 1 else ()  # a video family's clips [n, 3, F, h, w]
-    image_peak, latent = _encode_peak(family, source, encode_image, (3, *clip, h, w), n)
+    image_peak, latent = encode_peak(family, source, encode_image, (3, *clip, h, w), n)
     with traced() as text_live:
         text = encode_text(["a caption of average length for a photograph"] * n)
     shapes = {"latent": tuple(latent.shape[1:])} | {k: tuple(v.shape[1:]) for k, v in text.items()}
@@ -308,34 +309,6 @@ def trace_encoders(
     weights = _part_bytes(job, family, ("vae", *texts))
     peak = weights + max(image_peak, text_live.peak) + OVERHEAD
     return {"weights_bytes": weights, "peak_bytes": peak, "batch_size": n}, shapes
-
-
-_ENCODES: dict = {}  # what _encode_peak traced, by what decides it
-
-
-def _encode_peak(family, source, encode_image, sample: tuple[int, ...], n: int):
-    """The peak bytes of a VAE encode of ``n`` samples of shape ``sample`` and one sample's
-    latent. An encode's bytes are affine in its batch (a batched encoder's activations grow with
-    it; a sliced one holds one sample's and the batch's inputs and outputs), so batches of 1 and
-    2 give n's: a clip's trace at full size takes minutes (Wan's 81 frames, tiled: 315 tile
-    passes a sample), and n of them as many times longer. Kept by what decides it (the
-    encoder's code, its VAE's class and architecture, the weights' dtype, the input's shape):
-    the plans of one process (a plan per card) trace Wan 2.1's VAE (2 traces of ~480,000 ops,
-    12 s on 2 CPU cores) once for Wan 2.1 14B and 1.3B and Wan 2.2 A14B."""
-    cls_path = family.parts.classes["vae"]
-    config = parts.config(family.name, source, "vae", cls_path)  # less where it came from:
-    architecture = tuple(sorted((k, repr(v)) for k, v in config.items() if k[0] != "_"))
-    code = getattr(encode_image, "__code__", type(encode_image))
-    key = code, cls_path, architecture, str(source.dtype), sample, n
-    if key not in _ENCODES:
-        peaks = []
-        for batch in (1, 2)[: min(n, 2)]:
-            pixels = torch.zeros(batch, *sample, device="meta")  # arrives before the trace
-            with traced() as live:
-                latent = encode_image(pixels)[0]
-            peaks.append(live.peak)
-        _ENCODES[key] = peaks[0] + (n - 1) * (peaks[-1] - peaks[0]), latent
-    return _ENCODES[key]
 
 
 def _part_bytes(job: JobConfig, family, names: tuple[str, ...]) -> int:
