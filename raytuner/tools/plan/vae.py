@@ -3,7 +3,7 @@
 
 A trace on meta costs the same at any size, op for op, and a clip's encode has many: Wan 2.1's
 VAE encodes a clip four frames at a time (a chunk: one latent frame), and above 832x480 in
-tiles, so 81 frames at 1280x720 were two traces of 26 s on 2 CPU cores. Its bytes are affine in
+tiles, so 81 frames at 1280x720 were two traces, 26 s in all on 2 CPU cores. Its bytes are affine in
 the batch (a batched encoder's activations grow with it; a sliced one holds one sample's and the
 batch's inputs and outputs) and, from the second chunk on, in the chunks (the features a chunk
 keeps for the next have the same size at every chunk; the latent grows by one frame). So a clip
