@@ -14,7 +14,7 @@ from typing import ClassVar
 from raytuner.config.loader import ConfigError, one_of
 from raytuner.config.ranges import ranged
 
-DENSITIES = ("uniform", "logit_normal", "mode")
+DENSITIES = ("uniform", "logit_normal", "mode", "ltx2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +33,7 @@ class DdpmObjective:
 class FlowObjective:
     """Flow-matching families: a noise-level density, a shift and a loss weighting."""
 
-    timestep_sampling: str = "logit_normal"  # uniform | logit_normal | mode
+    timestep_sampling: str = "logit_normal"  # uniform | logit_normal | mode | ltx2
     logit_mean: float = ranged(0.0, -10, 10)
     logit_std: float = ranged(1.0, 0, 10, low_open=True)
     # the mode density maps [0, 1] onto itself, monotonically, for these scales only

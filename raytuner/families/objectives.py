@@ -200,9 +200,10 @@ def flow_draw(
     (0, 1) from the objective's density (``diffusers.training_utils``), shifted towards noise
     by the image's token count (``image_tokens(latent shape)``) on the family's ``line`` (its
     scheduler's resolution-dependent shift; Flux.1's by default) or by the fixed
-    ``objective.shift``; a level outside ``levels`` (``[low, high)``: the noise levels an
-    expert of a mixture denoises) is drawn again from the same generator, so the levels are
-    the density cut to that range."""
+    ``objective.shift`` (``ltx2`` takes the shift into its own formula instead, as LTX-2's
+    trainer does: ``_ltx2_level``); a level outside ``levels`` (``[low, high)``: the noise
+    levels an expert of a mixture denoises) is drawn again from the same generator, so the
+    levels are the density cut to that range."""
 
     def draw(shape: tuple[int, ...], generators) -> dict[str, torch.Tensor]:
         noise = per_sample_noise(shape, generators)
@@ -218,19 +219,10 @@ MAX_REDRAWS = 10_000  # draws of a level in an expert's range before the range i
 
 def _level_within(objective: FlowObjective, shift: float, levels, generator) -> torch.Tensor:
     """One sample's shifted noise level [1] in ``levels`` (``flow_draw``)."""
-    from diffusers.training_utils import compute_density_for_timestep_sampling
-
     low, high = levels
+    density = _ltx2_level if objective.timestep_sampling == "ltx2" else _shifted_level
     for _ in range(MAX_REDRAWS):
-        u = compute_density_for_timestep_sampling(
-            objective.timestep_sampling,
-            1,
-            logit_mean=objective.logit_mean,
-            logit_std=objective.logit_std,
-            mode_scale=objective.mode_scale,
-            generator=generator,
-        ).clamp(1e-3, 1 - 1e-3)
-        sigma = shift * u / (1 + (shift - 1) * u)
+        sigma = density(objective, shift, generator)
         if (low, high) == (0.0, 1.0) or low <= float(sigma) < high:
             return sigma
     raise ValueError(
@@ -238,6 +230,65 @@ def _level_within(objective: FlowObjective, shift: float, levels, generator) -> 
         f"(timestep_sampling {objective.timestep_sampling!r}, shift {shift:.3g}) fell outside "
         "them; widen the density (logit_std, uniform sampling) or change the shift"
     )
+
+
+def _shifted_level(objective: FlowObjective, shift: float, generator) -> torch.Tensor:
+    """A level [1] of diffusers' density (uniform, logit_normal, mode), kept off 0 and 1, then
+    shifted by multiplying its odds by ``shift``."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    u = compute_density_for_timestep_sampling(
+        objective.timestep_sampling,
+        1,
+        logit_mean=objective.logit_mean,
+        logit_std=objective.logit_std,
+        mode_scale=objective.mode_scale,
+        generator=generator,
+    ).clamp(1e-3, 1 - 1e-3)
+    return shift * u / (1 + (shift - 1) * u)
+
+
+# LTX-2's sampler (``ltx2``): the standard normal's 0.5th and 99.9th percentiles, which the
+# stretch maps onto 0 and 1; the level under which a stretched draw is reflected; how often a
+# draw is uniform instead
+LTX2_PERCENTILES = (-2.5758, 3.0902)
+LTX2_EPS = 1e-3
+LTX2_UNIFORM = 0.1
+
+
+def _ltx2_level(objective: FlowObjective, shift: float, generator) -> torch.Tensor:
+    """A level [1] of LTX-2's "stretched shifted logit-normal" density, as the official trainer
+    draws its sigmas (Lightricks/LTX-2, ``packages/ltx-trainer/src/ltx_trainer/
+    timestep_samplers.py``, ``ShiftedLogitNormalTimestepSampler``), the shift included:
+    sigmoid(N(mu, std)) with mu = log(shift) + logit_mean (``shift`` on the family's token line
+    is LTX-2's mu there; std = logit_std, officially 1), stretched linearly so that the
+    density's 0.5th and 99.9th percentiles land on 0 and 1; a stretched level under eps = 1e-3
+    is reflected to 2 eps - level, then cut to [0, 1]; one draw in ten is uniform on [eps, 1)
+    instead. Why the stretch: at 6,144 tokens the shift is about 16 and the plain shifted
+    logit-normal puts 99.5 % of its levels above 0.55, so the low noise levels that make the
+    detail are almost never trained. The levels are finally kept in [1e-3, 1 - 1e-3] as the
+    other densities are. Three draws from ``generator`` per level (two uniform, one normal),
+    whichever is kept."""
+    mu, std = math.log(shift) + objective.logit_mean, objective.logit_std
+    pick, uniform = torch.rand(2, generator=generator).tolist()
+    normal = float(torch.randn(1, generator=generator))
+    if pick < LTX2_UNIFORM:
+        level = LTX2_EPS + (1 - LTX2_EPS) * uniform
+    else:
+        # on the side of 1/2 where the sigmoids don't round to 1: for mu > 0 the stretch of
+        # 1 - sigmoid(z) = sigmoid(-z) between its own percentiles, the same level
+        side = 1.0 if mu <= 0 else -1.0
+        low, high = (_sigmoid(side * (mu + p * std)) for p in LTX2_PERCENTILES)
+        level = (_sigmoid(side * (mu + std * normal)) - low) / (high - low)
+        level = min(max(level if level >= LTX2_EPS else 2 * LTX2_EPS - level, 0.0), 1.0)
+    return torch.tensor([min(max(level, 1e-3), 1 - 1e-3)], dtype=torch.float32)
+
+
+def _sigmoid(z: float) -> float:
+    """1 / (1 + e^-z), without overflow for any z."""
+    if z >= 0:
+        return 1 / (1 + math.exp(-z))
+    return math.exp(z) / (1 + math.exp(z))
 
 
 def flow_loss(objective: FlowObjective, batch: Batch, predict, mask=None):
