@@ -61,6 +61,20 @@ def frame_settings(record: dict) -> tuple:
     return tuple(int(n) for n in frames), str(selection), float(record.get("fps", _ADDED["fps"]))
 
 
+def newest_sources(manifest: dict) -> list[dict]:
+    """The ``sources_record`` of a version's newest commit's dataset (the one its manifest's
+    own ``index`` is of); [] for a manifest from before datasets were kept apart."""
+    return manifest.get(DATASETS, {}).get(manifest.get("dataset_key"), {}).get("sources", [])
+
+
+def source_rates(record: list[dict]) -> list[float]:
+    """Each source's sampling fps from a ``sources_record``, in order: what the reader gives
+    each of its rows as its frame rate (``"fps"``); 0.0 where it samples each clip at its own
+    rate (not known here), and for a source whose rate was left to ``data.fps`` unresolved
+    (-1, ``SourceConfig``'s default, as ``all_sources`` never leaves it)."""
+    return [max(frame_settings(s)[2], 0.0) for s in record]
+
+
 def source_frame_settings(source) -> tuple:
     """``frame_settings`` of a ``SourceConfig``."""
     return frame_settings(_record(source))

@@ -1,14 +1,14 @@
 """A committed cache version as a training worker reads it.
 
-In memory: the index, a few numbers per row (bucket, conditioning, where the latent lies, and
-its flipped latent and its mask where it has them, whether it is a regularization image, the
-caption's row) and the same per caption; for a job that trains the text encoders
-(``lora.text_encoder``, ``computed``) each distinct caption's text instead of where its text
-tensors lie (its UTF-8 bytes and a 4-byte offset, one Arrow string array). Nothing else: each
-batch's tensors are fetched when it is assembled, with one ranged read per cell (exactly its
-bytes and its 4-byte length prefix), ranges of one file that lie close together merged into one
-request, and the requests issued in parallel. On object storage a batch costs at most one request
-per row and per caption.
+In memory: the index, a few numbers per row (bucket, source, conditioning, where the latent
+lies, and its flipped latent and its mask where it has them, whether it is a regularization
+image, the caption's row), a frame rate per source, and the same per caption; for a job that
+trains the text encoders (``lora.text_encoder``, ``computed``) each distinct caption's text
+instead of where its text tensors lie (its UTF-8 bytes and a 4-byte offset, one Arrow string
+array). Nothing else: each batch's tensors are fetched when it is assembled, with one ranged
+read per cell (exactly its bytes and its 4-byte length prefix), ranges of one file that lie
+close together merged into one request, and the requests issued in parallel. On object storage
+a batch costs at most one request per row and per caption.
 
 Every cell read is checked before a tensor is made of it: its length prefix, and its xxh3-64
 against the checksum the index holds for it (written with the bytes at encode time). A cell
@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import torch
 
 from raytuner import storage
-from raytuner.data import references
+from raytuner.data import datasets, references
 from raytuner.data.cache import (
     Version,
     cell_bytes,
@@ -47,6 +47,7 @@ from raytuner.data.tensors import DTYPES, from_cell, stacked
 
 ROW_COLUMNS = [
     "path",
+    "source_index",
     "repeats",
     "width",
     "height",
@@ -104,6 +105,19 @@ def _where(rows: pa.Table, file: str, at: str, sums: str) -> _Where:
     return _Where(code, files, rows.column(at).to_numpy(), rows.column(sums).to_numpy())
 
 
+def rate_table(manifest: dict, sources: np.ndarray) -> np.ndarray:
+    """Each source's frame rate (float32, indexed by an index row's ``source_index``): the
+    sampling fps of the dataset's sources (``for_readers``' ``source_fps``; a whole manifest:
+    its newest commit's dataset's), 0.0 where unknown (a source at each clip's own rate, one
+    the record lacks)."""
+    rates = manifest.get("source_fps")
+    if rates is None:  # a whole manifest: the dataset its index is of
+        rates = datasets.source_rates(datasets.newest_sources(manifest))
+    out = np.zeros(max(len(rates), int(sources.max(initial=-1)) + 1), dtype=np.float32)
+    out[: len(rates)] = rates
+    return out
+
+
 def sample_ids(paths: list[str], keys: pa.ChunkedArray) -> list[str]:
     """Each row's id in the sample log (``train.sample_log``): its path, and for each sample of
     a clip cut into several (``frame_selection = "chunks"``), its path, ``#`` and its place among
@@ -138,6 +152,9 @@ class CachedDataset:
         self.paths: list[str] = rows.column("path").to_pylist()
         self.ids = sample_ids(self.paths, rows.column("key"))  # the sample log's
         self.repeats: list[int] = rows.column("repeats").to_pylist()
+        # each row's source, and each source's frame rate: the rows' "fps"
+        self._source = rows.column("source_index").to_numpy()
+        self._rates = rate_table(manifest, self._source)
         self._width = rows.column("width").to_numpy()
         self._height = rows.column("height").to_numpy()
         self._original = _matrix(rows.column("original_size"))
@@ -304,13 +321,15 @@ class CachedDataset:
         return ["" if d else self._texts[int(self._caption[i])].as_py() for i, d in pairs]
 
     def _conditioning(self, indices: list[int], flips: list[bool]) -> dict:
-        """SDXL's micro-conditioning of the rows, [B, 2] int64 each ((h, w) order)."""
+        """SDXL's micro-conditioning of the rows, [B, 2] int64 each ((h, w) order), and each
+        row's frame rate (its source's sampling fps; 0.0: unknown), [B] float32."""
         crops = np.where(np.asarray(flips)[:, None], self._flip_crop[indices], self._crop[indices])
         sizes = np.stack([self._height[indices], self._width[indices]], axis=1)
         return {
             "original_size": torch.from_numpy(self._original[indices].astype(np.int64)),
             "crop_top_left": torch.from_numpy(crops.astype(np.int64)),
             "target_size": torch.from_numpy(sizes.astype(np.int64)),
+            "fps": torch.from_numpy(self._rates[self._source[indices]]),
         }
 
     def close(self) -> None:
@@ -320,13 +339,15 @@ class CachedDataset:
 def for_readers(manifest: dict, dataset: dict | None = None) -> dict:
     """The part of a manifest a reader needs to read ``dataset`` (a job's entry of its
     ``datasets``; None: the newest commit's), not the file lists and the report, which grow
-    with the dataset: what a job hands its workers."""
+    with the dataset: what a job hands its workers; with each of its sources' frame rate."""
     dataset = manifest if dataset is None else dataset
     needed = ("format_version", "fingerprint", "dtype", "text_tensors")
+    sources = datasets.newest_sources(manifest) if dataset is manifest else dataset["sources"]
     return (
         {k: manifest[k] for k in needed}
         | {"text_dtype": text_dtype_of(manifest)}
         | {k: dataset[k] for k in ("index", "captions", "dataset")}
+        | {"source_fps": datasets.source_rates(sources)}  # each source's rate (``rate_table``)
     )
 
 

@@ -237,10 +237,14 @@ class DiffusersFamily(ABC):
         return example_batch(shapes, n, size, device, dtype)
 
 
+EXAMPLE_FPS = 24.0  # an example batch's frame rate ("fps"): a common clip rate
+
+
 def example_batch(shapes: dict, n: int, size: tuple[int, int], device, dtype: torch.dtype) -> Batch:
     """What every family's example batch holds (``Family.example_batch``): random tensors of
     ``shapes`` in ``dtype`` (the feed reads the cache in float32), and the conditioning the
-    feed adds to every row, here an uncropped image of the bucket's size."""
+    feed adds to every row, here an uncropped image of the bucket's size sampled at 24 fps
+    (``"fps"``: each row's source's rate, which a family with ``seconds_positions`` reads)."""
     batch = {k: torch.randn(n, *s, device=device, dtype=dtype) for k, s in shapes.items()}
     width, height = size
 
@@ -251,6 +255,7 @@ def example_batch(shapes: dict, n: int, size: tuple[int, int], device, dtype: to
         "original_size": rows((height, width)),
         "crop_top_left": rows((0, 0)),
         "target_size": rows((height, width)),
+        "fps": torch.full((n,), EXAMPLE_FPS, dtype=torch.float32, device=device),
     }
 
 

@@ -20,8 +20,10 @@ from raytuner.families.parts import Source
 
 # A batch of cached rows as tensors: "latent" [B,C,H,W], the family's text tensors, and the
 # per-image conditioning "original_size", "crop_top_left", "target_size" ([B,2] int64, (h, w)
-# order: the image before its crop, the crop's corner, the bucket), as the training feed reads it;
-# with masks in the cache (data.mask) also "mask" [B,1,H,W], each latent pixel's loss weight.
+# order: the image before its crop, the crop's corner, the bucket) and "fps" ([B] float32: the
+# rate its source samples clips at, 0.0 where each clip's own: unknown), as the training feed
+# reads it; with masks in the cache (data.mask) also "mask" [B,1,H,W], each latent pixel's loss
+# weight.
 Batch = dict[str, torch.Tensor]
 # (denoiser, batch, one generator per sample) -> per-sample loss [B]: an ``Objective``
 Loss = Callable[[nn.Module, Batch, Sequence[torch.Generator]], torch.Tensor]

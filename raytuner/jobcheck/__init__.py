@@ -39,6 +39,7 @@ def check_job(job: JobConfig, family, *, runs: bool = True, reads_images: bool =
     run can do but likely does not mean is logged as a warning (stderr), not refused."""
     model.bucket_sizes(job.preprocess, family)
     model.frame_counts(job.data, family)
+    model.clip_rates(job.data, family)
     model.objective_kind(job.objective, family)
     experts.turns(job, family)  # before the rules its refusals would trip otherwise
     model.sharding(job)

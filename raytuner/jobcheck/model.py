@@ -69,6 +69,28 @@ def frame_counts(data: DataConfig, family) -> None:
                 )
 
 
+def clip_rates(data: DataConfig, family) -> None:
+    """A family whose denoiser places frames in time by seconds (``geometry.seconds_positions``:
+    frame / fps) needs every sample's frame rate: each source samples its clips at a rate of
+    its own (``data.fps`` or the source's ``fps`` > 0), not at each clip's own (0), which the
+    batch cannot tell (its ``"fps"`` is the source's)."""
+    if not family.geometry.seconds_positions:
+        return
+    unknown = [("data.fps", "")] if data.images and not data.fps else []  # (key, whose)
+    for i, s in enumerate(data.sources):
+        if not s.fps:
+            unknown.append((f"data.sources[{i}].fps", ""))
+        elif s.fps < 0 and not data.fps:
+            unknown.append(("data.fps", f" (data.sources[{i}] takes it: its fps is -1)"))
+    if unknown:
+        key, whose = unknown[0]
+        raise ConfigError(
+            f"{key} = 0{whose}: {family.name}'s denoiser places frames in time by seconds (frame / "
+            "fps), so every clip needs a known frame rate, and 0 samples each clip at its own "
+            f"rate, which training does not know; set {key} to the rate to train at (e.g. 24)"
+        )
+
+
 def objective_kind(objective: ObjectiveConfig, family) -> None:
     """A setting of another objective kind than the family's, set away from its default, would
     silently train something else than the job says; so would a guidance value for a denoiser

@@ -129,12 +129,14 @@ def write_cache(
     rows_per_file: int = 8,
     std: float = 0.0,
     sources: list | None = None,
+    source_of: list[int] | None = None,
 ) -> dict:
     """Commit one row per entry of ``buckets`` ((width, height) of row i), with caption number
     ``captions[i]`` and ``repeats[i]``; ``shapes``: the tensors' shapes at a bucket; ``std``
     > 0: every latent also stores a posterior std of that value; ``sources``: the job whose
     dataset the rows are (its ``data.all_sources()``: `raytuner train` of that job trains
-    them), else a source of their own. Returns the manifest."""
+    them), else a source of their own; ``source_of[i]``: row i's place among ``sources`` (its
+    frame rate is that source's ``fps``), else the first. Returns the manifest."""
     keys = _write_latents(version, buckets, shapes, dtype, rows_per_file, std)
     texts = [f"synthetic caption {c}" for c in sorted(set(captions))] + [""]
     text_shapes = {k: v for k, v in shapes(*buckets[0]).items() if k != "latent"}
@@ -143,7 +145,7 @@ def write_cache(
     located.refresh()
     rows = [
         {
-            "source_index": 0,
+            "source_index": source_of[i] if source_of else 0,
             "source": "synthetic",
             "path": f"{w}x{h}/{i:07d}.png",
             "key": keys[i],

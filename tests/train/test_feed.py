@@ -1,6 +1,6 @@
 """The worker feed and step without Ray: schedule order from any cursor across epochs, rank
-slices that add up to the global batch, reading errors that name the cursor, and gradient
-accumulation that matches one pass."""
+slices that add up to the global batch, reading errors that name the cursor, gradient
+accumulation that matches one pass, and each row's source's frame rate in the batch."""
 
 from __future__ import annotations
 
@@ -224,3 +224,43 @@ def test_a_cache_with_posterior_std_trains_on_a_draw_of_the_sample_the_same_on_a
     residual = (drawn - means.view(-1, 1, 1, 1)) / 0.5  # the eps of each sample
     assert 0.6 < residual.std() < 1.4 and residual.abs().max() > 0.1
     assert not torch.allclose(latents(1, 1)[0], drawn)  # next epoch: another draw
+
+
+def test_each_row_carries_its_sources_sampling_fps_as_the_job_and_a_bare_reader_read_it(
+    tmp_path,
+):
+    """A batch's "fps" [B] float32 is each row's source's sampling rate (a source at -1 takes
+    data.fps; 0: each clip's own, unknown), from a per-source table: no index column."""
+    from raytuner.config import DataConfig, SourceConfig
+    from raytuner.data import datasets
+    from raytuner.data.reader import for_readers
+
+    data = DataConfig(cache=str(tmp_path), fps=24.0, sources=[
+        SourceConfig(path=str(tmp_path / "a"), fps=16.0),
+        SourceConfig(path=str(tmp_path / "b")),  # -1: data.fps
+        SourceConfig(path=str(tmp_path / "c"), fps=0.0),
+    ])  # fmt: skip
+    source_of = [0, 1, 2, 1, 0, 2, 1]
+    manifest = synthetic.write_cache(
+        cache.Version(str(tmp_path), "synthetic"),
+        buckets=[(16, 16)] * len(source_of),
+        captions=[0] * len(source_of),
+        repeats=[1] * len(source_of),
+        shapes=lambda w, h: {"latent": (4, h // 8, w // 8), "prompt_embeds": (3, 8)},
+        family="test",
+        dtype="float32",
+        sources=data.all_sources(),
+        source_of=source_of,
+    )
+    rate = {0: 16.0, 1: 24.0, 2: 0.0}
+    job = for_readers(manifest, datasets.entry(manifest, data.all_sources(), str(tmp_path)))
+    assert job["source_fps"] == [16.0, 24.0, 0.0]
+    for readers in (job, None):  # the job's dataset; a reader naming none: the newest commit's
+        read = open_dataset(str(tmp_path), "synthetic", readers)
+        expected = [rate[source_of[int(p[-11:-4])]] for p in read.paths]
+        assert sorted(expected) == sorted(rate[s] for s in source_of)
+        f = feed(read, gbs=len(source_of))
+        batch = f.assemble(0, 0, f.epoch(0))
+        fps = batch.tensors["fps"]
+        assert fps.dtype == torch.float32 and fps.shape == (len(source_of),)
+        assert fps.tolist() == [expected[read.paths.index(i)] for i in batch.ids]
