@@ -6,6 +6,7 @@ from raytuner.families.base import Family
 from raytuner.families.flux import Flux
 from raytuner.families.flux2 import Flux2Dev, Flux2Klein
 from raytuner.families.flux_kontext import FluxKontext
+from raytuner.families.ltx2 import LTX2
 from raytuner.families.qwen_image import QwenImage
 from raytuner.families.qwen_image_edit import QwenImageEdit
 from raytuner.families.sana import Sana
@@ -29,6 +30,7 @@ FAMILIES: dict[str, Family] = {
     "flux2-dev": Flux2Dev(),
     "flux-kontext": FluxKontext(),
     "qwen-image-edit": QwenImageEdit(),
+    "ltx2": LTX2(),
 }
 
 

@@ -1,13 +1,9 @@
 """`raytuner check` refuses, for a family whose denoiser places frames in time by seconds
 (``geometry.seconds_positions``: LTX-2's), a source that samples each clip at its own rate
 (fps 0, after -1 takes data.fps): training gives each row its source's rate (the batch's
-"fps"), and a clip's own is not known there. No shipped family sets the flag yet: the tests
-give one a geometry that does."""
+"fps"), and a clip's own is not known there."""
 
 from __future__ import annotations
-
-import copy
-import dataclasses
 
 import pytest
 from test_jobcheck import check
@@ -16,12 +12,7 @@ from raytuner.config import ConfigError, DataConfig, SourceConfig
 from raytuner.families import FAMILIES
 from raytuner.jobcheck import model
 
-
-def in_seconds(name: str = "wan"):
-    """The family ``name`` with a denoiser that places frames by seconds."""
-    family = copy.copy(FAMILIES[name])
-    family.geometry = dataclasses.replace(family.geometry, seconds_positions=True)
-    return family
+LTX2 = FAMILIES["ltx2"]
 
 
 def data(fps: float = 0.0, images: str = "in", **rates: float) -> DataConfig:
@@ -40,7 +31,7 @@ def data(fps: float = 0.0, images: str = "in", **rates: float) -> DataConfig:
 )
 def test_a_source_at_each_clips_own_rate_is_refused_naming_the_key(job, shown):
     with pytest.raises(ConfigError) as e:
-        model.clip_rates(job, in_seconds())
+        model.clip_rates(job, LTX2)
     message = str(e.value)
     assert message.startswith(shown), message
     key = shown.split(" = ")[0]
@@ -52,17 +43,16 @@ def test_a_source_at_each_clips_own_rate_is_refused_naming_the_key(job, shown):
     "job", [data(24.0), data(24.0, a=16.0, b=-1.0), data(0.0, "", a=16.0, b=30.0)]
 )
 def test_every_source_at_a_rate_of_its_own_passes(job):
-    model.clip_rates(job, in_seconds())
+    model.clip_rates(job, LTX2)
 
 
 def test_a_family_placing_frames_by_index_takes_each_clips_own_rate():
-    assert not any(f.geometry.seconds_positions for f in FAMILIES.values())  # LTX-2 will
+    assert {n for n, f in FAMILIES.items() if f.geometry.seconds_positions} == {"ltx2"}
     model.clip_rates(data(0.0, a=0.0), FAMILIES["wan"])
 
 
-def test_check_exits_2_naming_data_fps_and_passes_with_a_rate(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(FAMILIES, "wan", in_seconds())
-    code, err = check(tmp_path, capsys, family="wan")
+def test_check_exits_2_naming_data_fps_and_passes_with_a_rate(tmp_path, capsys):
+    code, err = check(tmp_path, capsys, family="ltx2")
     assert code == 2 and "data.fps = 0: " in err and "(e.g. 24)" in err, err
     assert len(err.strip().splitlines()) == 1, err
-    assert check(tmp_path, capsys, "data.fps=24", family="wan", name="rated")[0] == 0
+    assert check(tmp_path, capsys, "data.fps=24", family="ltx2", name="rated")[0] == 0
