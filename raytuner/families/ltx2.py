@@ -24,7 +24,7 @@ import torch
 
 from raytuner import placement
 from raytuner.families import base, objectives, parts
-from raytuner.families.text import rows_kept, truncated
+from raytuner.families.text import rows_kept
 
 MAX_TOKENS = 1024  # LTX2Pipeline's max_sequence_length: every caption padded to it (left)
 TEXT_WIDTH = 3840  # the connectors' caption_channels: text_proj_in's output
@@ -94,7 +94,8 @@ class _GemmaFeatures:
             connectors=None, transformer=None, vocoder=None,
         )  # fmt: skip
         self.project = placement.move(project, device).eval().requires_grad_(False)
-        self.tokenizer, self.device, self.encoders = tokenizer, device, [encoder]
+        # encoders: what an encoder actor places over its GPUs or offloads (text.place)
+        self.tokenizer, self.device, self.encoders = tokenizer, device, [encoder, self.project]
         self.width = width  # Gemma's hidden size: the stacked states are [B, L, width x layers]
         self.max_tokens = min(MAX_TOKENS, tokenizer.model_max_length)
 
@@ -117,17 +118,10 @@ class _GemmaFeatures:
         return {"text_features": _rows_first(features, kept.tolist())}
 
     def truncated(self, captions: list[str]) -> list[bool]:
-        return truncated([_Stripped(self.tokenizer, self.max_tokens)], captions)
-
-
-class _Stripped:
-    """A tokenizer as the pipeline uses it (captions stripped, ``max_tokens`` kept)."""
-
-    def __init__(self, tokenizer, max_tokens: int):
-        self.tokenizer, self.model_max_length = tokenizer, max_tokens
-
-    def __call__(self, captions: list[str], **kwargs):
-        return self.tokenizer([c.strip() for c in captions], **kwargs)
+        """Whether the pipeline cuts the (stripped) caption at its ``max_tokens``."""
+        stripped = [c.strip() for c in captions]
+        ids = self.tokenizer(stripped, truncation=False, verbose=False).input_ids
+        return [len(i) > self.max_tokens for i in ids]
 
 
 def _rows_first(features: torch.Tensor, kept: list[int]) -> torch.Tensor:

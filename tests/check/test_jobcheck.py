@@ -402,7 +402,7 @@ def test_auto_compiles_on_gpus_where_it_was_measured_faster():
     assert auto == {"flux": True, "sdxl": True, "sd15": False, "sana": False, "z-image": False,
                     "wan": False, "wan22": False, "wan22-5b": False, "qwen-image": False,
                     "flux2-klein": False, "flux2-dev": False, "flux-kontext": False,
-                    "qwen-image-edit": False}  # fmt: skip
+                    "qwen-image-edit": False, "ltx2": False}  # fmt: skip
     assert not compiles("auto", FAMILIES["flux"], cpu)
     assert not compiles("auto", FAMILIES["flux"], cuda, swapped=8)  # hooks dynamo cannot hold
     assert compiles(True, FAMILIES["sd15"], cpu) and not compiles(False, FAMILIES["flux"], cuda)

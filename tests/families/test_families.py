@@ -39,6 +39,8 @@ KOHYA_READ_BY_DIFFUSERS = {"sd15", "sdxl", "flux2-klein", "flux2-dev", "wan", "w
 # [model] keys a family needs besides these: Wan 2.2 A14B trains one expert a run (the low-noise
 # transformer_2: its LoRA loads with load_into_transformer_2)
 MODEL_KEYS = {"wan22": 'expert = "low"'}
+# [data] keys a family needs: LTX-2 places frames in time by seconds (every source a rate)
+DATA_KEYS = {"ltx2": "fps = 24.0"}
 
 JOB = """
 [model]
@@ -48,6 +50,7 @@ pretrained = "{folder}"
 [data]
 images = "{images}"
 cache = "{root}/cache"
+{data_keys}
 [preprocess]
 resolution = 64
 bucket_step = 32  # a multiple of every family's latent grid (Sana: 32)
@@ -82,7 +85,7 @@ def prepared(ray_local, tmp_path_factory):
             images = make_demo_images(root / "images", per_aspect=4)
             keys = MODEL_KEYS.get(name, "")
             text = JOB.format(family=name, folder=root / "model", images=images, root=root,
-                              model_keys=keys)  # fmt: skip
+                              model_keys=keys, data_keys=DATA_KEYS.get(name, ""))  # fmt: skip
             (root / "job.toml").write_text(text)
             job = load_job(root / "job.toml")
             report = preprocess(job)

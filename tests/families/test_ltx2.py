@@ -154,7 +154,7 @@ def test_a_trained_lora_of_the_video_attentions_loads_and_has_comfyuis_names(enc
 
     _, weights = _trained(encoded)
     names = [n for n in weights.names if "lora_B" in n]
-    assert {n.split(".")[2] for n in names} == {"attn1", "attn2"} and len(names) == 2 * 2 * 4
+    assert {n.split(".")[2] for n in names} == {"attn1", "attn2"} and len(names) == 3 * 2 * 4
     weights.export_lora(str(tmp_path), LTX2, {"raytuner.family": "ltx2"})
     folder = tmp_path / "lora"
     assert lora_changes_the_pipeline(str(folder), "ltx2")
@@ -176,3 +176,38 @@ def test_plan_counts_the_released_transformer_and_its_video_tokens():
     model = LTX2.denoiser(Source("random"), "meta", weights=False)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(18.876e9, rel=1e-3)
     assert SHIFT.shift(16 * 16 * 24) == pytest.approx(16.2, rel=0.01)
+
+
+def test_clips_of_two_rates_are_cached_and_each_row_reads_its_sources_rate(ray_local, tmp_path):
+    """Clips of 8n + 1 frames through the preprocess stream on a real local Ray: a 9-frame
+    sample is 2 latent frames of the VAE at 1/32; the training reader gives each row its
+    source's rate (24 and 16 frames a second), the loss's ``fps``."""
+    from clip_files import clip
+
+    from raytuner.config import DataConfig, ModelConfig, PreprocessConfig, SourceConfig
+    from raytuner.data import cache
+    from raytuner.data.reader import open_dataset
+    from raytuner.preprocess.job import update_cache
+
+    folders = {}
+    for name, rate in (("fast", 24), ("slow", 16)):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "a.mp4").write_bytes(clip(12, rate, size=(96, 64), seed=rate))
+        (folders[name] / "a.txt").write_text(f"a clip at {rate} frames a second")
+    data = DataConfig(images="", cache=str(tmp_path / "cache"), frames=[9], fps=24.0,
+                      sources=[SourceConfig(path=str(folders["fast"])),
+                               SourceConfig(path=str(folders["slow"]), fps=16.0)])  # fmt: skip
+    model = ModelConfig(family="ltx2", pretrained="tiny")
+    pre = PreprocessConfig(resolution=64, bucket_step=32, min_size=32, dtype="float32")
+    report = update_cache(model, data, pre, family=LTX2)
+    assert report["encoded"] == 2 and not report["skipped"], report
+    dataset = open_dataset(data.cache, cache.fingerprint(model, pre))
+    try:
+        batch = dataset.batch([0, 1])
+    finally:
+        dataset.close()
+    assert batch["latent"].shape[:3] == (2, 128, 2) and batch["latent"].shape[3] * 32 <= 96
+    assert sorted(batch["fps"].tolist()) == [16.0, 24.0]
+    # each caption's own rows: its BOS and 28 bytes, the tiny tokenizer's tokens
+    assert rows_kept(batch["text_features"]) == [29, 29]

@@ -40,9 +40,12 @@ PUBLISHED = {
     "qwen-image-edit": (20_430_401_088, 0),  # Qwen-Image-Edit-2509: Qwen-Image's transformer
     "flux2-klein": (3_875_544_576, 0),  # [klein] 4B
     "flux2-dev": (32_223_281_152, 0),
+    "ltx2": (18_876_174_592, 0),  # LTX-2 (2.0)'s transformer, audio stream included
 }
 # 8 s and 33 s here (the full suite is over its budget); Wan's 81-frame clips: 25-60 s each
-SLOW_PLANS = {"flux2-klein", "flux2-dev", "wan-1.3b", "wan-14b", "wan22-a14b", "wan22-5b"}
+SLOW_PLANS = {
+    "flux2-klein", "flux2-dev", "wan-1.3b", "wan-14b", "wan22-a14b", "wan22-5b", "ltx2"
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -278,7 +281,8 @@ def test_bfloat16_frozen_weights_train_and_export_a_lora_that_loads(name, tmp_pa
     text = family.text_encoder(source, "cpu")(["a red circle", "a blue square"])
     sizes = torch.tensor([[64.0, 64.0]] * 2)
     batch |= {k: v.float() for k, v in text.items()}
-    batch |= {"original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes}
+    batch |= {"original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes,
+              "fps": torch.full((2,), 24.0)}  # fmt: skip
     denoiser = family.denoiser(source).train()
     weights = adapt(
         denoiser, mode="lora", lora=LoraConfig(rank=4), targets=family.adapters.targets, ema_decay=0

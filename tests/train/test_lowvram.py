@@ -41,6 +41,7 @@ def _batch(name: str, n: int = 2) -> dict[str, torch.Tensor]:
     encode = family.image_encoder(Source("tiny"), "cpu")
     mean, _ = encode(pixels)
     text = family.text_encoder(Source("tiny"), "cpu")(["a red circle", "a blue square"][:n])
+    text |= {"fps": torch.full((n,), 24.0)}  # each row's source's frame rate, as the feed's
     if not family.references.most:
         return {"latent": mean, **text}
     # an edit family: each sample with one reference, as the reader hands a pair
@@ -84,7 +85,7 @@ def _objective():  # the families that stream blocks (flux, sana, z-image, wan, 
     "name",
     [
         "flux", "sana", "z-image", "wan", "wan22", "wan22-5b", "qwen-image", "flux2-klein",
-        "flux-kontext", "qwen-image-edit",
+        "flux-kontext", "qwen-image-edit", "ltx2",
     ],
 )  # fmt: skip
 def test_swapping_blocks_gives_the_same_loss_and_lora_gradients(name):

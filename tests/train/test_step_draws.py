@@ -33,7 +33,9 @@ def _cached(family, n: int = 4) -> dict[str, torch.Tensor]:
     sizes = torch.tensor([[64, 64]] * n)
     rows = {"latent": mean, **text}
     rows = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in rows.items()}
-    return rows | {"original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes}
+    fps = torch.full((n,), 24.0)  # each row's source's frame rate
+    return rows | {"original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes,
+                   "fps": fps}  # fmt: skip
 
 
 def _train(family, cached, feed_draws: bool) -> tuple[list[float], list[torch.Tensor]]:

@@ -19,11 +19,12 @@ TINY = Source("tiny")
 
 def _batch(family) -> dict[str, torch.Tensor]:
     """Two encoded samples, as the cache stores them: latents, caption tensors and the
-    per-image size conditioning."""
+    per-image size conditioning and frame rate."""
     pixels = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
     mean, _ = family.image_encoder(TINY, "cpu")(pixels)
     sizes = torch.tensor([[64, 64], [64, 64]])
-    conditioning = {"original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes}
+    conditioning = {"original_size": sizes, "crop_top_left": sizes * 0, "target_size": sizes,
+                    "fps": torch.full((2,), 24.0)}  # fmt: skip
     text = family.text_encoder(TINY, "cpu")(["a red circle", "a blue square"])
     return {"latent": mean, **text, **conditioning}
 

@@ -305,8 +305,9 @@ def trace_encoders(
     with traced() as text_live:
         text = encode_text(["a caption of average length for a photograph"] * n)
     shapes = {"latent": tuple(latent.shape[1:])} | {k: tuple(v.shape[1:]) for k, v in text.items()}
-    texts = tuple(p for p in family.parts.classes if p.startswith("text_"))
-    weights = _part_bytes(job, family, ("vae", *texts))
+    # the modules its text encoder holds (LTX-2's: Gemma and the connectors' first layer)
+    held = sum(bytes_by_dtype(*encode_text.encoders).values())
+    weights = _part_bytes(job, family, ("vae",)) + held
     peak = weights + max(image_peak, text_live.peak) + OVERHEAD
     return {"weights_bytes": weights, "peak_bytes": peak, "batch_size": n}, shapes
 
