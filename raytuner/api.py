@@ -139,6 +139,7 @@ def sample(
         negative_prompt=v.negative_prompt,
         frames=prompt_lines.clip_frames(frames or v.frames, job.data.frames, family),
         references=tuple(references),
+        fps=fps or v.fps,
     )
     return render_samples(job, family, checkpoint, lines, defaults, out, fps, merged)
 

@@ -185,6 +185,7 @@ class LTX2(base.DiffusersFamily):
         pixel_grid=32,
         frame_multiple=FRAMES,
         seconds_positions=True,  # RoPE time: a latent frame's pixel frames / fps
+        fps_argument="frame_rate",
     )
     blocks = base.Blocks(
         swap=("transformer_blocks",),

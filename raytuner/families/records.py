@@ -25,6 +25,10 @@ class Geometry:
     # video: a sample's frames are 1 + this x n (the VAE's temporal factor: Wan's 4, so 4n + 1
     # frames make n + 1 latent frames); 0: the family trains images only
     frame_multiple: int = 0
+    # the pipeline-call keyword a clip's frame rate is rendered with (LTX2Pipeline's
+    # frame_rate: its positions are in seconds, so a clip renders at the rate its file plays
+    # at, validation.fps / sample --fps); "": its pipeline takes none
+    fps_argument: str = ""
     # its denoiser places frames in time by seconds (frame / fps): every clip needs a known
     # frame rate, data.fps or the source's fps > 0 (``raytuner check`` refuses 0, the clip's
     # own rate); its loss reads each row's rate from the batch's "fps"

@@ -89,6 +89,7 @@ class Defaults:
     negative_prompt: str = ""
     frames: int = 1  # a clip's frames (validation.frames, `sample --frames`); 1: an image
     references: tuple[str, ...] = ()  # reference images of a line that names none (--reference)
+    fps: float = 0.0  # a clip's frames a second (validation.fps, `sample --fps`); 0: none given
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +112,8 @@ class Render:
     # the family's references record: its pipeline keywords for them and for the area
     reference_argument: str = field(default="", repr=False)
     area_argument: str = field(default="", repr=False)
+    fps: float = 0.0  # the clip's frames a second, passed as ``fps_argument`` where it has one
+    fps_argument: str = field(default="", repr=False)  # the family's geometry.fps_argument
 
     def call(self) -> dict:
         """The pipeline-call arguments (besides the prompt and the generator); reference
@@ -126,6 +129,8 @@ class Render:
             out["negative_prompt"] = self.negative_prompt
         if self.frames > 1:  # diffusers' video pipelines' keyword; 1: the family's options'
             out["num_frames"] = self.frames
+        if self.frames > 1 and self.fps_argument and self.fps:
+            out[self.fps_argument] = self.fps
         return out
 
     def record(self) -> dict:
@@ -355,6 +360,8 @@ def resolve(
                 references=p.references or defaults.references,
                 reference_argument=family.references.argument,
                 area_argument=family.references.area_argument,
+                fps=defaults.fps,
+                fps_argument=family.geometry.fps_argument,
             )
         )
     return renders

@@ -84,6 +84,7 @@ def _defaults(spec: RenderSpec, family, distilled: bool) -> prompts.Defaults:
         guidance_scale=spec.guidance_scale,
         negative_prompt=spec.negative_prompt,
         frames=spec.frames,
+        fps=spec.fps,
     )
 
 

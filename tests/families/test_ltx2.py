@@ -7,6 +7,7 @@ video attentions) loads through the pipeline in the diffusers layout and in Comf
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -211,3 +212,23 @@ def test_clips_of_two_rates_are_cached_and_each_row_reads_its_sources_rate(ray_l
     assert sorted(batch["fps"].tolist()) == [16.0, 24.0]
     # each caption's own rows: its BOS and 28 bytes, the tiny tokenizer's tokens
     assert rows_kept(batch["text_features"]) == [29, 29]
+
+
+def test_a_clip_renders_at_the_rate_its_file_plays_at(pipe):
+    """A clip's render passes its rate (validation.fps, `sample --fps`) as LTX2Pipeline's
+    frame_rate, where its positions are in seconds: another rate, another clip; an image and
+    Wan's pipeline (frames by index) get no rate."""
+    from raytuner.render.prompts import Defaults, PromptLine, resolve
+    from raytuner.render.sample import render
+
+    def rendered(family, fps: float, frames: int = 9):
+        defaults = Defaults(size=(96, 64), seeds=(0,), steps=2, frames=frames, fps=fps)
+        return resolve([PromptLine(prompt="a red circle")], family, defaults)
+
+    (r,) = rendered(LTX2, 16.0)
+    assert r.call()["frame_rate"] == 16.0 and r.call()["num_frames"] == 9
+    assert "frame_rate" not in rendered(LTX2, 16.0, frames=1)[0].call()
+    assert "frame_rate" not in rendered(FAMILIES["wan"], 16.0)[0].call()
+    options = LTX2.pipeline_options(pipe)
+    [[slow]], [[fast]] = (render(pipe, options, rendered(LTX2, f)) for f in (16.0, 24.0))
+    assert slow.shape == fast.shape == (9, 64, 96, 3) and not np.array_equal(slow, fast)
