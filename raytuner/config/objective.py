@@ -44,6 +44,10 @@ class FlowObjective:
     weighting: str = "none"  # none | sigma_sqrt | cosmap
     # guidance embedding for guidance-distilled checkpoints (Flux dev)
     guidance: float = ranged(1.0, 0, 100)
+    # the share of clip samples whose first latent frame is kept clean (noise level 0) and out
+    # of the loss, so a LoRA trained on text to video keeps image to video (LTX-2's trainer:
+    # 0.1); families whose denoiser takes a level per token (geometry.first_frame_clean)
+    first_frame_p: float = ranged(0.0, 0, 1)
 
     def __post_init__(self) -> None:
         one_of("objective.flow.timestep_sampling", self.timestep_sampling, DENSITIES)

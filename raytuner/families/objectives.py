@@ -29,7 +29,8 @@ Batch = dict[str, torch.Tensor]
 Loss = Callable[[nn.Module, Batch, Sequence[torch.Generator]], torch.Tensor]
 # the latent batch's shape, one generator per sample -> the step's random inputs (CPU tensors)
 Draw = Callable[[tuple[int, ...], Sequence[torch.Generator]], dict[str, torch.Tensor]]
-DRAWN = ("noise", "timestep", "sigma")  # the batch keys an Objective's draw may fill
+# the batch keys an Objective's draw may fill ("first_frame": objective.flow.first_frame_p)
+DRAWN = ("noise", "timestep", "sigma", "first_frame")
 
 
 class Objective:
@@ -211,9 +212,22 @@ def flow_draw(
         noise = per_sample_noise(shape, generators)
         shift = line.shift(image_tokens(shape)) if objective.resolution_shift else objective.shift
         sigmas = [_level_within(objective, shift, levels, g) for g in generators]
-        return {"noise": noise, "sigma": torch.cat(sigmas)}
+        drawn = {"noise": noise, "sigma": torch.cat(sigmas)}
+        if objective.first_frame_p:
+            drawn["first_frame"] = first_frames(objective.first_frame_p, shape, generators)
+        return drawn
 
     return draw
+
+
+def first_frames(p: float, shape: tuple[int, ...], generators) -> torch.Tensor:
+    """Whether each sample's first latent frame is kept clean (1.0) or noised (0.0): a draw of
+    probability ``p`` from the sample's generator after its level; an image's (one latent
+    frame, or no frame axis) is never kept clean (it would leave nothing to learn), though it
+    draws too, so a batch's split never shifts a generator."""
+    clip = len(shape) == 5 and shape[2] > 1
+    kept = [float(torch.rand(1, generator=g).item() < p and clip) for g in generators]
+    return torch.tensor(kept, dtype=torch.float32)
 
 
 MAX_REDRAWS = 10_000  # draws of a level in an expert's range before the range is refused
@@ -293,16 +307,18 @@ def _sigmoid(z: float) -> float:
     return math.exp(z) / (1 + math.exp(z))
 
 
-def flow_loss(objective: FlowObjective, batch: Batch, predict, mask=None):
+def flow_loss(objective: FlowObjective, batch: Batch, predict, mask=None, levels=None):
     """Rectified-flow loss per sample: x_t = (1 - s) x_0 + s noise, target noise - x_0, with
     the batch's drawn noise and levels (``flow_draw``), each latent pixel weighted by ``mask``
     (the batch's "mask" if it has one), the sample by the objective's scheme;
-    ``predict(noisy, sigmas)``."""
+    ``predict(noisy, sigmas)``. ``levels``: each latent element's own s (broadcast to the
+    latents: a clip whose first frame is kept clean), else its sample's."""
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
     latents, sigmas = batch["latent"], batch["sigma"]
     noise = batch["noise"].to(latents.dtype)
     s = sigmas.to(latents.dtype).view(-1, *[1] * (latents.ndim - 1))  # images and clips
+    s = s if levels is None else levels.to(latents.dtype)
     noisy = (1 - s) * latents + s * noise
     err = mse_per_sample(predict(noisy, sigmas), noise - latents, mask)
     return err * compute_loss_weighting_for_sd3(objective.weighting, sigmas).float()

@@ -29,6 +29,10 @@ class Geometry:
     # frame_rate: its positions are in seconds, so a clip renders at the rate its file plays
     # at, validation.fps / sample --fps); "": its pipeline takes none
     fps_argument: str = ""
+    # its denoiser takes a noise level per token and its first latent frame is one pixel frame
+    # (a causal VAE): a clip's first frame can be kept clean and out of the loss, as its
+    # image-to-video pipeline conditions on it (objective.flow.first_frame_p)
+    first_frame_clean: bool = False
     # its denoiser places frames in time by seconds (frame / fps): every clip needs a known
     # frame rate, data.fps or the source's fps > 0 (``raytuner check`` refuses 0, the clip's
     # own rate); its loss reads each row's rate from the batch's "fps"

@@ -45,6 +45,7 @@ def check_job(job: JobConfig, family, *, runs: bool = True, reads_images: bool =
     model.sharding(job)
     model.compiling(job, family)
     model.float8_matmul(job, family)
+    model.first_frame(job, family)
     model.references(job.data, family)
     lora.kind(job)
     lora.init_from(job)

@@ -180,6 +180,21 @@ def float8_matmul(job: JobConfig, family) -> None:
         )
 
 
+def first_frame(job: JobConfig, family) -> None:
+    """A clean first frame (``objective.flow.first_frame_p``) needs a denoiser that takes a noise
+    level per token (``geometry.first_frame_clean``)."""
+    p = job.objective.flow.first_frame_p
+    if p and not family.geometry.first_frame_clean:
+        from raytuner.families import FAMILIES
+
+        able = ", ".join(n for n, f in FAMILIES.items() if f.geometry.first_frame_clean)
+        raise ConfigError(
+            f"objective.flow.first_frame_p = {p:g}: the {family.name} denoiser takes one noise "
+            f"level a sample, so no frame can be kept clean (allowed for {able}); set "
+            "objective.flow.first_frame_p = 0"
+        )
+
+
 def model_file(model: ModelConfig, family) -> None:
     """A single-file ``model.pretrained`` exists locally and its family can load one; a file of
     another kind (a pickled ``.ckpt``) is refused, as is a config for no single file; a preset

@@ -76,6 +76,7 @@ BAD: dict[str, list[str]] = {
     "objective.flow.mode_scale": ["-2", "2"],
     "objective.flow.shift": ["0", "-1", "101"],
     "objective.flow.guidance": ["-1", "101"],
+    "objective.flow.first_frame_p": ["-0.1", "1.5"],
     "scaling.workers": ["0", "[0, 2]"],
     "scaling.cpus_per_worker": ["0", "-1"],
     "scaling.gpus_per_worker": ["-1", "2"],

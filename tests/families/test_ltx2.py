@@ -232,3 +232,45 @@ def test_a_clip_renders_at_the_rate_its_file_plays_at(pipe):
     options = LTX2.pipeline_options(pipe)
     [[slow]], [[fast]] = (render(pipe, options, rendered(LTX2, f)) for f in (16.0, 24.0))
     assert slow.shape == fast.shape == (9, 64, 96, 3) and not np.array_equal(slow, fast)
+
+
+def test_a_first_frame_kept_clean_is_image_conditioning_left_out_of_the_loss(encoded):
+    """``first_frame_p``: a clip sample's first latent frame clean (level 0 on its tokens, as
+    LTX2ImageToVideoPipeline conditions on an image) and its loss the mean over the other
+    frames (Lightricks' trainer); an image draws no clean frame; the draw leaves the noise and
+    levels as they were."""
+    model = LTX2.denoiser(TINY)
+    x0, fps = encoded["latent"], torch.tensor([24.0, 24.0])
+    text = encoded["text_features"][:2, : max(rows_kept(encoded["text_features"][:2]))]
+
+    def gens():
+        return [torch.Generator().manual_seed(i) for i in range(2)]
+
+    loss = LTX2.loss(TINY, FlowObjective(first_frame_p=1.0))
+    drawn = loss.draw(tuple(x0.shape), gens())
+    plain = LTX2.loss(TINY, FlowObjective()).draw(tuple(x0.shape), gens())
+    assert drawn["first_frame"].tolist() == [1.0, 1.0] and "first_frame" not in plain
+    assert all(torch.equal(drawn[k], plain[k]) for k in ("noise", "sigma"))
+    assert loss.draw((2, 128, 1, 2, 3), gens())["first_frame"].tolist() == [0.0, 0.0]
+    ours = loss(model, {"latent": x0, "text_features": text, "fps": fps, **drawn})
+
+    noise, s = drawn["noise"], drawn["sigma"]
+    noisy = (1 - s.view(-1, 1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1, 1) * noise
+    noisy[:, :, 0] = x0[:, :, 0]
+    time = (s * 1000).view(2, 1).repeat(1, 2 * 2 * 3)
+    time[:, : 2 * 3] = 0  # the first latent frame's tokens
+    context = video_context(LTX2._video_connector(TINY, "cpu"), text, ROWS)
+    with torch.no_grad():
+        out = model(
+            hidden_states=noisy.flatten(2).transpose(1, 2),
+            audio_hidden_states=torch.zeros(2, 1, 4),
+            encoder_hidden_states=context, audio_encoder_hidden_states=context[:, :1],
+            timestep=time, audio_timestep=s * 1000, sigma=s * 1000,
+            encoder_attention_mask=torch.ones(2, ROWS),
+            audio_encoder_attention_mask=torch.ones(2, 1),
+            num_frames=2, height=2, width=3, fps=24.0, audio_num_frames=1, isolate_modalities=True,
+            return_dict=False,
+        )[0]  # fmt: skip
+    pred = out.transpose(1, 2).reshape(x0.shape)
+    theirs = ((pred - (noise - x0)) ** 2)[:, :, 1:].reshape(2, -1).mean(1)
+    torch.testing.assert_close(ours.detach(), theirs)
