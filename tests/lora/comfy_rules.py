@@ -16,7 +16,9 @@ check raytuner's files against without ComfyUI:
   ``lora_unet_<its module>``) on the names of ComfyUI's Wan model (``comfy/ldm/wan/model.py``:
   ``blocks.<i>.self_attn.q``), which diffusers' own converter of Wan checkpoints
   (``convert_wan_transformer_to_diffusers``) ties to the diffusers modules (``wan_native``);
-  Qwen-Image's are its ``QwenImage`` branch (its model's names are diffusers'); FLUX.2 is a
+  Qwen-Image's are its ``QwenImage`` branch (its model's names are diffusers'); LTX-2's the
+  rule of every model on its blocks, whose names in ComfyUI's LTX-2 model are diffusers'
+  (``comfy/ldm/lightricks/model.py`` at e03185cf, ``av_model.py`` at 0a29ddae, 2026); FLUX.2 is a
   ``Flux`` model there, so its branch is Flux's, ``flux_to_diffusers`` mapping FLUX.2's
   diffusers names too (``FLUX_DIFFUSERS``: the modules that map names);
 - which tensor names each adapter reads after such a key (a key it reads no tensor of is one
@@ -42,6 +44,7 @@ BRANCH = {
     "qwen-image": "qwen",
     "qwen-image-edit": "qwen",  # ComfyUI loads Qwen-Image-Edit as a QwenImage model
     "wan": "native",
+    "ltx2": "lightricks",
 }
 # the diffusers modules flux_to_diffusers maps (Flux.1's and FLUX.2's names; its q/k/v of a
 # block onto their rows of the fused qkv / linear1), besides the outer ones of FLUX_OUTER
@@ -96,6 +99,11 @@ def accepted(family_name: str, modules, kohya_names=None, wan_layers: int = 0) -
             out |= {f"transformer.{m}": m, f"lycoris_{flat}": m, f"lora_transformer_{flat}": m}
         elif branch == "lumina2":  # z_image_to_diffusers: diffusion_model. and transformer.
             out |= {f"diffusion_model.{m}": m, f"transformer.{m}": m}
+        elif branch == "lightricks" and m.startswith("transformer_blocks."):
+            # the rule of every model; its LTX-2 model's blocks have diffusers' names
+            # (comfy/ldm/lightricks/model.py, av_model.py: attn1.to_q, ff.net.0.proj, ...),
+            # its outer modules not (patchify_proj, adaln_single)
+            out |= {f"diffusion_model.{m}": m, f"lora_unet_{flat}": m}
         elif branch == "qwen":  # its QwenImage branch and the rule of every model
             out |= {m: m, f"transformer.{m}": m, f"lycoris_{flat}": m}
             out |= {f"diffusion_model.{m}": m, f"lora_unet_{flat}": m}
