@@ -154,18 +154,6 @@ def video_context(connector, features: torch.Tensor, rows: int) -> torch.Tensor:
     return video * (mask < 1e-6).to(video.dtype).view(b, rows, 1)
 
 
-def noised_frames(first: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
-    """[B, 1, T, 1, 1]: 0 on the first latent frame of each sample whose ``first`` ([B], the
-    draw's "first_frame") is 1, kept clean as an image-to-video pipeline's conditioning frame,
-    1 elsewhere; None where the batch has no such draw (every frame noised)."""
-    if first is None:
-        return None
-    b, t = shape[0], shape[2]
-    frame = torch.arange(t, device=first.device).view(1, t) == 0
-    keep = 1 - first.view(b, 1).float() * frame.float()
-    return keep.view(b, 1, t, 1, 1)
-
-
 def video_coords(
     shape: tuple[int, int, int], fps: torch.Tensor, scale: tuple[int, int, int], offset: int
 ) -> torch.Tensor:
@@ -267,14 +255,13 @@ class LTX2(base.DiffusersFamily):
             coords = video_coords((t, h, w), batch["fps"], scale, offset)
             ones = torch.ones(b, rows, dtype=torch.int64, device=latents.device)
             silent = torch.zeros(b, 1, audio_width, dtype=latents.dtype, device=latents.device)
-            noised = noised_frames(batch.get("first_frame"), latents.shape)  # [B,1,T,1,1] | None
+            noised = objectives.noised_frames(batch.get("first_frame"), latents.shape)
 
             def predict(noisy, sigmas):  # [B, 128, T, h, w] packed a token a voxel
                 tokens = noisy.flatten(2).transpose(1, 2)
                 level = time = sigmas.to(latents.dtype) * 1000
                 if noised is not None:  # a level a token: 0 on a first frame kept clean
-                    per_frame = level.view(b, 1, 1) * noised.view(b, t, 1).to(level.dtype)
-                    time = per_frame.expand(b, t, h * w).reshape(b, t * h * w)
+                    time = objectives.token_levels(level, noised, h * w)
                 out = denoiser(
                     hidden_states=tokens, audio_hidden_states=silent,
                     encoder_hidden_states=context, audio_encoder_hidden_states=context[:, :1],
@@ -287,12 +274,7 @@ class LTX2(base.DiffusersFamily):
 
             if noised is None:
                 return objectives.flow_loss(objective, batch, predict, batch.get("mask"))
-            # a clean first frame: its level 0, out of the loss; the loss the mean over the
-            # frames left (Lightricks' trainer's masked mean)
-            mask = noised if "mask" not in batch else batch["mask"].unsqueeze(2) * noised
-            levels = batch["sigma"].view(b, 1, 1, 1, 1) * noised
-            err = objectives.flow_loss(objective, batch, predict, mask, levels)
-            return err / noised.view(b, t).mean(dim=1)
+            return objectives.first_frame_loss(objective, batch, predict, noised)
 
         def tokens(shape: tuple[int, ...]) -> int:  # a token a latent voxel
             return shape[2] * shape[3] * shape[4]

@@ -322,3 +322,35 @@ def flow_loss(objective: FlowObjective, batch: Batch, predict, mask=None, levels
     noisy = (1 - s) * latents + s * noise
     err = mse_per_sample(predict(noisy, sigmas), noise - latents, mask)
     return err * compute_loss_weighting_for_sd3(objective.weighting, sigmas).float()
+
+
+def noised_frames(first: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    """[B, 1, T, 1, 1]: 0 on the first latent frame of each sample whose ``first`` ([B], the
+    draw's "first_frame") is 1, kept clean as an image-to-video pipeline's conditioning frame,
+    1 elsewhere; None where the batch has no such draw (every frame noised)."""
+    if first is None:
+        return None
+    b, t = shape[0], shape[2]
+    frame = torch.arange(t, device=first.device).view(1, t) == 0
+    keep = 1 - first.view(b, 1).float() * frame.float()
+    return keep.view(b, 1, t, 1, 1)
+
+
+def token_levels(level: torch.Tensor, noised: torch.Tensor, per_frame: int) -> torch.Tensor:
+    """Each token's level [B, T x per_frame] (its sample's ``level`` [B], 0 on a clean first
+    frame: ``noised_frames``) for a denoiser that takes one a token, frame by frame,
+    ``per_frame`` tokens each."""
+    b, t = noised.shape[0], noised.shape[2]
+    frames = level.view(b, 1, 1) * noised.view(b, t, 1).to(level.dtype)
+    return frames.expand(b, t, per_frame).reshape(b, t * per_frame)
+
+
+def first_frame_loss(objective: FlowObjective, batch: Batch, predict, noised: torch.Tensor):
+    """``flow_loss`` of clips some of whose first frames are kept clean (``noised``: 0 there):
+    such a frame at level 0 and out of the loss, the loss the mean over the frames left (the
+    masked mean of Lightricks' LTX-2 trainer), the batch's "mask" on every frame."""
+    b, t = noised.shape[0], noised.shape[2]
+    mask = noised if "mask" not in batch else batch["mask"].unsqueeze(2) * noised
+    levels = batch["sigma"].view(b, 1, 1, 1, 1) * noised
+    return flow_loss(objective, batch, predict, mask, levels) / noised.view(b, t).mean(dim=1)
+

@@ -190,15 +190,22 @@ class Wan(base.DiffusersFamily):
             latents, captions = batch["latent"], batch["prompt_embeds"]
             # the caption's rows, then zero rows up to the pipeline's length, as it renders
             padded = torch.nn.functional.pad(captions, (0, 0, 0, rows - captions.shape[1]))
+            # a clean first frame (objective.flow.first_frame_p: Wan 2.2 TI2V-5B's image to
+            # video), a level a 1x2x2 patch as its pipeline's expand_timesteps gives them
+            noised = objectives.noised_frames(batch.get("first_frame"), latents.shape)
 
-            def predict(noisy, sigmas):  # [B, 16, T, h, w] as the transformer takes them
+            def predict(noisy, sigmas):  # [B, C, T, h, w] as the transformer takes them
+                time = sigmas.to(latents.dtype) * 1000
+                if noised is not None:
+                    patches = (latents.shape[3] // PATCH) * (latents.shape[4] // PATCH)
+                    time = objectives.token_levels(time, noised, patches)
                 return denoiser(
-                    hidden_states=noisy,
-                    timestep=sigmas.to(latents.dtype) * 1000,
-                    encoder_hidden_states=padded,
+                    hidden_states=noisy, timestep=time, encoder_hidden_states=padded,
                     return_dict=False,
-                )[0]
+                )[0]  # fmt: skip
 
+            if noised is not None:
+                return objectives.first_frame_loss(objective, batch, predict, noised)
             return objectives.flow_loss(objective, batch, predict, batch.get("mask"))
 
         def tokens(shape: tuple[int, ...]) -> int:  # a token a 1x2x2 patch: T x h/2 x w/2

@@ -92,12 +92,20 @@ class Wan22(wan.Wan):
 
 
 class Wan22TI2V(wan.Wan):
-    """Wan 2.2 TI2V-5B, text to video (its image-to-video conditioning is not trained)."""
+    """Wan 2.2 TI2V-5B, text to video, and image to video where a clip's first frame is kept
+    clean (``objective.flow.first_frame_p``: its image-to-video pipeline's ``expand_timesteps``
+    conditioning, a level a patch, 0 on the first frame's)."""
 
     name = "wan22-5b"
     # the VAE's 16 x the transformer's 2x2 patches (WanPipeline rounds sides to 32); 704x1280
     # is its native size
-    geometry = replace(wan.Wan.geometry, default_resolution=960, pixel_multiple=32, pixel_grid=32)
+    geometry = replace(
+        wan.Wan.geometry,
+        default_resolution=960,
+        pixel_multiple=32,
+        pixel_grid=32,
+        first_frame_clean=True,
+    )
     adapters = replace(
         wan.Wan.adapters, files=replace(wan.Wan.adapters.files, base_model_version="wan2.2")
     )

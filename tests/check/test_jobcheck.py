@@ -491,5 +491,5 @@ def test_a_clean_first_frame_is_refused_where_the_denoiser_takes_one_level_a_sam
     tmp_path, capsys
 ):
     err = refused(tmp_path, capsys, "objective.flow.first_frame_p=0.1", family="wan")
-    assert "objective.flow.first_frame_p = 0.1" in err and "(allowed for ltx2)" in err
+    assert "objective.flow.first_frame_p = 0.1" in err and "(allowed for wan22-5b, ltx2)" in err
 

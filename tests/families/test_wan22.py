@@ -215,6 +215,30 @@ def test_ti2v_loss_is_a_flow_step_with_the_pipelines_timestep_per_token(ti2v_pip
     torch.testing.assert_close(ours.detach(), theirs, rtol=1e-4, atol=1e-5)
 
 
+def test_ti2v_first_frame_kept_clean_is_its_image_to_video_pipelines_conditioning(ti2v_pipe):
+    """``first_frame_p``: a clip's first latent frame clean and its patches at timestep 0, as
+    WanImageToVideoPipeline (``expand_timesteps``) conditions the 5B on an image, and out of the
+    loss, the mean over the other frames."""
+    clip = torch.rand(2, 3, 9, 64, 96, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    x0, _ = TI2V.image_encoder(TINY, "cpu")(clip)  # [2, 48, 3, 4, 6]
+    text = TI2V.text_encoder(TINY, "cpu")(CAPTIONS)["prompt_embeds"]
+    model = TI2V.denoiser(TINY)
+    loss = TI2V.loss(TINY, FlowObjective(resolution_shift=False, shift=5.0, first_frame_p=1.0))
+    drawn = loss.draw(tuple(x0.shape), [torch.Generator().manual_seed(i) for i in range(2)])
+    assert drawn["first_frame"].tolist() == [1.0, 1.0]
+    ours = loss(model, {"latent": x0, "prompt_embeds": text, **drawn})
+    noise, s = drawn["noise"], drawn["sigma"].view(-1, 1, 1, 1, 1)
+    mask = torch.ones_like(x0)
+    mask[:, :, 0] = 0  # the pipeline's first_frame_mask
+    noisy = (1 - mask) * x0 + mask * ((1 - s) * x0 + s * noise)
+    per_token = torch.stack([(mask[0, 0, :, ::2, ::2] * t).flatten() for t in s.flatten() * 1000])
+    full = torch.nn.functional.pad(text, (0, 0, 0, 64 - text.shape[1]))
+    with torch.no_grad():
+        pred = model(noisy, per_token, full, return_dict=False)[0]
+    theirs = ((pred - (noise - x0)) ** 2)[:, :, 1:].reshape(2, -1).mean(1)
+    torch.testing.assert_close(ours.detach(), theirs, rtol=1e-4, atol=1e-5)
+
+
 def test_full_size_presets_count_the_released_parameters():
     """The released transformers built on meta from the package's configs (diffusers' count):
     Wan 2.1 1.3B, each A14B expert, TI2V-5B."""
