@@ -51,6 +51,9 @@ BASE = {  # jobs/<name>.toml (a family's name, but for the video jobs): the four
     "wan-1.3b": (1, 0.25, 5.0, 60.0),
     "wan22-5b": (1, 0.168, 5.0, 60.0),
     "wan-14b": (1, 0.054, 4.0, 60.0),
+    # never run on a GPU: plan's 615 TFLOP a sample at about Wan 14B's hardware rate (0.57 a
+    # second) less a margin; its 37.8 GB of random weights drawn at FLUX.2 [dev]'s pace
+    "ltx2": (1, 0.4, 45.0, 90.0),
 }
 # the video rows: a job each (not a family's name), its blocks all resident (`wan-14b.toml`
 # streams 12 of 40 from host memory; 53 GiB a worker without, by plan), fewer steps (seconds each)
@@ -131,6 +134,10 @@ def rows(families: list[str], jobs: str, workdir: str) -> list[Row]:
         out.append(_step(job, jobs, f"step {job} compiled", "video-compile", "train.compile=true",
                          "memory.blocks_to_swap=0", steps=3, warmup=3,
                          extra_s=BASE[job][3]))  # fmt: skip
+    # LTX-2 at 121 frames (its job's), eager and compiled: never run on a GPU
+    out.append(_step("ltx2", jobs, "step ltx2", "ltx2", "train.compile=false", steps=3, warmup=2))
+    out.append(_step("ltx2", jobs, "step ltx2 compiled", "ltx2", "train.compile=true", steps=3,
+                     warmup=3, extra_s=BASE["ltx2"][3]))  # fmt: skip
     out += _kernels(families, jobs)
     out += _memory(families, jobs)
     out += _swap(families, jobs)
