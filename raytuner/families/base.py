@@ -320,3 +320,38 @@ def kl_image_encoder(vae, device: str) -> ImageEncoder:
         return (dist.mean - shift) * scale, dist.std * scale
 
     return encode
+
+
+def video_options(pipe, max_tokens: int) -> dict:
+    """A video family's ``pipeline_options``: caption tokens as the cache kept them (its
+    tokenizer's limit, at most the pipeline's ``max_tokens``), one frame: an image (a clip's
+    render sets its own ``num_frames``)."""
+    return {
+        "max_sequence_length": min(max_tokens, pipe.tokenizer.model_max_length),
+        "num_frames": 1,
+    }
+
+
+def clip_encoder(vae, device: str, tile_above: int, scale) -> ImageEncoder:
+    """Latent mean and std of a video family's 3-D VAE of images [B, 3, H, W] (one frame each)
+    or clips [B, 3, F, H, W], [B, C, T, h, w] with the frame axis always, in its transformer's
+    scale (``scale``: the VAE's latent distribution -> (mean, std), the family's
+    normalization). A batch is encoded a sample at a time (slicing: a batch of clips costs one
+    clip's memory), frames of more than ``tile_above`` pixels in tiles."""
+    vae = placement.move(vae, device).eval().requires_grad_(False)
+    vae.enable_slicing()
+    dtype = vae.dtype
+
+    @torch.no_grad()
+    def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        frames = placement.inputs(pixels, device, dtype)
+        if frames.ndim == 4:  # an image: a one-frame clip [B, 3, 1, H, W]
+            frames = frames.unsqueeze(2)
+        if frames.shape[-1] * frames.shape[-2] > tile_above:
+            vae.enable_tiling()
+        else:
+            vae.disable_tiling()
+        return scale(vae.encode(frames).latent_dist)
+
+    return encode
+

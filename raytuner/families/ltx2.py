@@ -289,16 +289,8 @@ class LTX2(base.DiffusersFamily):
         connectors = self.part(source, "connectors", "meta" if meta else "cpu", not meta)
         return placement.move(connectors.video_connector, device).requires_grad_(False)
 
-    def vae_latent(self, latent: torch.Tensor) -> torch.Tensor:
-        """Cached latents [B, 128, T, h, w] are what its VAE decodes, frame axis and all."""
-        return latent
-
     def pipeline_options(self, pipe) -> dict:
-        """Caption tokens as the cache kept them, one frame: an image."""
-        return {
-            "max_sequence_length": min(MAX_TOKENS, pipe.tokenizer.model_max_length),
-            "num_frames": 1,
-        }
+        return base.video_options(pipe, MAX_TOKENS)
 
     def preset_pipeline(self, source: parts.Source):
         from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
@@ -331,23 +323,13 @@ def _image_encoder(vae, device: str) -> base.ImageEncoder:
     """Latent mean and std of LTX-2's video VAE of images [B, 3, H, W] (one frame each) or clips
     [B, 3, F, H, W] (F = 8n + 1), [B, 128, T, h, w] (T = n + 1) in the transformer's scale:
     (mean - latents_mean) x scaling_factor / latents_std per channel (the VAE's buffers), as
-    LTX2Pipeline normalizes latents; a sample at a time, frames over ``TILE_ABOVE`` in tiles."""
-    vae = placement.move(vae, device).eval().requires_grad_(False)
-    vae.enable_slicing()
-    dtype, factor = vae.dtype, vae.config.scaling_factor
+    LTX2Pipeline normalizes latents (``base.clip_encoder``: frames over ``TILE_ABOVE`` in
+    tiles)."""
+    factor = vae.config.scaling_factor
 
-    @torch.no_grad()
-    def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        frames = placement.inputs(pixels, device, dtype)
-        if frames.ndim == 4:  # an image: a one-frame clip [B, 3, 1, H, W]
-            frames = frames.unsqueeze(2)
-        if frames.shape[-1] * frames.shape[-2] > TILE_ABOVE:
-            vae.enable_tiling()
-        else:
-            vae.disable_tiling()
-        dist = vae.encode(frames).latent_dist
+    def scale(dist) -> tuple[torch.Tensor, torch.Tensor]:
         mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(dist.mean.dtype)
         std = vae.latents_std.view(1, -1, 1, 1, 1).to(dist.mean.dtype)
         return (dist.mean - mean) * factor / std, dist.std * factor / std
 
-    return encode
+    return base.clip_encoder(vae, device, TILE_ABOVE, scale)

@@ -108,29 +108,16 @@ class _UMT5Text:
 def wan_image_encoder(vae, device: str) -> base.ImageEncoder:
     """Latent mean and std of Wan's 3-D VAE of images [B, 3, H, W] (one frame each) or clips
     [B, 3, F, H, W] (F = 4n + 1), [B, 16, T, h, w] (T = n + 1; an image: 1) in the transformer's
-    scale: (mean - latents_mean) / latents_std per channel, as WanPipeline decodes them. A
-    batch is encoded a sample at a time (slicing: a batch of clips costs one clip's memory),
-    frames over ``TILE_ABOVE`` pixels in tiles."""
-    vae = placement.move(vae, device).eval().requires_grad_(False)
-    vae.enable_slicing()
-    dtype = vae.dtype
+    scale: (mean - latents_mean) / latents_std per channel, as WanPipeline decodes them
+    (``base.clip_encoder``: a sample at a time, frames over ``TILE_ABOVE`` pixels in tiles)."""
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
 
-    @torch.no_grad()
-    def encode(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        frames = placement.inputs(pixels, device, dtype)
-        if frames.ndim == 4:  # an image: a one-frame clip [B, 3, 1, H, W]
-            frames = frames.unsqueeze(2)
-        if frames.shape[-1] * frames.shape[-2] > TILE_ABOVE:
-            vae.enable_tiling()
-        else:
-            vae.disable_tiling()
-        dist = vae.encode(frames).latent_dist
+    def scale(dist) -> tuple[torch.Tensor, torch.Tensor]:
         m, s = (placement.inputs(t, str(dist.mean.device), dist.mean.dtype) for t in (mean, std))
         return (dist.mean - m) / s, dist.std / s
 
-    return encode
+    return base.clip_encoder(vae, device, TILE_ABOVE, scale)
 
 
 class Wan(base.DiffusersFamily):
@@ -221,11 +208,7 @@ class Wan(base.DiffusersFamily):
         return latent
 
     def pipeline_options(self, pipe) -> dict:
-        """Caption tokens as the cache kept them, one frame: an image."""
-        return {
-            "max_sequence_length": min(MAX_TOKENS, pipe.tokenizer.model_max_length),
-            "num_frames": 1,
-        }
+        return base.video_options(pipe, MAX_TOKENS)
 
     def preset_pipeline(self, source: parts.Source):
         from diffusers import UniPCMultistepScheduler, WanPipeline
