@@ -19,6 +19,7 @@ import torch
 
 from raytuner import placement
 from raytuner.families import parts
+from raytuner.families.text import hidden_states_only
 
 MAX_TOKENS = 512  # the pipelines' tokenizer_max_length: every caption is padded to it
 # Mistral Small 3.1's control tokens, in its vocabulary's order after <unk>
@@ -124,7 +125,8 @@ class Flux2Text:
     def __init__(self, recipe: Recipe, tokenizer, encoder, device: str):
         import diffusers
 
-        encoder = placement.move(encoder, device).eval().requires_grad_(False)
+        encoder = hidden_states_only(placement.move(encoder, device).eval())
+        encoder.requires_grad_(False)
         self.pipe = getattr(diffusers, recipe.pipeline)(
             tokenizer=tokenizer, text_encoder=encoder, vae=None, transformer=None, scheduler=None
         )

@@ -24,7 +24,7 @@ import torch
 
 from raytuner import placement
 from raytuner.families import base, objectives, parts
-from raytuner.families.text import rows_kept
+from raytuner.families.text import hidden_states_only, rows_kept
 
 MAX_TOKENS = 1024  # LTX2Pipeline's max_sequence_length: every caption padded to it (left)
 TEXT_WIDTH = 3840  # the connectors' caption_channels: text_proj_in's output
@@ -78,26 +78,29 @@ def _tokenizer(source: parts.Source):
 
 
 class _GemmaFeatures:
-    """The connectors' input features of each caption's tokens: Gemma 3's hidden states of the
-    prompt as ``LTX2Pipeline._get_gemma_prompt_embeds`` makes them (stripped, left-padded to
-    its ``max_sequence_length``, BOS, all 49 states stacked), then the connectors' per-layer
-    norm and ``text_proj_in`` (what ``LTX2TextConnectors`` does before its 1-D transformers);
-    each caption's rows first, zero rows after them (``ragged``: the cache stores its rows
-    alone). Gemma runs without its language-model head: the pipeline's call also makes logits
-    over 262,208 tokens it never reads (537 MB a caption in bfloat16, 8 % of the FLOPs)."""
+    """The connectors' input features of each caption's tokens: Gemma 3's hidden states through
+    the pipeline's own prompt encoder (stripped, left-padded to its ``max_sequence_length``, all
+    49 states stacked; Gemma makes the last token's logits alone: ``text.hidden_states_only``),
+    then the connectors' per-layer norm and ``text_proj_in`` (what ``LTX2TextConnectors`` does
+    before its 1-D transformers); each caption's rows first, zero rows after them (``ragged``:
+    the cache stores its rows alone)."""
 
     ragged = ("text_features",)
 
-    def __init__(self, tokenizer, encoder, project, device: str):
-        encoder = placement.move(encoder, device).eval().requires_grad_(False)
+    def __init__(self, tokenizer, encoder, project, width: int, device: str):
+        from diffusers import LTX2Pipeline
+
+        encoder = hidden_states_only(placement.move(encoder, device).eval())
+        encoder.requires_grad_(False)
+        self.pipe = LTX2Pipeline(
+            scheduler=None, vae=None, audio_vae=None, text_encoder=encoder, tokenizer=tokenizer,
+            connectors=None, transformer=None, vocoder=None,
+        )  # fmt: skip
         self.project = placement.move(project, device).eval().requires_grad_(False)
         # encoders: what an encoder actor places over its GPUs or offloads (text.place)
         self.tokenizer, self.device, self.encoders = tokenizer, device, [encoder, self.project]
-        self.body = encoder.model  # Gemma3Model: the hidden states, no logits
+        self.width = width  # Gemma's hidden size: the stacked states are [B, L, width x layers]
         self.max_tokens = min(MAX_TOKENS, tokenizer.model_max_length)
-        tokenizer.padding_side = "left"  # as the pipeline sets it (Gemma's chat padding)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
 
     @torch.no_grad()
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -105,19 +108,14 @@ class _GemmaFeatures:
 
         if self.device == "meta":  # raytuner plan: the encoder's pass over every token
             ids = torch.zeros(len(captions), self.max_tokens, dtype=torch.int64, device="meta")
-            states = self.body(input_ids=ids, output_hidden_states=True).hidden_states
-            hidden = torch.stack(states, dim=-1).flatten(2, 3)
+            states = self.pipe.text_encoder(input_ids=ids, output_hidden_states=True)
+            hidden = torch.stack(states.hidden_states, dim=-1).flatten(2, 3)
             return {"text_features": self.project(hidden.to(self.project.weight))}
-        tokens = self.tokenizer(
-            [c.strip() for c in captions], padding="max_length", max_length=self.max_tokens,
-            truncation=True, add_special_tokens=True, return_tensors="pt",
-        ).to(self.device)  # fmt: skip
-        states = self.body(
-            input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-            output_hidden_states=True,
-        ).hidden_states  # fmt: skip
-        hidden, kept = torch.stack(states, dim=-1), tokens.attention_mask.sum(-1)
-        normed = per_layer_masked_mean_norm(hidden, kept, hidden.device, padding_side="left")
+        embeds, mask = self.pipe._get_gemma_prompt_embeds(
+            list(captions), max_sequence_length=self.max_tokens, device=torch.device(self.device)
+        )
+        hidden, kept = embeds.unflatten(2, (self.width, -1)), mask.sum(-1)
+        normed = per_layer_masked_mean_norm(hidden, kept, embeds.device, padding_side="left")
         features = self.project(placement.inputs(normed, str(self.project.weight.device)))
         return {"text_features": _rows_first(features, kept.tolist())}
 
@@ -240,7 +238,8 @@ class LTX2(base.DiffusersFamily):
         # the connectors' first layer alone (723 M of its 1.43 B parameters at full size)
         connectors = self.part(source, "connectors", "meta" if device == "meta" else "cpu",
                                weights)  # fmt: skip
-        return _GemmaFeatures(_tokenizer(source), encoder, connectors.text_proj_in, device)
+        width = connectors.config.caption_channels
+        return _GemmaFeatures(_tokenizer(source), encoder, connectors.text_proj_in, width, device)
 
     def loss(self, source: parts.Source, objective):
         objective = objectives.objective_of_kind(self, objective)

@@ -17,7 +17,7 @@ import torch
 
 from raytuner import placement
 from raytuner.families import base, objectives, parts
-from raytuner.families.text import rows_kept
+from raytuner.families.text import hidden_states_only, rows_kept
 
 MAX_TOKENS = 512  # caption tokens the pipeline renders with by default
 LIMIT = 1024  # the most it keeps (its tokenizer_max_length)
@@ -77,7 +77,8 @@ class _QwenText:
     def __init__(self, tokenizer, encoder, device: str):
         from diffusers import QwenImagePipeline
 
-        encoder = placement.move(encoder, device).eval().requires_grad_(False)
+        encoder = hidden_states_only(placement.move(encoder, device).eval())
+        encoder.requires_grad_(False)
         pipe = QwenImagePipeline(
             scheduler=None, vae=None, text_encoder=encoder, tokenizer=tokenizer, transformer=None
         )

@@ -32,6 +32,7 @@ from raytuner.families.qwen_image import (
     _QwenText,
     _tokenizer,
 )
+from raytuner.families.text import hidden_states_only
 
 # Qwen2.5-VL's rows of one reference at the pipeline's condition size (384 x 384: 14 x 14
 # merged 28 px patches) and its "Picture n: <|vision_start|>…<|vision_end|>" wrapping
@@ -110,7 +111,8 @@ class _EditText(_QwenText):
 
         from raytuner import placement
 
-        encoder = placement.move(encoder, device).eval().requires_grad_(False)
+        encoder = hidden_states_only(placement.move(encoder, device).eval())
+        encoder.requires_grad_(False)
         pipe = QwenImageEditPlusPipeline(
             scheduler=None, vae=None, text_encoder=encoder, tokenizer=tokenizer,
             processor=processor(source, tokenizer), transformer=None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
@@ -64,3 +65,21 @@ def test_a_sharded_worker_fills_its_rows_from_the_folder(tmp_path):
     expected = FAMILIES["flux"].denoiser(Source("tiny")).state_dict()
     assert set(got) == set(expected)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+LANGUAGE_MODELS = sorted(
+    name for name, f in FAMILIES.items()
+    if any(c.endswith(("ForCausalLM", "ForConditionalGeneration"))
+           for p, c in f.parts.classes.items() if p.startswith("text_"))
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", LANGUAGE_MODELS)
+def test_a_language_model_caption_encoder_makes_no_logits_of_every_token_nor_a_cache(name):
+    """The pipelines' encode functions read only the hidden states: the caption encoder makes
+    the last token's logits alone and no key-value cache (their cached text is each family's
+    pipeline's own, checked in its tests)."""
+    encoder = FAMILIES[name].text_encoder(Source("tiny"), "cpu").encoders[0]
+    out = encoder(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6]]), output_hidden_states=True)
+    assert out.logits.shape[:2] == (1, 1) and out.past_key_values is None
+    assert out.hidden_states[-1].shape[1] == 6
