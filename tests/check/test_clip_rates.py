@@ -1,12 +1,13 @@
-"""`raytuner check` refuses, for a family whose denoiser places frames in time by seconds
-(``geometry.seconds_positions``: LTX-2's), a source that samples each clip at its own rate
-(fps 0, after -1 takes data.fps): training gives each row its source's rate (the batch's
-"fps"), and a clip's own is not known there."""
+"""The video rules of `raytuner check`. It refuses, for a family whose denoiser places
+frames in time by seconds (``geometry.seconds_positions``: LTX-2's), a source that samples each
+clip at its own rate (fps 0, after -1 takes data.fps): training gives each row its source's rate
+(the batch's "fps"), and a clip's own is not known there; and a clean first frame
+(objective.flow.first_frame_p) for a family whose denoiser takes one noise level a sample."""
 
 from __future__ import annotations
 
 import pytest
-from test_jobcheck import check
+from test_jobcheck import check, refused
 
 from raytuner.config import ConfigError, DataConfig, SourceConfig
 from raytuner.families import FAMILIES
@@ -56,3 +57,11 @@ def test_check_exits_2_naming_data_fps_and_passes_with_a_rate(tmp_path, capsys):
     assert code == 2 and "data.fps = 0: " in err and "(e.g. 24)" in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert check(tmp_path, capsys, "data.fps=24", family="ltx2", name="rated")[0] == 0
+
+
+def test_a_clean_first_frame_is_refused_where_the_denoiser_takes_one_level_a_sample(
+    tmp_path, capsys
+):
+    err = refused(tmp_path, capsys, "objective.flow.first_frame_p=0.1", family="wan")
+    assert "objective.flow.first_frame_p = 0.1" in err and "(allowed for wan22-5b, ltx2)" in err
+

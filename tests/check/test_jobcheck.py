@@ -485,11 +485,3 @@ def test_a_frame_count_the_video_family_cannot_encode_is_refused_naming_the_near
     assert code == 2 and "data.sources[0].frames holds 6" in err and "e.g. 5" in err, err
     # an image family never encodes clips' frames: its frames are not checked
     assert check(tmp_path, capsys, "data.frames=[80]", name="sdxl")[0] == 0
-
-
-def test_a_clean_first_frame_is_refused_where_the_denoiser_takes_one_level_a_sample(
-    tmp_path, capsys
-):
-    err = refused(tmp_path, capsys, "objective.flow.first_frame_p=0.1", family="wan")
-    assert "objective.flow.first_frame_p = 0.1" in err and "(allowed for wan22-5b, ltx2)" in err
-
