@@ -24,7 +24,7 @@ import torch
 
 from raytuner import placement
 from raytuner.families import base, objectives, parts
-from raytuner.families.text import hidden_states_only, rows_kept
+from raytuner.families.text import hidden_states_only
 
 MAX_TOKENS = 1024  # LTX2Pipeline's max_sequence_length: every caption padded to it (left)
 TEXT_WIDTH = 3840  # the connectors' caption_channels: text_proj_in's output
@@ -148,9 +148,10 @@ def video_context(connector, features: torch.Tensor, rows: int) -> torch.Tensor:
     b, dtype = padded.shape[0], padded.dtype
     if padded.device.type == "meta":
         keep = torch.ones(b, rows, device="meta")
-    else:
-        kept = torch.tensor(rows_kept(features), device=padded.device)
-        keep = (torch.arange(rows, device=padded.device) < kept[:, None]).to(dtype)
+    else:  # the rows before each caption's trailing zero rows, on the device (no host sync)
+        order = torch.arange(1, features.shape[1] + 1, device=padded.device)
+        kept = (order * (features != 0).any(dim=-1)).amax(dim=1, keepdim=True)
+        keep = (torch.arange(rows, device=padded.device) < kept).to(dtype)
     additive = ((keep - 1) * torch.finfo(dtype).max).to(dtype).view(b, 1, 1, rows)
     video, mask = connector(padded, additive)
     return video * (mask < 1e-6).to(video.dtype).view(b, rows, 1)
