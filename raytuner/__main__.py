@@ -1,5 +1,3 @@
-import sys
+from raytuner.cli import entry
 
-from raytuner.cli import main
-
-sys.exit(main())
+entry()

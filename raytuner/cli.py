@@ -177,6 +177,33 @@ def _as_ctrl_c(signum, frame) -> None:
     handler(signal.SIGINT, frame)
 
 
+def entry() -> None:
+    """The `raytuner` command (and `python -m raytuner`): ``main``'s exit code; a command that
+    was interrupted ends at once on another Ctrl-C while Ray shuts down at exit."""
+    code = main()
+    if code == 130:
+        _again_exits_at_once()
+    sys.exit(code)
+
+
+def _again_exits_at_once() -> None:
+    """Once an interrupted command has said where it stands, another Ctrl-C (Ray shutting down
+    at exit) ends the process at once, exit 130, as it does while the run stops: not a
+    KeyboardInterrupt inside Ray's shutdown, after which the interpreter crashed (exit -11,
+    seen in tests/train/test_interrupt.py) and may leave the local Ray behind."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def exit_now(signum, frame) -> None:
+        from raytuner import runtime
+
+        print("raytuner: interrupted again: exiting at once", file=sys.stderr, flush=True)
+        runtime.kill_started_processes()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, exit_now)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
