@@ -354,4 +354,3 @@ def clip_encoder(vae, device: str, tile_above: int, scale) -> ImageEncoder:
         return scale(vae.encode(frames).latent_dist)
 
     return encode
-

@@ -353,4 +353,3 @@ def first_frame_loss(objective: FlowObjective, batch: Batch, predict, noised: to
     mask = noised if "mask" not in batch else batch["mask"].unsqueeze(2) * noised
     levels = batch["sigma"].view(b, 1, 1, 1, 1) * noised
     return flow_loss(objective, batch, predict, mask, levels) / noised.view(b, t).mean(dim=1)
-

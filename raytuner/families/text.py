@@ -193,4 +193,3 @@ def hidden_states_only(encoder: nn.Module) -> nn.Module:
 
     encoder.register_forward_pre_hook(last_token, with_kwargs=True)
     return encoder
-

@@ -64,4 +64,3 @@ def test_a_clean_first_frame_is_refused_where_the_denoiser_takes_one_level_a_sam
 ):
     err = refused(tmp_path, capsys, "objective.flow.first_frame_p=0.1", family="wan")
     assert "objective.flow.first_frame_p = 0.1" in err and "(allowed for wan22-5b, ltx2)" in err
-
